@@ -1,0 +1,77 @@
+"""Counters in tokens and bytes, and the per-request usage record."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+
+
+class Outcome(StrEnum):
+    """How much of a request's cacheable prefix was served from the cache."""
+
+    HIT = "hit"  # every full block the request could reuse was cached
+    PARTIAL = "partial"  # some leading blocks were cached
+    MISS = "miss"  # none
+
+
+@dataclass(slots=True)
+class RequestUsage:
+    """One request's prompt accounting, in tokens. ``cached_tokens`` were read from the cache
+    (not prefilled); ``cache_write_tokens`` were prefilled and stored."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+
+    @property
+    def uncached_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class TenantCounters:
+    requests: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    written_tokens: int = 0
+    outcomes: dict[str, int] = field(default_factory=lambda: {o.value: 0 for o in Outcome})
+
+    def add(self, usage: RequestUsage, outcome: Outcome) -> None:
+        self.requests += 1
+        self.queried_tokens += usage.prompt_tokens
+        self.hit_tokens += usage.cached_tokens
+        self.outcomes[outcome.value] += 1
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """A snapshot of the cache: traffic counters and what is held now."""
+
+    requests: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    written_tokens: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    pinned_blocks: int = 0
+    pinned_bytes: int = 0
+    capacity_bytes: int = 0
+    evictions: dict[str, int] = field(default_factory=dict)
+    expirations: int = 0
+    collisions: int = 0
+    hits_by_outcome: dict[str, int] = field(default_factory=dict)
+    tier_hits: int = 0
+    tenant: str | None = None
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of prompt tokens read from the cache."""
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d["hit_rate"] = self.hit_rate
+        return d

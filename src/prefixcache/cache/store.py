@@ -1,0 +1,399 @@
+"""BlockStore: cached blocks, reference counts, a byte budget, TTLs, LRU eviction and pins.
+
+The store knows blocks, never requests. Every operation on the hot path is O(1) (amortised):
+
+* ``_blocks``: key -> Block.
+* ``_lru``: the blocks that may be evicted (unreferenced, unpinned), least recently used first.
+  Two invariants make its front always a leaf, so eviction never scans: a chain is touched from
+  its tail to its root (a parent is always more recent than its children), and a referenced or
+  pinned block implies referenced or pinned ancestors (requests hold whole prefixes). Evicting
+  the front therefore trims chains from their tails and never orphans a block in the middle.
+* ``_expiry``: one ordered dict per TTL class (300 s, 3600 s, ...), in order of last touch. Within
+  a class that is also the order of expiry, so a sweep pops only what is due.
+
+Referenced and pinned blocks sit in neither structure: they can be neither evicted nor expired.
+They re-enter (as most recently used, TTL refreshed) when the last reference or pin goes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixcache.cache.clock import Clock, monotonic
+from prefixcache.cache.keys import BlockHash, unpack_tokens
+
+log = logging.getLogger(__name__)
+
+#: ``fn(event, block)``; events: "insert", "evict" (``block.evicted_reason`` says why).
+Listener = Callable[[str, "Block"], None]
+
+
+class PinBudgetExceeded(RuntimeError):
+    """Pinning would exceed the pinned-bytes budget."""
+
+
+class CacheFullError(RuntimeError):
+    """An operation needs room that only blocks in use could give."""
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """One full block of cached prompt state. ``payload`` is opaque to the cache."""
+
+    key: BlockHash
+    parent: BlockHash | None  # None for a prompt's first block
+    tokens: bytes  # packed token ids (see keys.pack_tokens): a hit compares them
+    payload: Any
+    nbytes: int
+    namespace: bytes  # the namespace root: flushes and tenant accounting use it
+    tenant: str
+    depth: int  # 0 for a first block
+    ttl_s: float
+    expires_at: float
+    last_used: float
+    ref_count: int = 0
+    pin_count: int = 0
+    n_children: int = 0
+    hits: int = 0
+    evicted_reason: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return unpack_tokens(self.tokens)
+
+    @property
+    def evictable(self) -> bool:
+        return self.ref_count == 0 and self.pin_count == 0
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    evictions: dict[str, int] = field(default_factory=lambda: {"capacity": 0, "ttl": 0, "flush": 0})
+    collisions: int = 0  # a key matched but its tokens did not
+    rejected: int = 0  # inserts refused for lack of room
+
+
+class BlockStore:
+    """Blocks under a byte budget, a TTL per block, and a separate budget for pinned blocks.
+
+    Not thread-safe by itself: :class:`~prefixcache.cache.manager.PrefixCache` holds a lock.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int = 2 << 30,
+        pinned_capacity_bytes: int = 256 << 20,
+        clock: Clock = monotonic,
+    ) -> None:
+        if capacity_bytes < 0 or pinned_capacity_bytes < 0:
+            raise ValueError("capacity_bytes and pinned_capacity_bytes must be >= 0")
+        self.capacity_bytes = int(capacity_bytes)
+        self.pinned_capacity_bytes = int(pinned_capacity_bytes)
+        self.clock = clock
+        self._blocks: dict[BlockHash, Block] = {}
+        self._lru: OrderedDict[BlockHash, Block] = OrderedDict()
+        self._expiry: dict[float, OrderedDict[BlockHash, Block]] = {}
+        self._listeners: list[Listener] = []
+        self.bytes = 0  # unpinned blocks
+        self.pinned_bytes = 0
+        self.pinned_blocks = 0
+        self.tenant_blocks: dict[str, int] = {}
+        self.tenant_bytes: dict[str, int] = {}
+        self.counters = StoreCounters()
+
+    # ------------------------------------------------------------------ queries
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._blocks
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(list(self._blocks.values()))
+
+    def get(self, key: BlockHash) -> Block | None:
+        return self._blocks.get(key)
+
+    def lookup(self, key: BlockHash, tokens: bytes, parent: BlockHash | None) -> Block | None:
+        """The live block stored under ``key`` if it holds exactly ``tokens`` after ``parent``.
+
+        A key whose tokens or parent differ is a hash collision: counted, never served.
+        Does not touch the block.
+        """
+        block = self._blocks.get(key)
+        if block is None:
+            return None
+        if block.tokens != tokens or block.parent != parent:
+            self.counters.collisions += 1
+            return None
+        if block.evictable and block.expires_at <= self.clock():
+            return None  # due; the next sweep removes it
+        return block
+
+    def add_listener(self, fn: Listener) -> None:
+        self._listeners.append(fn)
+
+    # ------------------------------------------------------------------ mutation
+    def insert(
+        self,
+        key: BlockHash,
+        parent: BlockHash | None,
+        tokens: bytes,
+        payload: Any,
+        nbytes: int,
+        *,
+        namespace: bytes,
+        tenant: str,
+        ttl_s: float,
+    ) -> Block | None:
+        """Store a new unreferenced block, evicting LRU leaves to make room.
+
+        Returns None (and stores nothing) when the key exists, the parent is missing, or there
+        is no room even after evicting everything evictable. The caller usually acquires the
+        returned block at once.
+        """
+        if key in self._blocks:
+            return None
+        parent_block = None
+        if parent is not None:
+            parent_block = self._blocks.get(parent)
+            if parent_block is None:
+                return None
+        if nbytes > self.capacity_bytes or not self._make_room(nbytes, protect=parent_block):
+            self.counters.rejected += 1
+            return None
+        now = self.clock()
+        block = Block(
+            key=key,
+            parent=parent,
+            tokens=tokens,
+            payload=payload,
+            nbytes=int(nbytes),
+            namespace=namespace,
+            tenant=tenant,
+            depth=0 if parent_block is None else parent_block.depth + 1,
+            ttl_s=float(ttl_s),
+            expires_at=now + ttl_s,
+            last_used=now,
+        )
+        self._blocks[key] = block
+        if parent_block is not None:
+            parent_block.n_children += 1
+        self.bytes += block.nbytes
+        self.tenant_blocks[tenant] = self.tenant_blocks.get(tenant, 0) + 1
+        self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + block.nbytes
+        self._enter(block)
+        for fn in self._listeners:
+            fn("insert", block)
+        return block
+
+    def touch(self, block: Block, ttl_s: float | None = None) -> None:
+        """A use: refresh the TTL (to the longest class ever asked) and the LRU position.
+
+        Callers touch a chain from its tail to its root, so parents stay more recent.
+        """
+        if ttl_s is not None and ttl_s > block.ttl_s:
+            if block.evictable:
+                self._leave(block)
+                block.ttl_s = float(ttl_s)
+                self._enter(block)
+            else:
+                block.ttl_s = float(ttl_s)
+        now = self.clock()
+        block.last_used = now
+        block.expires_at = now + block.ttl_s
+        if block.evictable:
+            self._lru.move_to_end(block.key)
+            self._expiry[block.ttl_s].move_to_end(block.key)
+
+    def acquire(self, block: Block) -> None:
+        """Take a reference: the block can be neither evicted nor expired until released."""
+        if block.evictable:
+            self._leave(block)
+        block.ref_count += 1
+
+    def release(self, block: Block) -> None:
+        """Drop a reference. Release a chain from its tail to its root."""
+        if block.ref_count <= 0:
+            raise RuntimeError(f"release of block {block.key.hex()[:12]} that holds no reference")
+        block.ref_count -= 1
+        if block.evictable and block.key in self._blocks:
+            now = self.clock()
+            block.last_used = now
+            block.expires_at = now + block.ttl_s
+            self._enter(block)
+
+    def pin(self, block: Block) -> None:
+        """Exempt from TTL and eviction; its bytes move to the pinned budget. Pin root-first."""
+        if block.pin_count == 0:
+            if self.pinned_bytes + block.nbytes > self.pinned_capacity_bytes:
+                raise PinBudgetExceeded(
+                    f"pinning needs {block.nbytes} more bytes but the pinned budget has "
+                    f"{self.pinned_capacity_bytes - self.pinned_bytes} free; raise pinned_capacity_bytes "
+                    "or unpin another prefix"
+                )
+            if block.evictable:
+                self._leave(block)
+            self.bytes -= block.nbytes
+            self.pinned_bytes += block.nbytes
+            self.pinned_blocks += 1
+        block.pin_count += 1
+
+    def unpin(self, block: Block) -> None:
+        """Undo one :meth:`pin`. Unpin tail-first.
+
+        When the last pin goes, the bytes return to the main budget, evicting LRU leaves if
+        needed; if no room can be made the block itself is evicted. A block still referenced by
+        a request cannot be squeezed out that way: then :class:`CacheFullError` is raised and
+        nothing changes (retry once the request has ended).
+        """
+        if block.pin_count <= 0:
+            raise RuntimeError(f"unpin of block {block.key.hex()[:12]} that is not pinned")
+        if block.pin_count > 1:
+            block.pin_count -= 1
+            return
+        room = self._make_room(block.nbytes, protect=block)
+        if not room and block.ref_count:
+            raise CacheFullError(
+                "cannot unpin a block that a running request holds while the cache is full; "
+                "retry after the request ends"
+            )
+        block.pin_count = 0
+        self.pinned_bytes -= block.nbytes
+        self.pinned_blocks -= 1
+        self.bytes += block.nbytes
+        if block.evictable:
+            now = self.clock()
+            block.last_used = now
+            block.expires_at = now + block.ttl_s
+            self._enter(block)
+            if not room and block.n_children == 0:
+                self._remove(block, "capacity")
+
+    def sweep(self) -> int:
+        """Remove every unreferenced, unpinned block whose TTL has passed. O(expired)."""
+        now = self.clock()
+        removed = 0
+        # Shorter classes first: a child's TTL never exceeds its parent's, so children go first.
+        for ttl in sorted(self._expiry):
+            queue = self._expiry[ttl]
+            while queue:
+                block = next(iter(queue.values()))
+                if block.expires_at > now or block.n_children:
+                    break
+                self._remove(block, "ttl")
+                removed += 1
+        return removed
+
+    def evict(self, nbytes: int) -> int:
+        """Evict LRU leaves until ``nbytes`` are free (or nothing evictable is left).
+
+        Returns the bytes freed. ``evict(0)`` is always safe and evicts nothing.
+        """
+        before = self.bytes
+        self._make_room(nbytes)
+        return before - self.bytes
+
+    def remove_where(self, pred: Callable[[Block], bool], reason: str = "flush") -> int:
+        """Remove every unreferenced, unpinned block for which ``pred`` holds, leaves first."""
+        victims = sorted(
+            (b for b in self._blocks.values() if b.evictable and pred(b)), key=lambda b: -b.depth
+        )
+        n = 0
+        for block in victims:
+            if block.n_children == 0 and block.key in self._blocks:
+                self._remove(block, reason)
+                n += 1
+        return n
+
+    # ------------------------------------------------------------------ internals
+    def _enter(self, block: Block) -> None:
+        """Put an evictable block into the LRU and its TTL class, as most recent."""
+        self._lru[block.key] = block
+        self._expiry.setdefault(block.ttl_s, OrderedDict())[block.key] = block
+
+    def _leave(self, block: Block) -> None:
+        del self._lru[block.key]
+        del self._expiry[block.ttl_s][block.key]
+
+    def _make_room(self, nbytes: int, protect: Block | None = None) -> bool:
+        while self.bytes + nbytes > self.capacity_bytes:
+            victim = None
+            for block in self._lru.values():
+                # The front is a leaf by the invariants; the protected block is the parent of
+                # the block being inserted, which must survive its child's insertion.
+                if block.n_children == 0 and block is not protect:
+                    victim = block
+                    break
+            if victim is None:
+                return False
+            self._remove(victim, "capacity")
+        return True
+
+    def _remove(self, block: Block, reason: str) -> None:
+        self._leave(block)
+        del self._blocks[block.key]
+        if block.parent is not None:
+            parent = self._blocks.get(block.parent)
+            if parent is not None:
+                parent.n_children -= 1
+        self.bytes -= block.nbytes
+        self.tenant_blocks[block.tenant] -= 1
+        self.tenant_bytes[block.tenant] -= block.nbytes
+        self.counters.evictions[reason] = self.counters.evictions.get(reason, 0) + 1
+        block.evicted_reason = reason
+        for fn in self._listeners:
+            fn("evict", block)
+        block.payload = None  # drop the tensor now; listeners have had it
+
+    # ------------------------------------------------------------------ checks
+    def check_integrity(self) -> None:
+        """Assert every invariant. O(n): for tests and debugging, not the hot path."""
+        children: dict[BlockHash, int] = {}
+        bytes_, pinned_bytes, pinned = 0, 0, 0
+        tenant_blocks: dict[str, int] = {}
+        tenant_bytes: dict[str, int] = {}
+        for key, b in self._blocks.items():
+            assert b.key == key, "block stored under a key that is not its own"
+            assert b.ref_count >= 0 and b.pin_count >= 0, "negative reference or pin count"
+            if b.parent is not None:
+                parent = self._blocks.get(b.parent)
+                assert parent is not None, "orphan: a block whose parent is gone"
+                assert parent.depth == b.depth - 1, "depth does not follow the chain"
+                assert parent.ttl_s >= b.ttl_s or b.pin_count, "a child's TTL class exceeds its parent's"
+                if b.ref_count:
+                    assert parent.ref_count, "a referenced block under an unreferenced parent"
+                if b.pin_count:
+                    assert parent.pin_count, "a pinned block under an unpinned parent"
+                children[b.parent] = children.get(b.parent, 0) + 1
+            in_lru = key in self._lru
+            assert in_lru == b.evictable, "LRU membership disagrees with evictability"
+            assert (key in self._expiry.get(b.ttl_s, {})) == b.evictable, "expiry queue disagrees"
+            if b.pin_count:
+                pinned_bytes += b.nbytes
+                pinned += 1
+            else:
+                bytes_ += b.nbytes
+            tenant_blocks[b.tenant] = tenant_blocks.get(b.tenant, 0) + 1
+            tenant_bytes[b.tenant] = tenant_bytes.get(b.tenant, 0) + b.nbytes
+        for key, b in self._blocks.items():
+            assert b.n_children == children.get(key, 0), "child count is wrong"
+        assert len(self._lru) == sum(len(q) for q in self._expiry.values()), "LRU and expiry disagree"
+        assert bytes_ == self.bytes, f"byte count drifted: {self.bytes} recorded, {bytes_} held"
+        assert pinned_bytes == self.pinned_bytes and pinned == self.pinned_blocks, "pinned count drifted"
+        assert self.bytes <= self.capacity_bytes, "over the byte budget"
+        assert self.pinned_bytes <= self.pinned_capacity_bytes, "over the pinned budget"
+        assert {t: n for t, n in self.tenant_blocks.items() if n} == tenant_blocks, "tenant blocks drifted"
+        assert {t: n for t, n in self.tenant_bytes.items() if n} == {
+            t: n for t, n in tenant_bytes.items() if n
+        }, "tenant bytes drifted"
+        # The LRU front is a leaf, and each TTL queue is in expiry order.
+        for q in self._expiry.values():
+            exp = [b.expires_at for b in q.values()]
+            assert exp == sorted(exp), "a TTL queue is out of expiry order"
+        lru_times = [b.last_used for b in self._lru.values()]
+        assert lru_times == sorted(lru_times), "LRU is out of order"
