@@ -30,6 +30,9 @@ demo: install
 bench: install
 	$(VENV)/bin/prefixcache bench
 
+cluster: install
+	$(VENV)/bin/prefixcache cluster
+
 test: install
 	$(PY) -m pytest
 
