@@ -1,0 +1,138 @@
+"""Tiers below the in-memory store: a local disk directory and a shared Redis.
+
+Both speak :class:`~prefixcache.cache.manager.Tier`: the same chained keys as memory, entries
+verified on read (key, parent, token ids, checksum), promoted into memory on a hit, written
+through on commit (or demoted on capacity eviction). Typical use, by the server::
+
+    from prefixcache.cache.tiers import attach_tiers
+    tiers = attach_tiers(engine.cache, disk_dir="/var/cache/prefixcache", redis_url="redis://host:6379/0")
+
+Lookups go memory -> disk -> Redis; a run found partly on disk continues in Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from prefixcache.cache.tiers.base import BackgroundWriter, TierStats
+from prefixcache.cache.tiers.codec import CorruptEntry, Entry, TensorCodec
+from prefixcache.cache.tiers.disk import DiskTier
+from prefixcache.cache.tiers.redis import CircuitBreaker, RedisTier
+
+if TYPE_CHECKING:
+    from prefixcache.cache.manager import PrefixCache
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "BackgroundWriter",
+    "CircuitBreaker",
+    "CorruptEntry",
+    "DiskTier",
+    "Entry",
+    "RedisTier",
+    "TensorCodec",
+    "TierStats",
+    "attach_tiers",
+    "flush_tiers",
+    "tier_stats",
+    "register_prometheus",
+]
+
+
+def attach_tiers(
+    cache: PrefixCache,
+    codec: TensorCodec | None = None,
+    *,
+    disk_dir: str | os.PathLike[str] | None = None,
+    disk_bytes: int = 8 << 30,
+    disk_write_through: bool = True,
+    redis_url: str | None = None,
+    redis_deployment: str | None = None,
+    redis_ttl_s: float | None = None,
+    redis_timeout_s: float = 0.25,
+) -> list[DiskTier | RedisTier]:
+    """Add a disk tier (if ``disk_dir``) then a Redis tier (if ``redis_url``) below ``cache``.
+
+    Defaults come from the environment when an argument is None: ``PREFIXCACHE_DISK_CACHE``,
+    ``PREFIXCACHE_REDIS_URL``, ``PREFIXCACHE_REDIS_DEPLOYMENT`` (key prefix; default "default";
+    replicas of one deployment share blocks). Returns the tiers added (maybe none). Does not
+    contact Redis: a Redis that is down only costs counted misses.
+    """
+    codec = codec or TensorCodec()
+    disk_dir = disk_dir or os.environ.get("PREFIXCACHE_DISK_CACHE") or None
+    redis_url = redis_url or os.environ.get("PREFIXCACHE_REDIS_URL") or None
+    deployment = redis_deployment or os.environ.get("PREFIXCACHE_REDIS_DEPLOYMENT") or "default"
+    added: list[DiskTier | RedisTier] = []
+    if disk_dir:
+        disk = DiskTier(disk_dir, capacity_bytes=disk_bytes, codec=codec, write_through=disk_write_through)
+        cache.add_tier(disk)
+        added.append(disk)
+        log.info("cache tier: disk %s (%d bytes budget)", disk_dir, disk_bytes)
+    if redis_url:
+        rt = RedisTier(
+            redis_url,
+            deployment=deployment,
+            ttl_s=redis_ttl_s,
+            refresh_ttl_s=redis_ttl_s or cache.default_ttl_s,
+            codec=codec,
+            socket_timeout_s=redis_timeout_s,
+            connect_timeout_s=redis_timeout_s,
+        )
+        cache.add_tier(rt)
+        added.append(rt)
+        log.info("cache tier: redis %s (deployment %r)", redis_url, deployment)
+    return added
+
+
+def tier_stats(cache: PrefixCache) -> list[TierStats]:
+    """Counters of every tier of ``cache`` that reports them."""
+    out: list[TierStats] = []
+    for tier in cache.tiers:
+        fn = getattr(tier, "stats", None)
+        if callable(fn):
+            out.append(fn())
+    return out
+
+
+def flush_tiers(cache: PrefixCache, timeout: float | None = 30.0) -> None:
+    """Wait until every tier's queued writes are done (tests, shutdown, keep-warm)."""
+    for tier in cache.tiers:
+        fn = getattr(tier, "flush", None)
+        if callable(fn):
+            fn(timeout)
+
+
+def register_prometheus(cache: PrefixCache, registry: Any = None, prefix: str = "prefixcache_tier") -> Any:
+    """Export tier counters as Prometheus metrics (``<prefix>_<field>{tier=...}``) on ``registry``
+    (default: the global one). Returns the collector (unregister it to stop)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.registry import REGISTRY
+
+    gauges = {"entries", "bytes"}
+
+    class _Collector:
+        def collect(self) -> Sequence[Any]:
+            stats = tier_stats(cache)
+            families = []
+            for field in TierStats.__dataclass_fields__:
+                if field == "name":
+                    continue
+                name = f"{prefix}_{field}"
+                doc = f"prefixcache tier {field}"
+                fam: Any = (
+                    GaugeMetricFamily(name, doc, labels=["tier"])
+                    if field in gauges
+                    else CounterMetricFamily(name, doc, labels=["tier"])
+                )
+                for s in stats:
+                    fam.add_metric([s.name], getattr(s, field))
+                families.append(fam)
+            return families
+
+    collector = _Collector()
+    (registry or REGISTRY).register(collector)
+    return collector

@@ -1,0 +1,93 @@
+"""What the tiers share: counters and a bounded background writer.
+
+A tier's ``put`` is called by :class:`~prefixcache.cache.manager.PrefixCache` while it holds its
+lock (write-through on commit, demotion on eviction), so it must be quick and must not raise:
+it only enqueues; a daemon thread encodes and writes. When the queue is full the block is dropped
+(counted): a tier is a cache, losing a write costs a recompute later, never correctness.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters of one tier, in blocks unless said otherwise. Monotonic except ``entries``/``bytes``."""
+
+    name: str
+    hits: int = 0  # blocks served (verified)
+    misses: int = 0  # lookups that found nothing at the head of the run
+    corrupt: int = 0  # entries that failed verification: counted as misses, never served, deleted
+    errors: int = 0  # backend failures (I/O error, Redis down or timed out)
+    skipped: int = 0  # lookups or writes skipped while the circuit breaker was open
+    writes: int = 0  # blocks persisted
+    write_drops: int = 0  # blocks not persisted (queue full, breaker open, encode failure)
+    evictions: int = 0  # entries removed by this tier's own budget
+    entries: int = 0  # entries held now (where the tier knows)
+    bytes: int = 0  # bytes held now (where the tier knows)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class BackgroundWriter:
+    """One daemon thread draining a bounded queue of jobs (callables).
+
+    ``submit`` never blocks: it returns False when the queue is full. ``flush`` waits until every
+    job submitted before it has run (tests and shutdown use it). ``close`` drains and stops.
+    """
+
+    def __init__(self, name: str, maxsize: int = 1024) -> None:
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=maxsize)
+        self._thread = threading.Thread(target=self._run, name=f"prefixcache-{name}-writer", daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> bool:
+        if self._closed:
+            return False
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            return False
+        return True
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Block until the queue is drained (True) or ``timeout`` passes (False)."""
+        done = threading.Event()
+        if self._closed:
+            return True
+        try:
+            self._queue.put(done.set, timeout=timeout)
+        except queue.Full:
+            return False
+        return done.wait(timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._closed:
+            return
+        self.flush(timeout)
+        self._closed = True
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:  # pragma: no cover - only if a job hangs
+            return
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:  # a tier write must never kill the writer
+                log.exception("background tier write failed")

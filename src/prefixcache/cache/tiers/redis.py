@@ -1,0 +1,281 @@
+"""RedisTier: blocks shared across replicas through one Redis, with expiry and a circuit breaker.
+
+Each block is one Redis string ``<prefix><deployment>:kv:<key hex>`` holding a :mod:`codec` entry
+(header, token ids, tensor bytes, checksum), set with ``EX`` (the block's TTL, or the tier's).
+A lookup reads the run of keys with pipelined ``MGET`` batches and stops at the first missing or
+bad entry; a bad entry is a counted miss, never served, and deleted. Hits refresh the expiry in
+the background (``EXPIRE ... GT``: never shortens a longer TTL).
+
+Redis is an optimisation, never a dependency of correctness: every backend failure (refused
+connection, socket timeout, protocol error) is caught, counted in ``errors``, and answered as a
+miss, so the engine recomputes. After a failure a circuit breaker opens for ``backoff_s``
+(doubling up to ``max_backoff_s``): meanwhile lookups and writes are skipped at no cost, so a
+dead Redis does not add a socket timeout to every request. The first call after the backoff
+probes again; a success closes the breaker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prefixcache.cache.store import Block
+from prefixcache.cache.tiers.base import BackgroundWriter, TierStats
+from prefixcache.cache.tiers.codec import CorruptEntry, TensorCodec
+
+if TYPE_CHECKING:
+    import redis as redis_lib
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class CircuitBreaker:
+    """Open after a failure for ``backoff`` seconds, doubling per consecutive failure."""
+
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    clock: Callable[[], float] = time.monotonic
+    open_until: float = 0.0
+    failures: int = 0  # consecutive
+
+    def allow(self) -> bool:
+        return self.clock() >= self.open_until
+
+    @property
+    def is_open(self) -> bool:
+        return not self.allow()
+
+    def success(self) -> None:
+        self.failures = 0
+        self.open_until = 0.0
+
+    def failure(self) -> None:
+        delay = min(self.backoff_s * (2**self.failures), self.max_backoff_s)
+        self.failures += 1
+        self.open_until = self.clock() + delay
+
+
+class RedisTier:
+    """A shared tier in Redis. Thread-safe; never raises on backend failure.
+
+    ``client`` may be given (tests); otherwise one is made from ``url`` with short socket
+    timeouts and no client-side retries (the breaker decides when to retry).
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        deployment: str = "default",
+        prefix: str = "prefixcache:",
+        ttl_s: float | None = None,
+        refresh_ttl_s: float = 300.0,
+        codec: TensorCodec | None = None,
+        write_through: bool = True,
+        socket_timeout_s: float = 0.25,
+        connect_timeout_s: float = 0.25,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        batch_blocks: int = 8,
+        queue_size: int = 1024,
+        name: str = "redis",
+        client: redis_lib.Redis | None = None,
+    ) -> None:
+        self.name = name
+        self.write_through = write_through
+        self.url = url
+        self.key_prefix = f"{prefix}{deployment}:kv:"
+        self.ttl_s = ttl_s
+        self.refresh_ttl_s = refresh_ttl_s
+        self.codec = codec or TensorCodec()
+        self.batch_blocks = max(1, batch_blocks)
+        self.breaker = CircuitBreaker(backoff_s=backoff_s, max_backoff_s=max_backoff_s)
+        self._lock = threading.Lock()
+        self._stats = TierStats(name=name)
+        self._expire_gt = True  # EXPIRE ... GT needs Redis >= 7; fall back when refused
+        if client is None:
+            import redis as redis_lib
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+
+            client = redis_lib.Redis.from_url(
+                url,
+                socket_timeout=socket_timeout_s,
+                socket_connect_timeout=connect_timeout_s,
+                retry=Retry(NoBackoff(), 0),
+                retry_on_timeout=False,
+            )
+        self.client = client
+        self._writer = BackgroundWriter(name, maxsize=queue_size)
+
+    def redis_key(self, key: bytes) -> str:
+        return self.key_prefix + key.hex()
+
+    # ------------------------------------------------------------------ Tier protocol
+    def get_many(self, keys: Sequence[bytes], tokens: Sequence[bytes]) -> list[tuple[Any, int]]:
+        """Payloads of the leading run of ``keys`` held in Redis and verified. On any backend
+        failure: what was verified so far (possibly nothing), a counted error, breaker opened."""
+        import redis as redis_lib
+
+        if not self.breaker.allow():
+            with self._lock:
+                self._stats.skipped += 1
+            return []
+        out: list[tuple[Any, int]] = []
+        hit_keys: list[str] = []
+        try:
+            for start in range(0, len(keys), self.batch_blocks):
+                batch = keys[start : start + self.batch_blocks]
+                values = self.client.mget([self.redis_key(k) for k in batch])
+                stop = False
+                for j, value in enumerate(values):
+                    i = start + j
+                    if value is None:
+                        with self._lock:
+                            self._stats.misses += 1
+                        stop = True
+                        break
+                    try:
+                        entry = self.codec.decode(
+                            value, key=keys[i], tokens=tokens[i], parent=keys[i - 1] if i else False
+                        )
+                    except CorruptEntry as exc:
+                        log.warning(
+                            "redis tier: corrupt entry %s (%s): deleted, not served", keys[i].hex()[:12], exc
+                        )
+                        with self._lock:
+                            self._stats.corrupt += 1
+                        self.client.delete(self.redis_key(keys[i]))
+                        stop = True
+                        break
+                    out.append((entry.payload, entry.nbytes))
+                    hit_keys.append(self.redis_key(keys[i]))
+                if stop:
+                    break
+        except redis_lib.RedisError as exc:
+            self._failed("read", exc)
+        else:
+            self.breaker.success()
+        with self._lock:
+            self._stats.hits += len(out)
+        if hit_keys:
+            self._writer.submit(lambda: self._expire(hit_keys, self.refresh_ttl_s))
+        return out
+
+    def put(self, block: Block) -> None:
+        """Write ``block`` in the background with its TTL; dropped (counted) if the breaker is open."""
+        if not self.breaker.allow():
+            with self._lock:
+                self._stats.skipped += 1
+                self._stats.write_drops += 1
+            return
+        ttl = self.ttl_s if self.ttl_s is not None else block.ttl_s
+        key, parent, tokens, payload = bytes(block.key), block.parent, block.tokens, block.payload
+        if not self._writer.submit(lambda: self._write(key, parent, tokens, payload, ttl)):
+            with self._lock:
+                self._stats.write_drops += 1
+
+    # ------------------------------------------------------------------ keep-warm and admin
+    def refresh(self, blocks: Sequence[Block], ttl_s: float | None = None) -> int:
+        """Extend the expiry of ``blocks`` in Redis, re-writing those that are gone (keep-warm).
+        Synchronous. Returns the number found alive; 0 on failure (counted)."""
+        import redis as redis_lib
+
+        if not blocks or not self.breaker.allow():
+            return 0
+        ttl = max(1, math.ceil(ttl_s or self.ttl_s or self.refresh_ttl_s))
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for b in blocks:
+                pipe.expire(self.redis_key(b.key), ttl)
+            alive = pipe.execute()
+        except redis_lib.RedisError as exc:
+            self._failed("refresh", exc)
+            return 0
+        self.breaker.success()
+        for b, ok in zip(blocks, alive, strict=True):
+            if not ok:
+                key, parent, tokens, payload = bytes(b.key), b.parent, b.tokens, b.payload
+                self._writer.submit(
+                    lambda k=key, p=parent, t=tokens, pl=payload: self._write(k, p, t, pl, ttl)
+                )
+        return sum(1 for ok in alive if ok)
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Wait until every queued write has been sent."""
+        return self._writer.flush(timeout)
+
+    def close(self) -> None:
+        self._writer.close()
+        with contextlib.suppress(Exception):  # closing a dead connection
+            self.client.close()
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(**self._stats.as_dict())
+
+    # ------------------------------------------------------------------ internals
+    def _failed(self, what: str, exc: Exception) -> None:
+        self.breaker.failure()
+        with self._lock:
+            self._stats.errors += 1
+        log.warning(
+            "redis tier %s: %s failed (%s: %s); recomputing, retry in %.1fs",
+            self.url,
+            what,
+            type(exc).__name__,
+            exc,
+            self.breaker.open_until - self.breaker.clock(),
+        )
+
+    def _write(self, key: bytes, parent: bytes | None, tokens: bytes, payload: Any, ttl_s: float) -> None:
+        import redis as redis_lib
+
+        if not self.breaker.allow():
+            with self._lock:
+                self._stats.skipped += 1
+                self._stats.write_drops += 1
+            return
+        try:
+            data = self.codec.encode(key, parent, tokens, payload)
+        except (TypeError, ValueError) as exc:
+            log.warning("redis tier: cannot encode block %s: %s", key.hex()[:12], exc)
+            with self._lock:
+                self._stats.write_drops += 1
+            return
+        try:
+            self.client.set(self.redis_key(key), data, ex=max(1, math.ceil(ttl_s)))
+        except redis_lib.RedisError as exc:
+            self._failed("write", exc)
+            with self._lock:
+                self._stats.write_drops += 1
+            return
+        self.breaker.success()
+        with self._lock:
+            self._stats.writes += 1
+
+    def _expire(self, names: list[str], ttl_s: float) -> None:
+        import redis as redis_lib
+
+        if not self.breaker.allow():
+            return
+        ttl = max(1, math.ceil(ttl_s))
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for n in names:
+                if self._expire_gt:
+                    pipe.expire(n, ttl, gt=True)
+                else:
+                    pipe.expire(n, ttl)
+            pipe.execute()
+        except redis_lib.ResponseError:
+            self._expire_gt = False  # an old Redis without EXPIRE ... GT
+        except redis_lib.RedisError as exc:
+            self._failed("expire", exc)
