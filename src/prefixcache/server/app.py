@@ -1,0 +1,109 @@
+"""``create_app(engine)``: the FastAPI app in front of one :class:`~prefixcache.engine.Engine`.
+
+Routes (OpenAI shape unless noted):
+
+    POST   /v1/chat/completions        chat; SSE with "stream": true
+    POST   /v1/completions             text completion; SSE with "stream": true
+    POST   /v1/messages                Anthropic Messages; SSE with "stream": true
+    POST   /v1/messages/count_tokens   Anthropic token count
+    GET    /v1/models                  the served model
+    GET    /v1/cache                   the caller's cache stats;  DELETE: flush the caller's blocks
+    POST   /v1/cache/pin               prefill + pin a prefix;    DELETE: unpin it
+    GET    /metrics                    Prometheus text
+    GET    /health                     liveness
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from prefixcache.server import routes_anthropic, routes_openai, routes_ops
+from prefixcache.server.auth import Authenticator
+from prefixcache.server.bridge import EngineBridge
+from prefixcache.server.errors import install_error_handlers
+from prefixcache.server.metrics import Metrics
+from prefixcache.server.state import ServerState
+from prefixcache.server.tracelog import TraceWriter
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUE = 64
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+class RequestCounter:
+    """ASGI middleware: ``prefixcache_requests_total{route,status}`` per HTTP request. ``route``
+    is the matched route's path template (``other`` for no match, so fuzzing cannot blow up
+    the label set)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, paths: Mapping[Any, str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = self.paths.get(scope.get("endpoint"), "other")
+            self.metrics.count_request(route, status)
+
+
+def create_app(
+    engine: Any,
+    *,
+    api_keys: Mapping[str, str] | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    trace_log: str | Path | None = None,
+    trace_text: bool = False,
+    model_name: str = DEFAULT_MODEL_NAME,
+    salt_secret: str | bytes | None = None,
+    trace_tokenizer: str | None = None,
+) -> FastAPI:
+    """Build the app. ``api_keys``: key -> tenant (None: one ``default`` tenant, no auth).
+    ``max_queue``: generation requests in flight (running or waiting) before 429/529.
+    ``salt_secret``: the tenant-salt secret (default ``$PREFIXCACHE_SALT_SECRET`` or random)."""
+    bridge = EngineBridge(engine, max_queue)
+    metrics = Metrics(
+        stats_fn=lambda: bridge.cache.stats() if bridge.cache is not None else None,
+        queue_depth_fn=lambda: bridge.admission.depth,
+    )
+    trace = TraceWriter(trace_log, include_text=trace_text, tokenizer=trace_tokenizer) if trace_log else None
+    app = FastAPI(
+        title="prefixcache",
+        version="0.1.0",
+        summary="OpenAI- and Anthropic-compatible inference with exact prefix caching.",
+    )
+    app.state.prefixcache = ServerState(
+        engine=engine,
+        bridge=bridge,
+        auth=Authenticator(api_keys, salt_secret),
+        metrics=metrics,
+        trace=trace,
+        model_name=model_name,
+    )
+    install_error_handlers(app)
+    for module in (routes_openai, routes_anthropic, routes_ops):
+        app.include_router(module.router)
+    paths = {r.endpoint: r.path for r in app.routes if hasattr(r, "endpoint") and hasattr(r, "path")}
+    app.add_middleware(RequestCounter, metrics=metrics, paths=paths)
+    if trace is not None:
+        app.add_event_handler("shutdown", trace.close)
+    return app

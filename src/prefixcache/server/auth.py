@@ -1,0 +1,127 @@
+"""API keys -> tenants, and each tenant's cache salt.
+
+Key file (``--api-keys FILE``), either JSON::
+
+    {"sk-alpha-123": "alpha", "sk-beta-456": "beta"}
+
+or one ``key: tenant`` per line (blank lines and ``#`` comments ignored)::
+
+    # key: tenant
+    sk-alpha-123: alpha
+    sk-beta-456: beta
+
+Several keys may map to one tenant (they share its cache). A request presents its key as
+``Authorization: Bearer KEY`` (OpenAI clients) or ``x-api-key: KEY`` (Anthropic clients).
+Without a key file every request is tenant ``default`` and keys are ignored.
+
+The salt mixed into every block key is ``HMAC-SHA256(server_secret, tenant)``. The secret is
+random per process unless ``--salt-secret`` or ``PREFIXCACHE_SALT_SECRET`` sets it (replicas
+sharing a cache tier must share the secret). The salt never leaves the server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefixcache.server.errors import APIError
+
+SALT_SECRET_ENV = "PREFIXCACHE_SALT_SECRET"
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """The authenticated caller: a label for stats and the secret salt for its block keys."""
+
+    name: str
+    salt: bytes = field(repr=False)
+
+
+def load_api_keys(path: str | Path) -> dict[str, str]:
+    """Read a key file (JSON object or ``key: tenant`` lines). Raises ValueError on a bad file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"cannot read the API key file {p}: {e.strerror or e}") from e
+    stripped = text.strip()
+    keys: dict[str, str] = {}
+    if stripped.startswith("{"):
+        try:
+            data = json.loads(stripped)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}: invalid JSON ({e.msg} at line {e.lineno}); expected {{\"key\": \"tenant\"}}") from e
+        for k, v in data.items():
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"{p}: the tenant of key {k[:4]}... must be a non-empty string")
+            keys[str(k)] = v
+    else:
+        for n, line in enumerate(text.splitlines(), 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, sep, tenant = line.partition(":")
+            if not sep or not key.strip() or not tenant.strip():
+                raise ValueError(f"{p}:{n}: expected 'key: tenant'")
+            keys[key.strip()] = tenant.strip()
+    if not keys:
+        raise ValueError(f"{p}: no API keys found; expected a JSON object or 'key: tenant' lines")
+    return keys
+
+
+def resolve_secret(secret: str | bytes | None = None) -> bytes:
+    """The salt secret: the argument, else ``$PREFIXCACHE_SALT_SECRET``, else 32 random bytes."""
+    if secret is None:
+        secret = os.environ.get(SALT_SECRET_ENV) or None
+    if secret is None:
+        return secrets.token_bytes(32)
+    return secret.encode() if isinstance(secret, str) else bytes(secret)
+
+
+class Authenticator:
+    """Maps request headers to a :class:`Tenant`. Thread-safe (immutable after construction)."""
+
+    def __init__(self, api_keys: Mapping[str, str] | None = None, secret: str | bytes | None = None) -> None:
+        self.api_keys = dict(api_keys) if api_keys else None
+        self._secret = resolve_secret(secret)
+        self._tenants: dict[str, Tenant] = {}
+        names = set(self.api_keys.values()) if self.api_keys else {DEFAULT_TENANT}
+        for name in names:
+            self._tenants[name] = Tenant(name, self.salt_for(name))
+
+    @property
+    def enabled(self) -> bool:
+        return self.api_keys is not None
+
+    def salt_for(self, tenant: str) -> bytes:
+        return hmac.new(self._secret, tenant.encode("utf-8"), hashlib.sha256).digest()
+
+    def authenticate(self, authorization: str | None, x_api_key: str | None) -> Tenant:
+        """The tenant of this request; raises a 401 :class:`APIError` when keys are on and it has none."""
+        if self.api_keys is None:
+            return self._tenants[DEFAULT_TENANT]
+        key = (x_api_key or "").strip()
+        if not key and authorization:
+            scheme, _, value = authorization.strip().partition(" ")
+            key = value.strip() if scheme.lower() == "bearer" else ""
+        if not key:
+            raise APIError(
+                401,
+                "Missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+                code="missing_api_key",
+            )
+        # Compare against every key in constant time per key, so timing says nothing about prefixes.
+        found: str | None = None
+        for k, tenant in self.api_keys.items():
+            if hmac.compare_digest(k.encode(), key.encode()):
+                found = tenant
+        if found is None:
+            raise APIError(401, "Invalid API key: check the key you were given.", code="invalid_api_key")
+        return self._tenants[found]

@@ -1,0 +1,262 @@
+"""The server's one door into the engine: admission (bounded queue), blocking calls moved off the
+event loop, streaming with cancellation, and the engine's results and errors normalised.
+
+Everything the server assumes about :class:`prefixcache.engine.Engine` is in this module, so an
+engine API change is fixed here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from prefixcache.server.errors import APIError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A request's accounting in tokens. ``cached_tokens`` were read from the cache,
+    ``cache_write_tokens`` were prefilled and stored; the rest was prefilled and not stored."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    cache_write_tokens: int
+    completion_tokens: int
+
+    @property
+    def uncached_unwritten_tokens(self) -> int:
+        """Anthropic's ``input_tokens``: neither read from nor written to the cache."""
+        return max(self.prompt_tokens - self.cached_tokens - self.cache_write_tokens, 0)
+
+
+@dataclass(slots=True)
+class Finished:
+    """A generation's end: text, why it stopped, usage, time to first token, cache outcome."""
+
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop string) or "length" (max_tokens)
+    usage: Usage
+    ttft_s: float | None
+    outcome: str  # "hit" | "partial" | "miss"
+    prompt_token_ids: list[int] = field(default_factory=list)
+    stop_sequence: str | None = None
+
+
+def queue_full_error() -> APIError:
+    return APIError(
+        429,
+        "The server is at capacity (request queue full); retry after a short wait.",
+        code="queue_full",
+        anthropic_status=529,
+        headers={"retry-after": "1"},
+    )
+
+
+def _engine_error_types() -> tuple[type[BaseException], ...]:
+    try:
+        from prefixcache.engine import QueueFullError  # type: ignore[attr-defined]
+    except ImportError:  # the engine has no such class: only our own admission applies
+        return ()
+    return (QueueFullError,)
+
+
+def translate_error(exc: BaseException) -> APIError | None:
+    """An engine exception as the APIError a client should see, or None for a real bug."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, _engine_error_types()):
+        return queue_full_error()
+    if isinstance(exc, ValueError):  # the engine's bad-input errors subclass ValueError
+        return APIError(400, str(exc) or type(exc).__name__, code=type(exc).__name__)
+    return None
+
+
+def _outcome(result: Any, usage: Usage) -> str:
+    outcome = getattr(result, "outcome", None)
+    if outcome is not None:
+        return str(getattr(outcome, "value", outcome))
+    if usage.cached_tokens == 0:
+        return "miss"
+    return "hit" if usage.cache_write_tokens == 0 else "partial"
+
+
+def normalize(result: Any) -> Finished:
+    """The engine's GenerationResult as a :class:`Finished`."""
+    u = result.usage
+    usage = Usage(
+        prompt_tokens=int(u.prompt_tokens),
+        cached_tokens=int(getattr(u, "cached_tokens", 0) or 0),
+        cache_write_tokens=int(getattr(u, "cache_write_tokens", 0) or 0),
+        completion_tokens=int(getattr(u, "completion_tokens", 0) or 0),
+    )
+    ids = getattr(result, "prompt_token_ids", None) or getattr(result, "prompt_tokens", None) or []
+    reason = str(getattr(result, "finish_reason", "stop") or "stop")
+    return Finished(
+        text=str(result.text),
+        finish_reason="length" if reason == "length" else "stop",
+        usage=usage,
+        ttft_s=getattr(result, "ttft_s", None),
+        outcome=_outcome(result, usage),
+        prompt_token_ids=list(ids) if isinstance(ids, Sequence) else [],
+        stop_sequence=getattr(result, "stop_sequence", None),
+    )
+
+
+class Admission:
+    """Counts generation requests in flight; refuses beyond ``max_queue`` (running or waiting)."""
+
+    def __init__(self, max_queue: int) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1; got {max_queue}")
+        self.max_queue = max_queue
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    @property
+    def depth(self) -> int:
+        return self._in_flight
+
+    def enter(self) -> Callable[[], None]:
+        """Take a slot or raise the 429/529 APIError at once. Returns the (idempotent) release."""
+        with self._lock:
+            if self._in_flight >= self.max_queue:
+                raise queue_full_error()
+            self._in_flight += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._lock:
+                if not released:
+                    released = True
+                    self._in_flight -= 1
+
+        return release
+
+
+class EngineBridge:
+    """Calls into a blocking engine from async routes."""
+
+    def __init__(self, engine: Any, max_queue: int) -> None:
+        self.engine = engine
+        self.admission = Admission(max_queue)
+        self._streams: set[threading.Thread] = set()
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, kwargs: dict[str, Any]) -> Finished:
+        """One whole generation in a worker thread, under admission."""
+        release = self.admission.enter()
+        try:
+            result = await anyio.to_thread.run_sync(lambda: self.engine.generate(**kwargs))
+        except Exception as exc:
+            api = translate_error(exc)
+            if api is None:
+                raise
+            raise api from exc
+        finally:
+            release()
+        return normalize(result)
+
+    async def stream(self, kwargs: dict[str, Any]) -> AsyncIterator[str | Finished]:
+        """Text deltas, then one :class:`Finished`. Admission is taken before the first item, so
+        a full queue raises before any byte is sent. When the consumer stops early (a client
+        disconnect cancels it), the engine's generator is closed in its own thread, which makes
+        the engine release the request's block references."""
+        release = self.admission.enter()
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def post(kind: str, value: Any) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone (server shutting down)
+                loop.call_soon_threadsafe(items.put_nowait, (kind, value))
+
+        def drive() -> None:
+            gen: Iterator[Any] | None = None
+            try:
+                gen = iter(self.engine.stream(**kwargs))
+                for item in gen:
+                    if cancel.is_set():
+                        break
+                    post("item", item)
+            except BaseException as exc:  # handed to the consumer, which decides
+                post("error", exc)
+            finally:
+                try:
+                    close = getattr(gen, "close", None)
+                    if close is not None:
+                        close()  # GeneratorExit inside the engine: its finally releases the blocks
+                finally:
+                    release()
+                    self._streams.discard(threading.current_thread())
+                    post("done", None)
+
+        thread = threading.Thread(target=drive, name="prefixcache-stream", daemon=True)
+        self._streams.add(thread)
+        try:
+            thread.start()
+        except BaseException:
+            self._streams.discard(thread)
+            release()
+            raise
+        try:
+            while True:
+                kind, value = await items.get()
+                if kind == "done":
+                    return
+                if kind == "error":
+                    api = translate_error(value)
+                    if api is None:
+                        raise value
+                    raise api
+                if isinstance(value, str):
+                    if value:
+                        yield value
+                else:
+                    yield normalize(value)
+        finally:
+            cancel.set()
+
+    def active_streams(self) -> int:
+        """Stream threads still running (tests wait for 0 after a disconnect)."""
+        return len(self._streams)
+
+    # ------------------------------------------------------------------ prompts and cache
+    async def run(self, fn: Callable[[], Any]) -> Any:
+        """A blocking engine call (tokenize, pin, stats) in a worker thread, errors translated."""
+        try:
+            return await anyio.to_thread.run_sync(fn)
+        except Exception as exc:
+            api = translate_error(exc)
+            if api is None:
+                raise
+            raise api from exc
+
+    # ------------------------------------------------------------------ engine specifics
+    def render_ids(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the prompt the engine builds from these chat messages."""
+        return list(self.engine.render_ids(messages, add_generation_prompt=add_generation_prompt))
+
+    def render_ids_partial(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Like :meth:`render_ids` but without the assistant turn's opening (a cut prompt)."""
+        return self.render_ids(messages, add_generation_prompt=False)
+
+    @property
+    def cache(self) -> Any | None:
+        return getattr(self.engine, "cache", None)
+
+    def namespace(self, tenant: str, salt: bytes) -> Any:
+        """The cache namespace of this tenant's requests (same as the engine's)."""
+        cache = self.cache
+        if cache is None:
+            raise APIError(400, "The prompt cache is disabled on this server.", code="cache_disabled")
+        return cache.namespace(self.engine.fingerprint, tenant=tenant, salt=salt)

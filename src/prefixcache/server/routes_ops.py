@@ -1,0 +1,120 @@
+"""Operations routes: GET /health, GET /v1/models, GET /metrics, and the caller's cache:
+GET/DELETE /v1/cache, POST/DELETE /v1/cache/pin."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from prefixcache.cache.store import PinBudgetExceeded
+from prefixcache.server.auth import Tenant
+from prefixcache.server.errors import APIError, bad_request
+from prefixcache.server.schemas_openai import ChatMessage
+from prefixcache.server.state import get_state, get_tenant
+
+router = APIRouter()
+_STARTED = int(time.time())
+
+#: Per-tenant fields of CacheStats (the others describe the whole store, i.e. other tenants).
+TENANT_FIELDS = ("tenant", "requests", "queried_tokens", "hit_tokens", "written_tokens", "hit_rate",
+                 "blocks", "bytes", "hits_by_outcome")
+
+
+class PinRequest(BaseModel):
+    """The prefix to keep warm: chat ``messages`` (OpenAI shape, rendered as a chat prompt
+    without the assistant turn), a raw ``prompt`` or ``prompt_token_ids``; exactly one."""
+
+    model_config = ConfigDict(extra="ignore")
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    prompt: Annotated[StrictStr, Field(min_length=1)] | None = None
+    prompt_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None = None
+
+
+@router.get("/health", summary="Liveness")
+async def health(request: Request) -> Any:
+    state = get_state(request)
+    return {"status": "ok", "model": state.model_name, "queue_depth": state.bridge.admission.depth}
+
+
+@router.get("/v1/models", summary="The served model (OpenAI and Anthropic list shapes at once)")
+async def models(request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
+    name = get_state(request).model_name
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_STARTED))
+    entry = {"id": name, "object": "model", "created": _STARTED, "owned_by": "prefixcache",
+             "type": "model", "display_name": name, "created_at": created}
+    return {"object": "list", "data": [entry], "has_more": False, "first_id": name, "last_id": name}
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+async def metrics(request: Request) -> Response:
+    body = get_state(request).metrics.render()
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.get("/v1/cache", summary="The caller's cache statistics")
+async def cache_stats(request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
+    state = get_state(request)
+    cache = state.bridge.cache
+    if cache is None:
+        raise APIError(400, "The prompt cache is disabled on this server.", code="cache_disabled")
+    stats = cache.stats(tenant.name).as_dict()
+    return {k: stats[k] for k in TENANT_FIELDS if k in stats}
+
+
+@router.delete("/v1/cache", summary="Flush the caller's cached blocks (blocks in use stay)")
+async def cache_flush(request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
+    bridge = get_state(request).bridge
+    ns = bridge.namespace(tenant.name, tenant.salt)
+    removed = await bridge.run(lambda: bridge.cache.flush(ns))
+    return {"flushed_blocks": removed}
+
+
+def _prefix_kwargs(body: PinRequest) -> dict[str, Any]:
+    given = [k for k in ("messages", "prompt", "prompt_token_ids") if getattr(body, k) is not None]
+    if len(given) != 1:
+        raise bad_request("Send exactly one of 'messages', 'prompt' or 'prompt_token_ids'.")
+    if body.messages is not None:
+        return {"messages": [{"role": m.role, "content": m.text()} for m in body.messages]}
+    if body.prompt is not None:
+        return {"prompt": body.prompt}
+    return {"prompt_token_ids": list(body.prompt_token_ids or [])}
+
+
+async def _prefix_ids(request: Request, body: PinRequest) -> list[int]:
+    bridge = get_state(request).bridge
+    kw = _prefix_kwargs(body)
+    if "messages" in kw:
+        return await bridge.run(lambda: bridge.render_ids(kw["messages"], add_generation_prompt=False))
+    if "prompt" in kw:
+        return await bridge.run(lambda: list(bridge.engine.tokenize(kw["prompt"])))
+    return kw["prompt_token_ids"]
+
+
+@router.post("/v1/cache/pin", summary="Prefill a prefix and keep it warm (no expiry, no eviction)")
+async def cache_pin(body: PinRequest, request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
+    state = get_state(request)
+    bridge = state.bridge
+    ns = bridge.namespace(tenant.name, tenant.salt)
+    ids = await _prefix_ids(request, body)
+    # Prefill (one token generated) so that every full block of the prefix is cached, then pin.
+    fin = await bridge.generate({"prompt_token_ids": ids, "max_tokens": 1, "temperature": 0.0,
+                                 "tenant": tenant.name, "salt": tenant.salt})
+    state.record(request, tenant, fin, None)
+    try:
+        pinned = await bridge.run(lambda: bridge.cache.pin(ids, ns))
+    except PinBudgetExceeded as e:
+        raise APIError(409, f"The pinned budget is full ({e}); unpin another prefix first.", code="pin_budget") from e
+    return JSONResponse({"pinned_tokens": pinned, "prompt_tokens": len(ids)})
+
+
+@router.delete("/v1/cache/pin", summary="Unpin a prefix (it expires and is evicted normally again)")
+async def cache_unpin(body: PinRequest, request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
+    bridge = get_state(request).bridge
+    ns = bridge.namespace(tenant.name, tenant.salt)
+    ids = await _prefix_ids(request, body)
+    unpinned = await bridge.run(lambda: bridge.cache.unpin(ids, ns))
+    return {"unpinned_tokens": unpinned}

@@ -1,0 +1,72 @@
+"""Request bodies of the Anthropic-compatible routes (pydantic; the OpenAPI schema comes from here)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+#: A breakpoint's ``ttl`` -> seconds (``prefixcache.cache.policy.TTL_CLASSES``).
+ANTHROPIC_TTLS = ("5m", "1h")
+MAX_BREAKPOINTS = 4
+
+
+class CacheControl(BaseModel):
+    """``{"type": "ephemeral", "ttl": "5m" | "1h"}``: cache everything up to here with that TTL."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+    cache_control: CacheControl | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["user", "assistant"]
+    content: StrictStr | list[TextBlock]
+    cache_control: CacheControl | None = Field(None, description="Extension: a breakpoint after the whole message.")
+
+    def blocks(self) -> list[TextBlock]:
+        if isinstance(self.content, str):
+            return [TextBlock(type="text", text=self.content)]
+        return list(self.content)
+
+
+class _Prompt(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: StrictStr | list[TextBlock] | None = None
+    cache_control: CacheControl | None = Field(
+        None, description="Automatic caching: a breakpoint at the end of the prompt."
+    )
+    tools: list[Any] | None = None
+
+    def system_blocks(self) -> list[TextBlock]:
+        if self.system is None:
+            return []
+        if isinstance(self.system, str):
+            return [TextBlock(type="text", text=self.system)] if self.system else []
+        return list(self.system)
+
+
+class MessagesRequest(_Prompt):
+    """POST /v1/messages."""
+
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=1_000_000)]
+    temperature: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = None
+    stop_sequences: Annotated[list[StrictStr], Field(max_length=8)] | None = None
+    stream: StrictBool | None = False
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(_Prompt):
+    """POST /v1/messages/count_tokens."""

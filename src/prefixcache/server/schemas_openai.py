@@ -1,0 +1,90 @@
+"""Request bodies of the OpenAI-compatible routes (pydantic; the OpenAPI schema comes from here).
+
+Unknown fields are ignored, as the hosted API's clients send many optional ones. Fields that
+would change the answer and that this server cannot honour (``n`` > 1, tools) are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+MaxTokens = Annotated[StrictInt, Field(ge=1, le=1_000_000)]
+
+
+class TextPart(BaseModel):
+    """A content part; only text is supported."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool | None = None
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = Field(None, description="Extension: sample from the k most likely tokens (0: off).")
+    seed: StrictInt | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=1)] | None = Field(None, description="Only 1 is supported.")
+    user: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = Field(
+        None, description="Recorded (trace log) for routing; caching is automatic on every full prompt block."
+    )
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
+        None, description="'in_memory': the default TTL (5 minutes, refreshed on use); '24h': the 24-hour class."
+    )
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    tools: list[Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions. ``prompt``: a string, a one-string list, or token ids."""
+
+    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)] | Annotated[
+        list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)
+    ]
+    max_tokens: MaxTokens | None = 16
+    echo: StrictBool | None = False
+    suffix: StrictStr | None = None

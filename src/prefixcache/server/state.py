@@ -1,0 +1,59 @@
+"""What every route shares: the engine bridge, the authenticator, metrics and the trace log."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Header, Request
+
+from prefixcache.server.auth import Authenticator, Tenant
+from prefixcache.server.bridge import EngineBridge, Finished
+from prefixcache.server.errors import APIError
+from prefixcache.server.metrics import Metrics
+from prefixcache.server.tracelog import TraceWriter
+
+log = logging.getLogger(__name__)
+
+ENDPOINT_HEADER = "x-prefixcache-endpoint"
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: Any
+    bridge: EngineBridge
+    auth: Authenticator
+    metrics: Metrics
+    trace: TraceWriter | None
+    model_name: str
+
+    def check_model(self, model: str) -> None:
+        """404 in the route's shape unless ``model`` is the one this server serves."""
+        if model != self.model_name:
+            raise APIError(
+                404,
+                f"Unknown model '{model[:200]}': this server serves '{self.model_name}' (see GET /v1/models).",
+                param="model",
+                code="model_not_found",
+            )
+
+    def record(self, request: Request, tenant: Tenant, fin: Finished, text: dict[str, Any] | None) -> None:
+        """Count a finished generation in the metrics and the trace log."""
+        self.metrics.observe(fin.usage, fin.ttft_s, fin.outcome)
+        if self.trace is not None:
+            endpoint = request.headers.get(ENDPOINT_HEADER) or request.url.path
+            self.trace.record(tenant=tenant.name, endpoint=endpoint[:200], result=fin, text=text)
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.prefixcache
+
+
+def get_tenant(
+    request: Request,
+    authorization: str | None = Header(None, include_in_schema=False),
+    x_api_key: str | None = Header(None, include_in_schema=False),
+) -> Tenant:
+    """FastAPI dependency: the caller's tenant (401 in the route's shape without a valid key)."""
+    return get_state(request).auth.authenticate(authorization, x_api_key)
