@@ -39,10 +39,9 @@ DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 class RequestCounter:
     """ASGI middleware: ``prefixcache_requests_total{route,status}`` per HTTP request. ``route``
-    is the matched route's path template (``other`` for no match, so fuzzing cannot blow up
-    the label set)."""
+    is the route's path (``other`` for no route, so fuzzing cannot blow up the label set)."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, paths: Mapping[Any, str]) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, paths: frozenset[str]) -> None:
         self.app = app
         self.metrics = metrics
         self.paths = paths
@@ -62,7 +61,8 @@ class RequestCounter:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            route = self.paths.get(scope.get("endpoint"), "other")
+            path = scope.get("path", "")
+            route = path if path in self.paths else "other"
             self.metrics.count_request(route, status)
 
 
@@ -102,7 +102,9 @@ def create_app(
     install_error_handlers(app)
     for module in (routes_openai, routes_anthropic, routes_ops):
         app.include_router(module.router)
-    paths = {r.endpoint: r.path for r in app.routes if hasattr(r, "endpoint") and hasattr(r, "path")}
+    # No route has path parameters, so the path is the route template.
+    routers = (routes_openai, routes_anthropic, routes_ops)
+    paths = frozenset(str(getattr(r, "path", "")) for m in routers for r in m.router.routes)
     app.add_middleware(RequestCounter, metrics=metrics, paths=paths)
     if trace is not None:
         app.add_event_handler("shutdown", trace.close)

@@ -103,8 +103,19 @@ def error_response(request: Request, err: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=err.headers)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
+#: Errors that only say "not this branch of a union"; the others say what to fix.
+_TYPE_ERRORS = {"string_type", "list_type", "dict_type", "int_type", "float_type", "bool_type",
+                "model_type", "model_attributes_type", "none_required", "union_tag_invalid", "int_from_float"}
+
+
+def _is_union_tag(part: str) -> bool:
+    """Pydantic puts the union branch into ``loc`` (``str``, ``list[TextBlock]``, ``TextBlock``)."""
+    return part in _TYPE_TAGS or "[" in part or "-" in part or part[:1].isupper()
+
+
 def _loc_str(loc: tuple[Any, ...] | list[Any]) -> str:
-    parts = [str(p) for p in loc if p != "body"]
+    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and _is_union_tag(p))]
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
@@ -116,7 +127,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "The request body is invalid.", None
-    first = errors[0]
+    # The most telling error: a bad value beats "wrong type for this union branch".
+    first = next((e for e in errors if e.get("type") not in _TYPE_ERRORS), errors[0])
     kind = first.get("type", "")
     if kind == "json_invalid":
         return "The request body is not valid JSON: send a JSON object with Content-Type: application/json.", None
@@ -128,8 +140,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         text = f"Invalid value for '{loc}': {msg}."
     else:
         text = f"Invalid request body: {msg}. Send a JSON object."
-    if len(errors) > 1:
-        text += f" ({len(errors) - 1} more problem(s) in the request.)"
+    if kind == "model_attributes_type" and not loc:
+        text = "The request body must be a JSON object (send Content-Type: application/json)."
     return text, loc or None
 
 

@@ -102,7 +102,7 @@ async def chat_completions(
     text = {"messages": messages}
     if not body.stream:
         fin = await state.bridge.generate(kwargs)
-        state.record(request, tenant, fin, text)
+        state.record(request, tenant, fin, text, kwargs.get("ttl_s"))
         return JSONResponse(
             {
                 "id": rid,
@@ -143,7 +143,7 @@ async def chat_completions(
             if isinstance(item, str):
                 yield _sse(chunk({"content": item}, None))
                 continue
-            state.record(request, tenant, item, text)
+            state.record(request, tenant, item, text, kwargs.get("ttl_s"))
             yield _sse(chunk({}, item.finish_reason))
             if include_usage:
                 final = chunk({}, None)
@@ -179,7 +179,7 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
     created = int(time.time())
     if not body.stream:
         fin = await state.bridge.generate(kwargs)
-        state.record(request, tenant, fin, text)
+        state.record(request, tenant, fin, text, kwargs.get("ttl_s"))
         return JSONResponse(
             {
                 "id": rid,
@@ -212,7 +212,7 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
             if isinstance(item, str):
                 yield _sse(chunk(item, None))
                 continue
-            state.record(request, tenant, item, text)
+            state.record(request, tenant, item, text, kwargs.get("ttl_s"))
             yield _sse(chunk("", item.finish_reason))
             if include_usage:
                 final = chunk("", None)

@@ -38,12 +38,19 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def record(self, request: Request, tenant: Tenant, fin: Finished, text: dict[str, Any] | None) -> None:
+    def record(
+        self,
+        request: Request,
+        tenant: Tenant,
+        fin: Finished,
+        text: dict[str, Any] | None,
+        ttl_s: float | None = None,
+    ) -> None:
         """Count a finished generation in the metrics and the trace log."""
         self.metrics.observe(fin.usage, fin.ttft_s, fin.outcome)
         if self.trace is not None:
             endpoint = request.headers.get(ENDPOINT_HEADER) or request.url.path
-            self.trace.record(tenant=tenant.name, endpoint=endpoint[:200], result=fin, text=text)
+            self.trace.record(tenant=tenant.name, endpoint=endpoint[:200], result=fin, text=text, ttl_s=ttl_s)
 
 
 def get_state(request: Request) -> ServerState:
