@@ -5,8 +5,10 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,3 +107,93 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     server = _start(tmp_path)
     yield server
     server.kill()
+
+
+# ---------------------------------------------------------------------------- HTTP processes
+FAKE_REPLICA = Path(__file__).with_name("fake_replica.py")
+
+
+def wait_http(url: str, timeout_s: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} did not come up within {timeout_s}s")
+
+
+@dataclass(slots=True)
+class FakeReplica:
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(5)
+
+    def stats(self) -> dict:
+        import httpx
+
+        return httpx.get(self.url + "/stats", timeout=5).json()
+
+
+@pytest.fixture
+def fake_replicas() -> Iterator[Callable[..., list[FakeReplica]]]:
+    """``start(n, delay_s=0.0)`` -> n fake replica processes, up and healthy; killed at teardown."""
+    started: list[FakeReplica] = []
+
+    def start(n: int, delay_s: float = 0.0) -> list[FakeReplica]:
+        out = []
+        for i in range(n):
+            port = free_port()
+            proc = subprocess.Popen([sys.executable, str(FAKE_REPLICA), str(port), f"r{i}", str(delay_s)])
+            out.append(FakeReplica(f"r{i}", port, proc))
+        started.extend(out)
+        for r in out:
+            wait_http(r.url + "/health")
+        return out
+
+    yield start
+    for r in started:
+        if r.proc.poll() is None:
+            r.kill()
+
+
+class ServerThread:
+    """A uvicorn server for an ASGI app in a daemon thread, on a free loopback port."""
+
+    def __init__(self, app: object) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server thread did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,9 @@ __all__ = [
     "attach_tiers",
     "flush_tiers",
     "tier_stats",
+    "refresh_pinned",
     "register_prometheus",
+    "start_pin_refresher",
 ]
 
 
@@ -54,13 +57,15 @@ def attach_tiers(
     redis_deployment: str | None = None,
     redis_ttl_s: float | None = None,
     redis_timeout_s: float = 0.25,
+    pin_refresh_s: float | None = 60.0,
 ) -> list[DiskTier | RedisTier]:
     """Add a disk tier (if ``disk_dir``) then a Redis tier (if ``redis_url``) below ``cache``.
 
     Defaults come from the environment when an argument is None: ``PREFIXCACHE_DISK_CACHE``,
     ``PREFIXCACHE_REDIS_URL``, ``PREFIXCACHE_REDIS_DEPLOYMENT`` (key prefix; default "default";
     replicas of one deployment share blocks). Returns the tiers added (maybe none). Does not
-    contact Redis: a Redis that is down only costs counted misses.
+    contact Redis: a Redis that is down only costs counted misses. With Redis and
+    ``pin_refresh_s``, a daemon thread keeps the pinned (keep-warm) blocks alive in Redis.
     """
     codec = codec or TensorCodec()
     disk_dir = disk_dir or os.environ.get("PREFIXCACHE_DISK_CACHE") or None
@@ -85,6 +90,8 @@ def attach_tiers(
         cache.add_tier(rt)
         added.append(rt)
         log.info("cache tier: redis %s (deployment %r)", redis_url, deployment)
+        if pin_refresh_s:
+            start_pin_refresher(cache, pin_refresh_s)
     return added
 
 
@@ -104,6 +111,36 @@ def flush_tiers(cache: PrefixCache, timeout: float | None = 30.0) -> None:
         fn = getattr(tier, "flush", None)
         if callable(fn):
             fn(timeout)
+
+
+def refresh_pinned(cache: PrefixCache, ttl_s: float | None = None) -> int:
+    """Keep-warm in the shared tiers: extend the Redis expiry of every block pinned in ``cache``
+    (re-writing those Redis lost). Returns the blocks found alive. O(blocks held): periodic use."""
+    with cache._lock:  # a consistent view of the pinned blocks; payloads are immutable
+        pinned = [b for b in cache.store if b.pin_count > 0]
+    alive = 0
+    for tier in cache.tiers:
+        if isinstance(tier, RedisTier):
+            alive += tier.refresh(pinned, ttl_s)
+    return alive
+
+
+def start_pin_refresher(
+    cache: PrefixCache, interval_s: float = 60.0, ttl_s: float | None = None
+) -> threading.Event:
+    """A daemon thread calling :func:`refresh_pinned` every ``interval_s``. Set the returned
+    event to stop it."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(interval_s):
+            try:
+                refresh_pinned(cache, ttl_s or max(interval_s * 3, cache.default_ttl_s))
+            except Exception:
+                log.exception("keep-warm: refreshing pinned blocks in the shared tier failed")
+
+    threading.Thread(target=loop, name="prefixcache-pin-refresher", daemon=True).start()
+    return stop
 
 
 def register_prometheus(cache: PrefixCache, registry: Any = None, prefix: str = "prefixcache_tier") -> Any:

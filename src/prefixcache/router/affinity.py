@@ -1,0 +1,119 @@
+"""What the router knows about a request's prefix, without a tokenizer.
+
+The router cannot compute the replicas' block keys (it has no tokenizer and no tenant salt), so
+it works on text: the request is rendered to a canonical string (tenant credential, model,
+tools, system, then each message's role and text, in order), cut into ``chunk_chars`` pieces, and
+hashed in a chain like the block keys: ``h[i] = sha256(h[i-1] || chunk i)``. Two requests share
+``h[i]`` exactly when they share the first ``(i+1) * chunk_chars`` characters of that rendering,
+which for chat traffic tracks a shared token prefix closely. The credential is hashed in first:
+tenants never share cache entries, so routing them together would gain nothing.
+
+``prompt_cache_key`` (OpenAI) or ``metadata.prompt_cache_key`` overrides: it names the affinity
+group explicitly and becomes the first chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixKey:
+    """The routing view of one request.
+
+    ``chunks``: chained chunk hashes of the rendered prompt, at most ``max_chunks`` (hex, short).
+    ``affinity``: the key the prefix-affinity policy hashes (the chunk at ``affinity_chars``, or
+    the explicit ``prompt_cache_key``). ``explicit``: a client-given key was used.
+    """
+
+    affinity: str
+    chunks: tuple[str, ...]
+    explicit: bool = False
+
+
+def _text_of(content: Any) -> str:
+    """The text of an OpenAI or Anthropic content field (a string or a list of parts)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for part in content:
+            if isinstance(part, dict):
+                if "text" in part:
+                    parts.append(str(part["text"]))
+                elif part.get("type") == "tool_result":
+                    parts.append(_text_of(part.get("content")))
+                else:  # images, tool calls: their JSON is stable enough to key on
+                    parts.append(json.dumps(part, sort_keys=True, separators=(",", ":")))
+            else:
+                parts.append(str(part))
+        return "\n".join(parts)
+    return json.dumps(content, sort_keys=True, separators=(",", ":"))
+
+
+def render_prompt(body: dict[str, Any], limit: int) -> str:
+    """A canonical rendering of the leading part of a chat or completion request (<= limit chars)."""
+    out: list[str] = []
+    size = 0
+
+    def add(s: str) -> bool:
+        nonlocal size
+        out.append(s)
+        size += len(s)
+        return size >= limit
+
+    if add(f"model={body.get('model', '')}\n"):
+        return "".join(out)[:limit]
+    if body.get("tools") and add(
+        "tools=" + json.dumps(body["tools"], sort_keys=True, separators=(",", ":")) + "\n"
+    ):
+        return "".join(out)[:limit]
+    system = body.get("system")  # Anthropic
+    if system is not None and add("system:" + _text_of(system) + "\n"):
+        return "".join(out)[:limit]
+    if "prompt" in body:  # OpenAI completions
+        prompt = body["prompt"]
+        text = prompt if isinstance(prompt, str) else json.dumps(prompt)
+        add("prompt:" + text)
+        return "".join(out)[:limit]
+    for msg in body.get("messages") or []:
+        if not isinstance(msg, dict):
+            continue
+        if add(f"{msg.get('role', '')}:" + _text_of(msg.get("content")) + "\n"):
+            break
+    return "".join(out)[:limit]
+
+
+def prefix_key(
+    body: dict[str, Any],
+    credential: str = "",
+    *,
+    chunk_chars: int = 256,
+    max_chunks: int = 32,
+    affinity_chars: int = 1024,
+) -> PrefixKey:
+    """Chained chunk hashes of ``body``'s rendering, and its affinity key. Never raises on odd
+    bodies (a non-chat body renders to little more than its model name)."""
+    explicit = body.get("prompt_cache_key")
+    if explicit is None and isinstance(body.get("metadata"), dict):
+        explicit = body["metadata"].get("prompt_cache_key")
+    text = render_prompt(body, chunk_chars * max_chunks)
+    prev = hashlib.sha256(b"prefixcache-router\x00" + credential.encode()).digest()
+    if explicit is not None:
+        prev = hashlib.sha256(prev + b"key\x00" + str(explicit).encode()).digest()
+    chunks: list[str] = []
+    n_full = len(text) // chunk_chars
+    for i in range(max(n_full, 1)):
+        piece = text[i * chunk_chars : (i + 1) * chunk_chars]
+        prev = hashlib.sha256(prev + piece.encode()).digest()
+        chunks.append(prev.hex()[:32])
+    if explicit is not None:
+        first = hashlib.sha256(b"explicit\x00" + credential.encode() + b"\x00" + str(explicit).encode())
+        return PrefixKey(affinity=first.hexdigest()[:32], chunks=tuple(chunks), explicit=True)
+    idx = min(len(chunks), max(1, affinity_chars // chunk_chars)) - 1
+    return PrefixKey(affinity=chunks[idx], chunks=tuple(chunks), explicit=False)

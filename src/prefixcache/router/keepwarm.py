@@ -1,0 +1,121 @@
+"""Keep-warm: a policy of prefixes every replica keeps pinned, re-asserted periodically.
+
+Policy file (JSON, or YAML when PyYAML is installed)::
+
+    {"interval_s": 60,
+     "prefixes": [
+       {"name": "support-bot", "api_key": "sk-tenant-a",
+        "messages": [{"role": "system", "content": "You are the support assistant of ..."}]},
+       {"name": "raw", "prompt": "Shared preamble ..."}
+     ]}
+
+Every ``interval_s`` the router sends each prefix to ``POST /v1/cache/pin`` on every healthy
+replica, with the entry's ``api_key`` as the bearer credential (pins live in that tenant's
+namespace). The replica prefills what is missing (from its tiers when another replica or a
+previous run wrote it) and pins it: no expiry, no eviction. Re-sending is idempotent and brings a
+restarted or recovered replica back in line. In the shared tier, a replica's pinned blocks have
+their Redis expiry extended by :func:`prefixcache.cache.tiers.start_pin_refresher`.
+The same is available ad hoc: ``POST /v1/cache/pin`` on the router goes to every replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prefixcache.router.app import Proxy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WarmPrefix:
+    name: str
+    body: dict[str, Any]  # the pin request: exactly one of messages / prompt / prompt_token_ids
+    api_key: str | None = None
+    last_status: dict[str, int] = field(default_factory=dict)  # replica url -> HTTP status (0: down)
+
+
+@dataclass(slots=True)
+class KeepWarm:
+    prefixes: list[WarmPrefix]
+    interval_s: float = 60.0
+    rounds: int = 0
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KeepWarm:
+        """Validate a policy. Raises ValueError saying which entry is wrong."""
+        items = data.get("prefixes")
+        if not isinstance(items, list):
+            raise ValueError(
+                "keep-warm policy: 'prefixes' must be a list of {messages|prompt|prompt_token_ids}"
+            )
+        out: list[WarmPrefix] = []
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise ValueError(f"keep-warm policy: prefixes[{i}] must be an object")
+            body = {k: item[k] for k in ("messages", "prompt", "prompt_token_ids") if k in item}
+            if len(body) != 1:
+                raise ValueError(
+                    f"keep-warm policy: prefixes[{i}] needs exactly one of messages, prompt, prompt_token_ids"
+                )
+            out.append(
+                WarmPrefix(name=str(item.get("name", f"prefix-{i}")), body=body, api_key=item.get("api_key"))
+            )
+        interval = float(data.get("interval_s", 60.0))
+        if interval <= 0:
+            raise ValueError("keep-warm policy: interval_s must be > 0")
+        return cls(prefixes=out, interval_s=interval)
+
+    @classmethod
+    def load(cls, path: str | Path) -> KeepWarm:
+        text = Path(path).read_text()
+        if str(path).endswith((".yaml", ".yml")):
+            try:
+                import yaml
+            except ImportError as exc:  # pragma: no cover - PyYAML is usually present
+                raise ValueError(
+                    f"{path}: YAML needs PyYAML (pip install pyyaml), or write the policy as JSON"
+                ) from exc
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a keep-warm policy is an object with 'prefixes'")
+        return cls.from_dict(data)
+
+    async def apply(self, proxy: Proxy) -> int:
+        """One round: pin every prefix on every healthy replica. Returns pins accepted."""
+        accepted = 0
+        for p in self.prefixes:
+            headers = {"content-type": "application/json"}
+            if p.api_key:
+                headers["authorization"] = f"Bearer {p.api_key}"
+            raw = json.dumps(p.body).encode()
+            targets = [r for r in proxy.router.replicas if r.healthy]
+            results = await asyncio.gather(
+                *(proxy._send_one("POST", r, "/v1/cache/pin", raw, headers) for r in targets)
+            )
+            for url, status, body in results:
+                p.last_status[url] = status
+                if 200 <= status < 300:
+                    accepted += 1
+                else:
+                    log.warning(
+                        "keep-warm: pinning %r on %s failed: %s %s", p.name, url, status, str(body)[:200]
+                    )
+        self.rounds += 1
+        return accepted
+
+    async def run(self, proxy: Proxy) -> None:
+        while True:
+            try:
+                await self.apply(proxy)
+            except Exception:
+                log.exception("keep-warm round failed")
+            await asyncio.sleep(self.interval_s)

@@ -1,0 +1,227 @@
+"""Replica state and routing policies.
+
+A policy orders the healthy replicas by preference for one request; the proxy tries them in
+that order (the second is the fail-over target). Policies share one load guard: when the
+preferred replica's in-flight count runs far above the least-loaded one
+(``in_flight > load_factor * min + load_slack``) the least-loaded replica goes first instead,
+since queueing behind a hot replica costs more than one prefill.
+
+* ``round-robin``: rotate; ignores prefixes (the baseline).
+* ``least-loaded``: fewest in-flight requests, ties broken by fewest routed.
+* ``prefix-affinity``: rendezvous hashing of the affinity key (a fixed leading part of the
+  prompt, or ``prompt_cache_key``) over the healthy replicas: stable, stateless, and when a
+  replica dies only its keys move.
+* ``cache-aware``: an approximate record of which replica holds which prefix (chained chunk
+  hashes -> replica, LRU-bounded, forgotten after ``ttl_s`` like the replicas' own TTL); the
+  replica holding the longest recorded prefix wins; with no record, rendezvous hashing as above.
+  The record is updated with every routed request (the replica that computes a prefix holds
+  it afterwards) and drops a replica's chunks when a request to it fails to connect.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from prefixcache.router.affinity import PrefixKey
+
+
+class Policy(StrEnum):
+    PREFIX_AFFINITY = "prefix-affinity"
+    CACHE_AWARE = "cache-aware"
+    ROUND_ROBIN = "round-robin"
+    LEAST_LOADED = "least-loaded"
+
+
+@dataclass(slots=True)
+class Replica:
+    """One upstream server and what the router counts about it."""
+
+    url: str
+    healthy: bool = True
+    in_flight: int = 0
+    routed: int = 0  # requests sent here (attempts included)
+    completed: int = 0
+    failed: int = 0  # upstream errors after which nothing could be retried
+    connect_failures: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    last_error: str = ""
+    consecutive_health_failures: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def rendezvous(key: str, replicas: Sequence[Replica]) -> list[Replica]:
+    """Highest-random-weight order of ``replicas`` for ``key`` (stable across processes)."""
+
+    def weight(r: Replica) -> bytes:
+        return hashlib.blake2b(f"{key}|{r.url}".encode(), digest_size=8).digest()
+
+    return sorted(replicas, key=weight, reverse=True)
+
+
+@dataclass(slots=True)
+class PrefixRecord:
+    """Approximate map chunk hash -> (replica url, last seen), bounded and time-limited."""
+
+    max_entries: int = 200_000
+    ttl_s: float = 300.0
+    clock: Callable[[], float] = time.monotonic
+    _map: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict)
+
+    def longest(self, chunks: Sequence[str], alive: set[str]) -> tuple[str | None, int]:
+        """The replica holding the longest recorded prefix of ``chunks`` among ``alive`` and its
+        length in chunks (``None, 0`` when nothing is recorded)."""
+        now = self.clock()
+        best: tuple[str | None, int] = (None, 0)
+        for i, h in enumerate(chunks):
+            entry = self._map.get(h)
+            if entry is None or now - entry[1] > self.ttl_s:
+                break
+            if entry[0] in alive:
+                best = (entry[0], i + 1)
+        return best
+
+    def record(self, chunks: Sequence[str], url: str) -> None:
+        now = self.clock()
+        for h in chunks:
+            self._map[h] = (url, now)
+            self._map.move_to_end(h)
+        while len(self._map) > self.max_entries:
+            self._map.popitem(last=False)
+
+    def forget(self, chunks: Sequence[str], url: str) -> None:
+        for h in chunks:
+            entry = self._map.get(h)
+            if entry is not None and entry[0] == url:
+                del self._map[h]
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+
+class Router:
+    """Chooses replicas. Thread-safe (one lock; every call is O(replicas + chunks))."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        policy: Policy | str = Policy.CACHE_AWARE,
+        *,
+        load_factor: float = 2.0,
+        load_slack: int = 4,
+        record_ttl_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not urls:
+            raise ValueError("the router needs at least one --replica URL")
+        self.policy = Policy(policy)
+        self.replicas = [Replica(url=u.rstrip("/")) for u in urls]
+        self.load_factor = load_factor
+        self.load_slack = load_slack
+        self.record = PrefixRecord(ttl_s=record_ttl_s, clock=clock)
+        self._rr = itertools.count()
+        self._lock = threading.Lock()
+        self.load_fallbacks = 0
+        self.failovers = 0
+
+    def by_url(self, url: str) -> Replica | None:
+        return next((r for r in self.replicas if r.url == url), None)
+
+    def candidates(self, key: PrefixKey) -> list[Replica]:
+        """Healthy replicas in order of preference for this request (all replicas, in the same
+        order, if none is healthy: a health check may lag behind a recovery)."""
+        with self._lock:
+            alive = [r for r in self.replicas if r.healthy] or list(self.replicas)
+            order = self._order(key, alive)
+            least = min(alive, key=lambda r: (r.in_flight, r.routed))
+            first = order[0]
+            if first is not least and first.in_flight > self.load_factor * least.in_flight + self.load_slack:
+                self.load_fallbacks += 1
+                order.remove(least)
+                order.insert(0, least)
+            return order
+
+    def _order(self, key: PrefixKey, alive: list[Replica]) -> list[Replica]:
+        if self.policy is Policy.ROUND_ROBIN:
+            start = next(self._rr) % len(alive)
+            return alive[start:] + alive[:start]
+        if self.policy is Policy.LEAST_LOADED:
+            return sorted(alive, key=lambda r: (r.in_flight, r.routed))
+        hashed = rendezvous(key.affinity, alive)
+        if self.policy is Policy.PREFIX_AFFINITY or key.explicit:
+            return hashed
+        url, depth = self.record.longest(key.chunks, {r.url for r in alive})
+        if url is None or depth == 0:
+            return hashed
+        holder = next(r for r in alive if r.url == url)
+        return [holder, *(r for r in hashed if r is not holder)]
+
+    # ------------------------------------------------------------------ bookkeeping
+    def started(self, replica: Replica, key: PrefixKey) -> None:
+        with self._lock:
+            replica.in_flight += 1
+            replica.routed += 1
+            if self.policy is Policy.CACHE_AWARE:
+                self.record.record(key.chunks, replica.url)
+
+    def finished(self, replica: Replica, *, ok: bool, error: str = "") -> None:
+        with self._lock:
+            replica.in_flight = max(0, replica.in_flight - 1)
+            if ok:
+                replica.completed += 1
+            else:
+                replica.failed += 1
+                replica.last_error = error[:300]
+
+    def connect_failed(self, replica: Replica, key: PrefixKey, error: str) -> None:
+        """A request never reached ``replica``: mark it down until a health check passes."""
+        with self._lock:
+            replica.in_flight = max(0, replica.in_flight - 1)
+            replica.connect_failures += 1
+            replica.healthy = False
+            replica.last_error = error[:300]
+            self.failovers += 1
+            self.record.forget(key.chunks, replica.url)
+
+    def usage(self, replica: Replica, prompt_tokens: int, cached_tokens: int) -> None:
+        with self._lock:
+            replica.prompt_tokens += prompt_tokens
+            replica.cached_tokens += cached_tokens
+
+    def set_health(self, replica: Replica, healthy: bool, error: str = "") -> None:
+        with self._lock:
+            if healthy:
+                replica.consecutive_health_failures = 0
+            else:
+                replica.consecutive_health_failures += 1
+                replica.last_error = error[:300] or replica.last_error
+            replica.healthy = healthy
+
+    def snapshot(self) -> list[dict[str, object]]:
+        with self._lock:
+            return [
+                {
+                    "url": r.url,
+                    "healthy": r.healthy,
+                    "in_flight": r.in_flight,
+                    "routed": r.routed,
+                    "completed": r.completed,
+                    "failed": r.failed,
+                    "connect_failures": r.connect_failures,
+                    "prompt_tokens": r.prompt_tokens,
+                    "cached_tokens": r.cached_tokens,
+                    "hit_rate": round(r.hit_rate, 4),
+                    "last_error": r.last_error,
+                }
+                for r in self.replicas
+            ]
