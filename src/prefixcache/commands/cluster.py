@@ -1,9 +1,317 @@
-"""CLI commands of the cluster layer (filled in by the work on that layer)."""
+"""CLI commands of the scale-out layer: ``prefixcache route``, ``prefixcache cluster`` and the
+replica entry point the cluster starts (``prefixcache replica``: ``serve`` plus the shared tiers).
+
+Heavy imports (uvicorn, torch, the engine) happen inside the functions so ``--help`` stays instant.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated
+
 import typer
+
+POLICIES = ("prefix-affinity", "cache-aware", "round-robin", "least-loaded")
+
+
+def _check_policy(value: str) -> str:
+    if value not in POLICIES:
+        raise typer.BadParameter(f"'{value}' is not a policy; use one of: {', '.join(POLICIES)}")
+    return value
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def route(
+    replica: Annotated[
+        list[str],
+        typer.Option(
+            "--replica", "-r", help="Base URL of a replica, e.g. http://10.0.0.5:8000. Repeat per replica."
+        ),
+    ],
+    policy: Annotated[
+        str,
+        typer.Option(
+            callback=_check_policy,
+            help="prefix-affinity (hash of the prompt's leading part), cache-aware (track which replica "
+            "holds which prefix), round-robin, least-loaded.",
+        ),
+    ] = "cache-aware",
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    health_interval: Annotated[
+        float, typer.Option(min=0.05, help="Seconds between GET /health rounds.")
+    ] = 1.0,
+    keep_warm: Annotated[
+        Path | None,
+        typer.Option(
+            "--keep-warm", help="Keep-warm policy (JSON or YAML): prefixes pinned on every replica."
+        ),
+    ] = None,
+    chunk_chars: Annotated[int, typer.Option(min=16, help="Characters per hashed prompt chunk.")] = 256,
+    affinity_chars: Annotated[
+        int, typer.Option(min=16, help="Leading characters that form the prefix-affinity key.")
+    ] = 1024,
+    load_factor: Annotated[
+        float, typer.Option(help="Overload guard: go least-loaded when in-flight > factor * min + slack.")
+    ] = 2.0,
+    load_slack: Annotated[int, typer.Option(help="See --load-factor.")] = 4,
+    record_ttl: Annotated[
+        float, typer.Option(help="Seconds the router remembers where a prefix went.")
+    ] = 300.0,
+    log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
+) -> None:
+    """Route OpenAI and Anthropic requests across replicas so that requests sharing a prompt
+    prefix land where it is cached (streaming relayed; fail-over when a replica dies; /metrics)."""
+    import logging
+
+    import uvicorn
+
+    from prefixcache.router import RouterConfig, create_router_app
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if keep_warm is not None and not keep_warm.exists():
+        raise typer.BadParameter(f"{keep_warm} does not exist", param_hint="--keep-warm")
+    config = RouterConfig(
+        replicas=replica,
+        policy=policy,
+        health_interval_s=health_interval,
+        chunk_chars=chunk_chars,
+        affinity_chars=affinity_chars,
+        load_factor=load_factor,
+        load_slack=load_slack,
+        record_ttl_s=record_ttl,
+        keepwarm_file=str(keep_warm) if keep_warm else None,
+    )
+    typer.echo(f"prefixcache router: {policy} over {len(replica)} replicas on http://{host}:{port}")
+    uvicorn.run(create_router_app(config), host=host, port=port, log_level=log_level.lower())
+
+
+def replica(
+    model: Annotated[
+        str | None, typer.Argument(help="GGUF file or HF folder (default: embedded SmolLM2).")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8001,
+    redis_url: Annotated[
+        str | None, typer.Option("--redis", envvar="PREFIXCACHE_REDIS_URL", help="Shared Redis tier URL.")
+    ] = None,
+    disk_cache: Annotated[
+        Path | None,
+        typer.Option("--disk-cache", envvar="PREFIXCACHE_DISK_CACHE", help="Disk tier directory."),
+    ] = None,
+    disk_size: Annotated[str, typer.Option(help="Disk tier byte budget, e.g. 8GiB.")] = "8GiB",
+    api_keys: Annotated[
+        Path | None, typer.Option("--api-keys", help="Key file (see `serve --help`).")
+    ] = None,
+    ttl: Annotated[float, typer.Option(min=1.0, help="Default cache TTL in seconds.")] = 300.0,
+    capacity: Annotated[str, typer.Option(help="Memory KV budget, e.g. 2GiB.")] = "2GiB",
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    model_name: Annotated[str | None, typer.Option(help="The model id clients send.")] = None,
+    salt_secret: Annotated[
+        str | None,
+        typer.Option(envvar="PREFIXCACHE_SALT_SECRET", help="Tenant-salt secret (same on all replicas)."),
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
+) -> None:
+    """`serve` with the disk and Redis tiers attached (what `prefixcache cluster` runs per replica)."""
+    import logging
+
+    import uvicorn
+
+    from prefixcache.cache.tiers import attach_tiers, register_prometheus
+    from prefixcache.commands.server import parse_bytes
+    from prefixcache.engine import Engine
+    from prefixcache.server import create_app
+    from prefixcache.server.app import DEFAULT_MODEL_NAME
+    from prefixcache.server.auth import load_api_keys
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keys = load_api_keys(api_keys) if api_keys else None
+    engine = Engine(model, dtype=dtype, capacity_bytes=parse_bytes(capacity), default_ttl_s=ttl)
+    if engine.cache is not None:
+        attach_tiers(
+            engine.cache, disk_dir=disk_cache, disk_bytes=parse_bytes(disk_size), redis_url=redis_url
+        )
+    name = model_name or (DEFAULT_MODEL_NAME if model is None else Path(model).stem)
+    app = create_app(engine, api_keys=keys, model_name=name, salt_secret=salt_secret)
+    registry = getattr(getattr(app.state.prefixcache, "metrics", None), "registry", None)
+    if engine.cache is not None and registry is not None:
+        register_prometheus(engine.cache, registry)
+    typer.echo(
+        f"prefixcache replica: '{name}' on http://{host}:{port} (redis={redis_url}, disk={disk_cache})"
+    )
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited with status {proc.returncode} (see its log above)")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} was not healthy within {timeout_s:.0f}s")
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.1, deadline - time.monotonic()))
+        if p.poll() is None:
+            p.kill()
+            p.wait(5)
+
+
+def cluster(
+    replicas: Annotated[
+        int, typer.Option("--replicas", "-n", min=1, max=16, help="Replica servers to start.")
+    ] = 2,
+    port: Annotated[int, typer.Option(help="The router's port (the one clients use).")] = 8000,
+    host: Annotated[
+        str, typer.Option(help="The router's interface; replicas and Redis stay on loopback.")
+    ] = "127.0.0.1",
+    policy: Annotated[
+        str, typer.Option(callback=_check_policy, help="Routing policy (see `route --help`).")
+    ] = "cache-aware",
+    model: Annotated[
+        str | None, typer.Option(help="GGUF file or HF folder (default: embedded SmolLM2).")
+    ] = None,
+    redis_url: Annotated[
+        str | None, typer.Option("--redis", help="Use this Redis instead of starting redis-server.")
+    ] = None,
+    no_redis: Annotated[
+        bool, typer.Option("--no-redis", help="No shared tier (each replica caches alone).")
+    ] = False,
+    disk_cache: Annotated[
+        Path | None, typer.Option("--disk-cache", help="Give each replica a disk tier under DIR/replica-<i>.")
+    ] = None,
+    api_keys: Annotated[
+        Path | None, typer.Option("--api-keys", help="Key file, passed to every replica.")
+    ] = None,
+    keep_warm: Annotated[
+        Path | None, typer.Option("--keep-warm", help="Keep-warm policy file for the router.")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    capacity: Annotated[str, typer.Option(help="Memory KV budget per replica.")] = "2GiB",
+    ttl: Annotated[float, typer.Option(min=1.0, help="Default cache TTL in seconds.")] = 300.0,
+    ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for each replica to load.")] = 300.0,
+    log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
+) -> None:
+    """Try scale-out on one machine: redis-server on a free port (temp dir, no persistence), N
+    replicas on loopback sharing it (and one tenant-salt secret), and the router in front.
+    Ctrl-C stops everything."""
+    import uvicorn
+
+    from prefixcache.router import RouterConfig, create_router_app
+
+    procs: list[subprocess.Popen[bytes]] = []
+    tmp = tempfile.mkdtemp(prefix="prefixcache-cluster-")
+    env = dict(os.environ)
+    env.setdefault("PREFIXCACHE_SALT_SECRET", secrets.token_hex(32))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // replicas)))
+    try:
+        if not no_redis and redis_url is None:
+            binary = shutil.which("redis-server")
+            if binary is None:
+                raise typer.BadParameter(
+                    "redis-server not found: install it (apt-get install redis-server), pass --redis URL, or --no-redis"
+                )
+            rport = _free_port()
+            procs.append(
+                subprocess.Popen(
+                    [
+                        binary,
+                        "--port",
+                        str(rport),
+                        "--bind",
+                        "127.0.0.1",
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                        "--dir",
+                        tmp,
+                    ],
+                    stdout=subprocess.DEVNULL,
+                )
+            )
+            redis_url = f"redis://127.0.0.1:{rport}/0"
+        urls: list[str] = []
+        for i in range(replicas):
+            rp = _free_port()
+            cmd = [
+                sys.executable,
+                "-m",
+                "prefixcache",
+                "replica",
+                "--port",
+                str(rp),
+                "--dtype",
+                dtype,
+                "--capacity",
+                capacity,
+                "--ttl",
+                str(ttl),
+                "--log-level",
+                log_level,
+            ]
+            if model:
+                cmd.insert(4, model)
+            if redis_url and not no_redis:
+                cmd += ["--redis", redis_url]
+            if disk_cache:
+                cmd += ["--disk-cache", str(disk_cache / f"replica-{i}")]
+            if api_keys:
+                cmd += ["--api-keys", str(api_keys)]
+            procs.append(subprocess.Popen(cmd, env=env))
+            urls.append(f"http://127.0.0.1:{rp}")
+        for url, proc in zip(urls, procs[-replicas:], strict=True):
+            _wait_ready(url, proc, ready_timeout)
+        typer.echo(
+            f"prefixcache cluster: {replicas} replicas {urls}, redis {redis_url if not no_redis else 'off'}; "
+            f"router ({policy}) on http://{host}:{port}. Ctrl-C stops all."
+        )
+        config = RouterConfig(
+            replicas=urls, policy=policy, keepwarm_file=str(keep_warm) if keep_warm else None
+        )
+        uvicorn.run(create_router_app(config), host=host, port=port, log_level=log_level.lower())
+    except KeyboardInterrupt:
+        pass
+    except RuntimeError as e:
+        typer.echo(f"prefixcache cluster: {e}", err=True)
+        raise typer.Exit(1) from e
+    finally:
+        _stop(procs[::-1])
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def register(app: typer.Typer) -> None:
     """Add this layer's commands to the root app."""
+    app.command("route")(route)
+    app.command("cluster")(cluster)
+    app.command("replica", hidden=True)(replica)
