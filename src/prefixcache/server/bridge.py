@@ -251,6 +251,11 @@ class EngineBridge:
         return self.render_ids(messages, add_generation_prompt=False)
 
     @property
+    def block_size(self) -> int:
+        cache = self.cache
+        return int(cache.block_size) if cache is not None else 16
+
+    @property
     def cache(self) -> Any | None:
         return getattr(self.engine, "cache", None)
 

@@ -28,8 +28,14 @@ from prefixcache.server.state import ServerState, get_state, get_tenant
 router = APIRouter()
 
 
-def anthropic_usage(u: Usage, ttl_s: float | None = None) -> dict[str, Any]:
-    one_hour = u.cache_write_tokens if ttl_s is not None and ttl_s >= 3600 else 0
+def anthropic_usage(u: Usage, plan: list[tuple[int, float]] | None = None, block_size: int = 16) -> dict[str, Any]:
+    """Hosted-API usage. ``cache_creation`` splits the written tokens by TTL class: the blocks
+    written that end at or before a 1-hour breakpoint are the 1h class."""
+    one_hour = 0
+    for token_end, ttl in plan or ():
+        if ttl >= 3600:
+            covered = token_end // block_size * block_size
+            one_hour = max(one_hour, min(u.cached_tokens + u.cache_write_tokens, covered) - u.cached_tokens)
     return {
         "input_tokens": u.uncached_unwritten_tokens,
         "cache_creation_input_tokens": u.cache_write_tokens,
@@ -100,7 +106,7 @@ async def create_message(body: MessagesRequest, request: Request, tenant: Tenant
                 "content": [{"type": "text", "text": fin.text}],
                 "stop_reason": reason,
                 "stop_sequence": seq,
-                "usage": anthropic_usage(fin.usage, longest),
+                "usage": anthropic_usage(fin.usage, plan, state.bridge.block_size),
             }
         )
     agen, first = await _start_stream(state, kwargs)
@@ -135,7 +141,7 @@ async def create_message(body: MessagesRequest, request: Request, tenant: Tenant
             state.record(request, tenant, item, text, ttl_s=longest)
             reason, seq = stop_reason(item)
             yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
-            usage = anthropic_usage(item.usage, longest)
+            usage = anthropic_usage(item.usage, plan, state.bridge.block_size)
             usage.pop("cache_creation")
             yield _event(
                 "message_delta",
