@@ -259,3 +259,23 @@ def test_slow_redis_times_out_into_a_counted_miss(redis_url: str) -> None:
         assert tier.stats().errors >= 1 and tier.breaker.is_open
     finally:
         admin.execute_command("CLIENT", "UNPAUSE")
+
+
+def test_background_writer_bounds_queued_bytes_and_never_blocks() -> None:
+    import threading
+
+    from prefixcache.cache.tiers import BackgroundWriter
+
+    gate = threading.Event()
+    ran: list[int] = []
+    w = BackgroundWriter("t", maxsize=8, max_bytes=100)
+    assert w.submit(gate.wait, 10)  # holds the thread
+    assert w.submit(lambda: ran.append(1), 60)
+    assert not w.submit(lambda: ran.append(2), 60)  # 130 > 100 bytes pending: dropped
+    assert w.submit(lambda: ran.append(3), 30)
+    gate.set()
+    assert w.flush(5)
+    assert ran == [1, 3]
+    assert w.submit(lambda: ran.append(4), 500)  # nothing pending: one oversized job may go
+    w.close()
+    assert ran == [1, 3, 4] and not w.submit(lambda: None)

@@ -41,22 +41,33 @@ class TierStats:
 class BackgroundWriter:
     """One daemon thread draining a bounded queue of jobs (callables).
 
-    ``submit`` never blocks: it returns False when the queue is full. ``flush`` waits until every
-    job submitted before it has run (tests and shutdown use it). ``close`` drains and stops.
+    Bounded twice: ``maxsize`` jobs and ``max_bytes`` of payload waiting (a queued job keeps its
+    block's tensor alive, so the byte bound is what caps memory). ``submit`` never blocks: it
+    returns False when either bound is reached. ``flush`` waits until every job submitted before
+    it has run (tests and shutdown use it). ``close`` drains and stops.
     """
 
-    def __init__(self, name: str, maxsize: int = 1024) -> None:
-        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=maxsize)
+    def __init__(self, name: str, maxsize: int = 1024, max_bytes: int = 256 << 20) -> None:
+        self._queue: queue.Queue[tuple[Callable[[], None], int] | None] = queue.Queue(maxsize=maxsize)
         self._thread = threading.Thread(target=self._run, name=f"prefixcache-{name}-writer", daemon=True)
         self._closed = False
+        self._max_bytes = max_bytes
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
         self._thread.start()
 
-    def submit(self, job: Callable[[], None]) -> bool:
+    def submit(self, job: Callable[[], None], nbytes: int = 0) -> bool:
         if self._closed:
             return False
+        with self._lock:
+            if self._pending_bytes and self._pending_bytes + nbytes > self._max_bytes:
+                return False
+            self._pending_bytes += nbytes
         try:
-            self._queue.put_nowait(job)
+            self._queue.put_nowait((job, nbytes))
         except queue.Full:
+            with self._lock:
+                self._pending_bytes -= nbytes
             return False
         return True
 
@@ -66,7 +77,7 @@ class BackgroundWriter:
         if self._closed:
             return True
         try:
-            self._queue.put(done.set, timeout=timeout)
+            self._queue.put((done.set, 0), timeout=timeout)
         except queue.Full:
             return False
         return done.wait(timeout)
@@ -84,10 +95,14 @@ class BackgroundWriter:
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            job, nbytes = item
             try:
                 job()
             except Exception:  # a tier write must never kill the writer
                 log.exception("background tier write failed")
+            finally:
+                with self._lock:
+                    self._pending_bytes -= nbytes

@@ -50,6 +50,7 @@ class DiskTier:
         fsync: bool = False,
         name: str = "disk",
         queue_size: int = 1024,
+        queue_bytes: int = 256 << 20,
     ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0; got {capacity_bytes}")
@@ -67,7 +68,7 @@ class DiskTier:
         self._tmp = self.directory / ".tmp"
         self._tmp.mkdir(exist_ok=True)
         self._load_index()
-        self._writer = BackgroundWriter(name, maxsize=queue_size)
+        self._writer = BackgroundWriter(name, maxsize=queue_size, max_bytes=queue_bytes)
 
     # ------------------------------------------------------------------ Tier protocol
     def get_many(self, keys: Sequence[bytes], tokens: Sequence[bytes]) -> list[tuple[Any, int]]:
@@ -116,7 +117,7 @@ class DiskTier:
             if hx in self._index:
                 return
         key, parent, tokens, payload = bytes(block.key), block.parent, block.tokens, block.payload
-        if not self._writer.submit(lambda: self._write(hx, key, parent, tokens, payload)):
+        if not self._writer.submit(lambda: self._write(hx, key, parent, tokens, payload), block.nbytes):
             with self._lock:
                 self._stats.write_drops += 1
 

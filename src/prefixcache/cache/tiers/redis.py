@@ -85,6 +85,7 @@ class RedisTier:
         max_backoff_s: float = 30.0,
         batch_blocks: int = 8,
         queue_size: int = 1024,
+        queue_bytes: int = 256 << 20,
         name: str = "redis",
         client: redis_lib.Redis | None = None,
     ) -> None:
@@ -113,7 +114,7 @@ class RedisTier:
                 retry_on_timeout=False,
             )
         self.client = client
-        self._writer = BackgroundWriter(name, maxsize=queue_size)
+        self._writer = BackgroundWriter(name, maxsize=queue_size, max_bytes=queue_bytes)
 
     def redis_key(self, key: bytes) -> str:
         return self.key_prefix + key.hex()
@@ -178,7 +179,7 @@ class RedisTier:
             return
         ttl = self.ttl_s if self.ttl_s is not None else block.ttl_s
         key, parent, tokens, payload = bytes(block.key), block.parent, block.tokens, block.payload
-        if not self._writer.submit(lambda: self._write(key, parent, tokens, payload, ttl)):
+        if not self._writer.submit(lambda: self._write(key, parent, tokens, payload, ttl), block.nbytes):
             with self._lock:
                 self._stats.write_drops += 1
 
