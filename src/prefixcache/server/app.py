@@ -15,8 +15,9 @@ Routes (OpenAI shape unless noted):
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,17 @@ def create_app(
         queue_depth_fn=lambda: bridge.admission.depth,
     )
     trace = TraceWriter(trace_log, include_text=trace_text, tokenizer=trace_tokenizer) if trace_log else None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            if trace is not None:
+                trace.close()
+
     app = FastAPI(
+        lifespan=lifespan,
         title="prefixcache",
         version="0.1.0",
         summary="OpenAI- and Anthropic-compatible inference with exact prefix caching.",
@@ -106,6 +117,4 @@ def create_app(
     routers = (routes_openai, routes_anthropic, routes_ops)
     paths = frozenset(str(getattr(r, "path", "")) for m in routers for r in m.router.routes)
     app.add_middleware(RequestCounter, metrics=metrics, paths=paths)
-    if trace is not None:
-        app.add_event_handler("shutdown", trace.close)
     return app

@@ -1,0 +1,97 @@
+"""A full queue answers at once (429 OpenAI / 529 Anthropic); a client that disconnects
+mid-stream stops its generation and releases its block references."""
+
+from __future__ import annotations
+
+import threading
+
+import anthropic
+import httpx
+import openai
+from server_helpers import Gated, held_refs, make_engine, wait_until
+
+MODEL = "test-model"
+MESSAGES = [{"role": "system", "content": "A system prompt long enough to fill some blocks. " * 6},
+            {"role": "user", "content": "hello"}]
+
+
+def test_full_queue_is_429_for_openai_and_529_for_anthropic(serve):
+    engine = Gated(make_engine())
+    server = serve(engine, model_name=MODEL, max_queue=1)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    results: list[object] = []
+    holder = threading.Thread(
+        target=lambda: results.append(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2))
+    )
+    holder.start()
+    engine.entered.wait(30)  # the one slot is taken and the worker is held
+    try:
+        try:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+            raise AssertionError("expected 429")
+        except openai.RateLimitError as e:
+            assert e.status_code == 429
+            assert e.body["code"] == "queue_full" and "retry" in e.body["message"]
+        try:
+            anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0).messages.create(
+                model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+            )
+            raise AssertionError("expected 529")
+        except anthropic.APIStatusError as e:
+            assert e.status_code == 529
+            assert e.body == {"type": "error", "error": {"type": "overloaded_error", "message": e.body["error"]["message"]}}
+        # A streaming request is refused before any byte of the stream is sent.
+        r = httpx.post(server.url + "/v1/chat/completions",
+                       json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "stream": True})
+        assert r.status_code == 429 and r.headers["content-type"].startswith("application/json")
+        metrics = httpx.get(server.url + "/metrics").text
+        assert "prefixcache_queue_depth 1.0" in metrics
+    finally:
+        engine.release.set()
+        holder.join(30)
+    assert len(results) == 1
+    # The slot is free again.
+    assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).choices[0].message.content
+
+
+def test_disconnect_mid_stream_stops_generation_and_releases_blocks(serve):
+    engine = Gated(make_engine())
+    server = serve(engine, model_name=MODEL)
+    cache = engine.cache
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 500, "stream": True}
+    with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        assert '"role":"assistant"' in first
+        assert held_refs(cache) > 0  # the running request holds its prompt blocks
+    # The client is gone. The server notices, the request ends; then let the engine run on.
+    wait_until(lambda: 'route="/v1/chat/completions",status="200"' in httpx.get(server.url + "/metrics").text,
+               "the server to finish the disconnected request")
+    engine.resume.set()
+    wait_until(lambda: server.state.bridge.active_streams() == 0, "the stream thread to stop")
+    assert engine.pulled <= 3  # stopped right after the disconnect, not after 500 tokens
+    assert held_refs(cache) == 0
+    cache.check_integrity()
+    assert server.state.bridge.admission.depth == 0
+    # The server still serves, and the prompt blocks were committed before the disconnect.
+    engine.release.set()
+    r2 = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2})
+    assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_anthropic_disconnect_mid_stream_releases_blocks(serve):
+    engine = Gated(make_engine())
+    server = serve(engine, model_name=MODEL)
+    body = {"model": MODEL, "max_tokens": 500, "stream": True, "system": MESSAGES[0]["content"],
+            "messages": [{"role": "user", "content": "hello"}]}
+    with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/messages", json=body) as r:
+        assert r.status_code == 200
+        assert any(line.startswith("event: message_start") for line in r.iter_lines())
+    wait_until(lambda: 'route="/v1/messages",status="200"' in httpx.get(server.url + "/metrics").text,
+               "the server to finish the disconnected request")
+    engine.resume.set()
+    wait_until(lambda: server.state.bridge.active_streams() == 0, "the stream thread to stop")
+    assert engine.pulled <= 3
+    assert held_refs(engine.cache) == 0
+    engine.cache.check_integrity()
