@@ -238,3 +238,44 @@ def test_keep_warm_policy_pins_on_every_replica(fake_replicas, tmp_path: Path) -
             {"prompt": "shared preamble"},
         ]
         assert pins[0]["auth"] == "Bearer key-A" and pins[2]["auth"] == "Bearer key-B"
+
+
+def test_route_command_serves_and_stops(fake_replicas) -> None:  # noqa: ANN001
+    import subprocess
+    import sys
+
+    from .conftest import free_port, wait_http
+
+    reps = fake_replicas(2)
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "prefixcache",
+        "route",
+        "--policy",
+        "prefix-affinity",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+    for r in reps:
+        cmd += ["--replica", r.url]
+    proc = subprocess.Popen(cmd)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health")
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat("A", 0), timeout=30)
+        assert r.status_code == 200 and r.headers["x-prefixcache-replica"] in {x.url for x in reps}
+    finally:
+        proc.terminate()
+        assert proc.wait(20) in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown
+
+
+def test_route_command_rejects_an_unknown_policy() -> None:
+    from typer.testing import CliRunner
+
+    from prefixcache.cli import app
+
+    res = CliRunner().invoke(app, ["route", "--replica", "http://x", "--policy", "fastest"])
+    assert res.exit_code != 0 and "is not a policy" in res.output
