@@ -1,9 +1,224 @@
-"""CLI commands of the analysis layer (filled in by the work on that layer)."""
+"""CLI commands of the analysis layer: ``prefixcache trace synth``, ``audit`` and ``simulate``.
+
+Heavy imports (numpy, matplotlib, the analysis modules) happen inside the functions, so
+``--help`` stays instant.
+"""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
 import typer
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from prefixcache.analysis.trace import Trace
+
+log = logging.getLogger(__name__)
+
+trace_app = typer.Typer(
+    name="trace", help="Request traces: make synthetic ones (the format is documented in docs/ops.md).",
+    no_args_is_help=True, rich_markup_mode="rich",
+)
+
+
+def _progress() -> Progress:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True)
+
+
+def _load(path: Path, tokenizer: str | None) -> Trace:
+    from prefixcache.analysis.trace import TraceFormatError, count_lines, load_trace
+
+    if not path.is_file():
+        raise typer.BadParameter(f"no such trace file: {path}", param_hint="TRACE")
+    total = count_lines(path)
+    with _progress() as prog:
+        task = prog.add_task(f"reading {path.name}", total=total or None)
+        try:
+            return load_trace(path, tokenizer=tokenizer, progress=lambda k: prog.update(task, completed=k))
+        except TraceFormatError as exc:
+            raise typer.BadParameter(str(exc), param_hint="TRACE") from None
+
+
+@trace_app.command("synth")
+def synth(
+    out: Annotated[Path, typer.Argument(help="Output trace (JSONL; .gz compresses).")],
+    endpoint: Annotated[
+        list[str] | None,
+        typer.Option("--endpoint", "-e", help=(
+            "Endpoint spec, repeatable: name:rate=2,system=1500,user=48,output=128,bust=timestamp|epoch|uuid|"
+            "hex_id|counter,bust_at=top|middle,deploys=600;1800,turns=3,tenant=acme,arrival=poisson|bursty|diurnal. "
+            "Default: a five-endpoint scenario (clean chat, timestamp at the top, uuid mid-prompt, deploys, a quiet one)."
+        )),
+    ] = None,
+    requests: Annotated[int | None, typer.Option("--requests", "-n", help="Total requests (sets the duration).")] = 10_000,
+    duration: Annotated[float | None, typer.Option(help="Seconds of traffic instead of --requests.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed: same seed and specs, same file.")] = 0,
+    tokenizer: Annotated[str, typer.Option(help="bytes (one token per byte: instant), default (SmolLM2) or a folder.")] = "bytes",
+) -> None:
+    """Write a seeded synthetic trace of the scenarios that make or break prompt caching."""
+    from rich.console import Console
+
+    from prefixcache.analysis.synth import DEFAULT_SCENARIO, parse_endpoint, synthesize
+
+    try:
+        specs = [parse_endpoint(s) for s in (endpoint or DEFAULT_SCENARIO)]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--endpoint") from None
+    with _progress() as prog:
+        task = prog.add_task("synthesizing", total=requests)
+        res = synthesize(out, specs, requests=None if duration else requests, duration_s=duration, seed=seed,
+                         tokenizer=tokenizer, progress=lambda k: prog.update(task, completed=k))
+    Console().print(f"wrote {res.requests:,} requests ({res.duration_s:,.0f} s of traffic) to {res.path}")
+    for p in res.planted:
+        Console().print(f"  planted: {p['kind']} in {p['endpoint']} at token {p['start_token']} ({p['at']})")
+
+
+def audit(
+    trace: Annotated[Path, typer.Argument(help="Trace file (JSONL v1).")],
+    ttl: Annotated[str, typer.Option(help="Cache TTL: 300, 5m, 1h.")] = "300",
+    html: Annotated[Path | None, typer.Option("--html", help="Write an HTML report with plots.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    plots: Annotated[Path | None, typer.Option(help="Also save the plots as PNG files in this folder.")] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="Tokenizer for text prompts and span decoding (default: the trace header's, else SmolLM2).")] = None,
+    block_size: Annotated[int, typer.Option(help="Tokens per cache block.")] = 16,
+    align: Annotated[int | None, typer.Option(help="Hits end on a multiple of this many tokens (the engine's prefill chunk).")] = None,
+    pricing: Annotated[str, typer.Option(help="anthropic | openai | self-hosted: prices savings and keep-warm.")] = "anthropic",
+    min_shared: Annotated[int, typer.Option(help="A busting span must sit above at least this many shared tokens.")] = 64,
+) -> None:
+    """Why the hit rate is what it is: cache-busting spans, prefix stability, TTL against traffic.
+
+    Per endpoint: achieved and achievable hit rate, divergence points, variable spans (timestamp,
+    uuid, hex_id, counter, other) above shared content with the tokens they cost, prefix versions,
+    reuse gaps against the TTL and keep-warm candidates.
+    """
+    from rich.console import Console
+
+    from prefixcache.analysis.audit import AuditConfig
+    from prefixcache.analysis.audit import audit as run_audit
+    from prefixcache.analysis.costs import parse_duration
+    from prefixcache.analysis.report import audit_html, print_audit, save_audit_plots, to_json
+
+    tr = _load(trace, tokenizer)
+    cfg = AuditConfig(ttl_s=parse_duration(ttl), block_size=block_size, align_tokens=align, pricing=pricing,
+                      tokenizer=tokenizer, min_shared_tokens=min_shared)
+    with _progress() as prog:
+        tasks: dict[str, int] = {}
+
+        def report(stage: str, k: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = prog.add_task(stage, total=len(tr.endpoints) if stage == "endpoints" else len(tr))
+            prog.update(tasks[stage], completed=k)
+
+        res = run_audit(tr, cfg, progress=report)
+    console = Console()
+    if json_out:
+        print(to_json(res.as_dict()))
+    else:
+        print_audit(res, console)
+    if html:
+        audit_html(res, html)
+        console.print(f"HTML report: {html}", style="dim")
+    if plots:
+        for p in save_audit_plots(res, plots):
+            console.print(f"plot: {p}", style="dim")
+
+
+def simulate(
+    trace: Annotated[Path, typer.Argument(help="Trace file (JSONL v1).")],
+    ttl: Annotated[str, typer.Option(help="Cache TTL: 300, 5m, 1h.")] = "300",
+    capacity: Annotated[str, typer.Option(help="Cache bytes per replica: 16GiB, 512MiB, inf.")] = "16GiB",
+    block_size: Annotated[int, typer.Option(help="Tokens per cache block.")] = 16,
+    align: Annotated[int | None, typer.Option(help="Hits end on a multiple of this many tokens (the engine's prefill chunk).")] = None,
+    replicas: Annotated[int, typer.Option(help="Number of replicas, each with its own cache.")] = 1,
+    routing: Annotated[str, typer.Option(help="round-robin | random | least-loaded | prefix-affinity | cache-aware")] = "round-robin",
+    keep_warm: Annotated[str | None, typer.Option(help="auto (the audit's candidates) or FILE (audit --json output, or lines endpoint=prefix_tokens).")] = None,
+    prefill_tps: Annotated[float | None, typer.Option(help="Prefill tokens/s (default: benchmarks/results/calibration.json, else 450).")] = None,
+    calibration: Annotated[Path, typer.Option(help="Calibration written by `prefixcache bench`.")] = Path("benchmarks/results/calibration.json"),
+    kv_bytes_per_token: Annotated[int | None, typer.Option(help="Cache bytes per token (default: SmolLM2 float32, 46,080).")] = None,
+    pricing: Annotated[list[str] | None, typer.Option(help="Pricing profile(s), repeatable: anthropic, openai, self-hosted.")] = None,
+    gpu_hour: Annotated[float, typer.Option(help="self-hosted: dollars per GPU-hour.")] = 2.0,
+    sweep: Annotated[str | None, typer.Option(help="ttl=60,300,900,3600 or capacity=1GiB,4GiB (also replicas=, block_size=).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    plot: Annotated[Path | None, typer.Option(help="With --sweep: save the curve as PNG.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the random routing.")] = 0,
+    tokenizer: Annotated[str | None, typer.Option(help="Tokenizer for text prompts.")] = None,
+) -> None:
+    """Replay a trace through the real PrefixCache on a simulated clock: hit rate, prefill, TTFT, cost.
+
+    What-if: another TTL, capacity, block size, replica count and routing policy, or keep-warm.
+    """
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from prefixcache.analysis.costs import PROFILES, cost_model, parse_duration, parse_size
+    from prefixcache.analysis.report import plot_sweep, print_sim, print_sweep, save_png, to_json
+    from prefixcache.analysis.simulate import ROUTINGS, SimConfig, load_keep_warm, parse_sweep
+    from prefixcache.analysis.simulate import simulate as run_sim
+    from prefixcache.analysis.simulate import sweep as run_sweep
+
+    if routing not in ROUTINGS:
+        raise typer.BadParameter(f"choose one of {', '.join(ROUTINGS)}", param_hint="--routing")
+    profiles = tuple(pricing or PROFILES)
+    for p in profiles:
+        if p not in PROFILES:
+            raise typer.BadParameter(f"{p!r}: choose from {', '.join(PROFILES)}", param_hint="--pricing")
+    model = cost_model(prefill_tps, calibration)
+    if kv_bytes_per_token:
+        model = replace(model, kv_bytes_per_token=kv_bytes_per_token)
+    tr = _load(trace, tokenizer)
+    cfg = SimConfig(ttl_s=parse_duration(ttl), capacity_bytes=parse_size(capacity), block_size=block_size,
+                    align_tokens=align, replicas=replicas, routing=routing, seed=seed, cost=model,
+                    pricing=profiles, gpu_hour=gpu_hour)
+    console = Console(stderr=json_out)
+    if keep_warm == "auto":
+        from prefixcache.analysis.audit import AuditConfig
+        from prefixcache.analysis.audit import audit as run_audit
+
+        a = run_audit(tr, AuditConfig(ttl_s=cfg.ttl_s, block_size=block_size, align_tokens=align, replay=False))
+        cfg.keep_warm = {e["endpoint"]: e["keep_warm_prefix_tokens"] for e in a.endpoints if e["keep_warm"]}
+        console.print(f"keep-warm (auto): {', '.join(cfg.keep_warm) or 'no endpoint qualifies'}")
+    elif keep_warm:
+        cfg.keep_warm = load_keep_warm(keep_warm, tr)
+    with _progress() as prog:
+        if sweep:
+            try:
+                name, raw = parse_sweep(sweep)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--sweep") from None
+            field, conv = {"ttl": ("ttl_s", parse_duration), "capacity": ("capacity_bytes", parse_size),
+                           "replicas": ("replicas", int), "block_size": ("block_size", int)}[name]
+            values = [conv(v) for v in raw]
+            results = []
+            for label, v in zip(raw, values, strict=True):
+                task = prog.add_task(f"{name}={label}", total=len(tr))
+                results.extend(run_sweep(tr, cfg, field, [v], progress=lambda k, t=task: prog.update(t, completed=k)))
+                prog.update(task, completed=len(tr))
+        else:
+            task = prog.add_task("simulating", total=len(tr))
+            results = [run_sim(tr, cfg, progress=lambda k: prog.update(task, completed=k))]
+    if json_out:
+        out = [r.as_dict() for r in results]
+        print(to_json({"sweep": sweep, "results": out} if sweep else out[0]))
+    elif sweep:
+        print_sweep(name, raw, results, console)
+    else:
+        print_sim(results[0], console)
+    if plot:
+        if not sweep:
+            raise typer.BadParameter("--plot draws a sweep's curve: add --sweep ttl=60,300,900", param_hint="--plot")
+        save_png(plot_sweep(name, raw, [float(v) for v in values], results), plot)
+        console.print(f"plot: {plot}", style="dim")
 
 
 def register(app: typer.Typer) -> None:
     """Add this layer's commands to the root app."""
+    app.add_typer(trace_app, name="trace")
+    app.command("audit")(audit)
+    app.command("simulate")(simulate)

@@ -1,0 +1,348 @@
+"""Why a trace's hit rate is what it is: busting spans, prefix stability, TTL versus traffic.
+
+One pass over the trace computes, per request, its chained block keys (shared segments are
+hashed once: :class:`KeyChains` resumes a chain from a cached state) and three prefix depths,
+each by binary search over the keys (a set of chains is prefix-closed, so "block j is present"
+is monotone in j):
+
+* achievable: the longest prefix any earlier request of the same tenant had (unbounded cache,
+  no TTL);
+* within TTL: the part of that prefix used within the last TTL seconds (what expiry leaves);
+* endpoint divergence: the longest prefix shared with an earlier request of the same endpoint,
+  refined to the first differing token against that request.
+
+The achieved hit rate comes from the trace's ``cached_tokens`` when every line has it, else from
+replaying the trace through the real PrefixCache (:func:`~prefixcache.analysis.simulate.simulate`,
+unbounded capacity, the given TTL). Work per request is O(blocks) hashing for unshared content
+plus O(log blocks) lookups: never proportional to the cache or trace size.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import repeat
+from typing import Any
+
+import numpy as np
+
+from prefixcache.analysis.costs import pricing_profile
+from prefixcache.analysis.simulate import SimConfig, simulate
+from prefixcache.analysis.spans import Pair, find_busting
+from prefixcache.analysis.trace import Trace, load_tokenizer
+from prefixcache.cache import Namespace, block_keys, model_fingerprint
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class AuditConfig:
+    ttl_s: float = 300.0
+    block_size: int = 16
+    align_tokens: int | None = None
+    min_shared_tokens: int = 64  # a busting span must sit above this much shared content
+    sample_pairs: int = 48  # pairs per endpoint examined for busting spans
+    pricing: str = "anthropic"
+    tokenizer: str | None = None  # overrides the trace header's
+    stable_quantile: float = 10.0  # percentile of shared depth taken as an endpoint's stable prefix
+    version_min_share: float = 0.01  # a prefix version must serve this share of requests (and 2)
+    fingerprint: str = model_fingerprint("audit", "float32", 16)
+    replay: bool = True  # False: skip the PrefixCache replay (achieved = trace's cached_tokens or 0)
+
+
+class KeyChains:
+    """Block keys of ``parts`` tuples, resuming from cached chain states of their prefixes.
+
+    A state is (keys so far, leftover tokens short of a block). States of proper prefixes are
+    kept (FIFO, at most ``max_states``), so a system prompt shared by many requests is hashed once.
+    """
+
+    def __init__(self, segments: list[np.ndarray], block_size: int, max_states: int = 50_000) -> None:
+        self.segments = segments
+        self.B = block_size
+        self.max_states = max_states
+        self._states: dict[tuple[bytes, tuple[int, ...]], tuple[list[bytes], np.ndarray]] = {}
+        self._empty = np.zeros(0, dtype=np.uint32)
+
+    def keys(self, root: bytes, parts: tuple[int, ...]) -> list[bytes]:
+        states = self._states
+        k = len(parts) - 1
+        state = None
+        while k > 0:
+            state = states.get((root, parts[:k]))
+            if state is not None:
+                break
+            k -= 1
+        keys, tail = state if state is not None else ([], self._empty)
+        for j in range(k, len(parts)):
+            keys, tail = self._extend(root, keys, tail, self.segments[parts[j]])
+            if j < len(parts) - 1:
+                if len(states) >= self.max_states:
+                    del states[next(iter(states))]
+                states[(root, parts[: j + 1])] = (keys, tail)
+        return keys
+
+    def _extend(self, root: bytes, keys: list[bytes], tail: np.ndarray, seg: np.ndarray) -> tuple[list[bytes], np.ndarray]:
+        data = np.concatenate((tail, seg)) if len(tail) else seg
+        full = len(data) // self.B
+        if not full:
+            return keys, data
+        new = block_keys(data, keys[-1] if keys else root, self.B, limit=full)
+        return keys + new, data[full * self.B :]
+
+
+def _depth(keys: list[bytes], present: Any) -> int:
+    """Largest m with keys[:m] all in ``present`` (prefix-closed), by binary search."""
+    lo, hi = 0, len(keys)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if keys[mid - 1] in present:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _depth_since(keys: list[bytes], last: dict[bytes, float], since: float) -> int:
+    """Largest m with every keys[:m] used after ``since`` (last-use times shrink along a chain)."""
+    lo, hi = 0, len(keys)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if last.get(keys[mid - 1], -np.inf) > since:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass(slots=True)
+class AuditResult:
+    """Per-request arrays (for plots) and the per-endpoint findings (``endpoints``)."""
+
+    config: AuditConfig
+    ts: np.ndarray
+    endpoint: np.ndarray
+    prompt_tokens: np.ndarray
+    achieved: np.ndarray  # cached tokens (trace or replay)
+    achievable: np.ndarray
+    diverge: np.ndarray  # first differing token vs the most similar earlier request (-1: none)
+    gap_s: np.ndarray  # seconds since the achievable prefix was last used (NaN: no prefix)
+    endpoints: list[dict[str, Any]]
+    endpoint_names: list[str]
+    achieved_source: str
+    hit_rate: float = 0.0
+    achievable_hit_rate: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "requests": len(self.ts),
+            "ttl_s": self.config.ttl_s,
+            "block_size": self.config.block_size,
+            "hit_rate": self.hit_rate,
+            "achievable_hit_rate": self.achievable_hit_rate,
+            "achieved_source": self.achieved_source,
+            "endpoints": self.endpoints,
+            "notes": self.notes,
+        }
+
+
+def audit(trace: Trace, cfg: AuditConfig, *, progress: Callable[[str, int], None] | None = None) -> AuditResult:
+    """Audit ``trace`` (contract in the module docstring). ``progress(stage, done)`` reports."""
+    B = cfg.block_size
+    align = cfg.align_tokens or B
+    n = len(trace)
+    roots = [Namespace.create(cfg.fingerprint, tenant=t, salt=f"tenant:{t}").root for t in trace.tenants]
+    chains = KeyChains(trace.segments, B)
+    last_use: list[dict[bytes, float]] = [{} for _ in trace.tenants]
+    first_in_ep: list[dict[bytes, int]] = [{} for _ in trace.endpoints]
+    ep_first_req = [-1] * len(trace.endpoints)
+    achievable = np.zeros(n, dtype=np.int64)
+    within_ttl = np.zeros(n, dtype=np.int64)
+    ep_depth = np.zeros(n, dtype=np.int64)
+    diverge = np.full(n, -1, dtype=np.int64)
+    ref = np.full(n, -1, dtype=np.int64)
+    gap = np.full(n, np.nan)
+    ttl = cfg.ttl_s
+    # Versions: an endpoint's stable depth is fixed from its first requests, then each request's
+    # key at that depth names its prefix version.
+    probe_keys: list[list[tuple[int, list[bytes]]]] = [[] for _ in trace.endpoints]
+    stable: list[int | None] = [None] * len(trace.endpoints)
+    versions: list[dict[bytes, dict[str, Any]]] = [{} for _ in trace.endpoints]
+
+    def add_version(e: int, i: int, keys: list[bytes]) -> None:
+        d = stable[e]
+        if not d or len(keys) < d:
+            return
+        v = versions[e].get(keys[d - 1])
+        t = float(trace.ts[i])
+        if v is None:
+            versions[e][keys[d - 1]] = {"first_ts": t, "last_ts": t, "requests": 1}
+        else:
+            v["last_ts"] = t
+            v["requests"] += 1
+
+    def fix_stable(e: int) -> None:
+        depths = [int(ep_depth[i]) for i, _ in probe_keys[e] if ep_depth[i] > 0]
+        stable[e] = int(np.percentile(depths, cfg.stable_quantile, method="lower")) if depths else 0
+        for i, keys in probe_keys[e]:
+            add_version(e, i, keys)
+        probe_keys[e] = []
+
+    for i in range(n):
+        t = float(trace.ts[i])
+        ten, e = int(trace.tenant[i]), int(trace.endpoint[i])
+        keys = chains.keys(roots[ten], trace.parts[i])
+        cap = (max(int(trace.prompt_tokens[i]) - 1, 0) // align) * align // B
+        last = last_use[ten]
+        m = _depth(keys, last)
+        if m:
+            gap[i] = t - last[keys[m - 1]]
+            mt = _depth_since(keys[:m], last, t - ttl)
+            within_ttl[i] = (min(mt, cap) * B // align) * align
+        achievable[i] = (min(m, cap) * B // align) * align
+        last.update(zip(keys, repeat(t)))
+        first = first_in_ep[e]
+        me = _depth(keys, first)
+        ep_depth[i] = me
+        r = first[keys[me - 1]] if me else ep_first_req[e]
+        if r >= 0:
+            ref[i] = r
+            diverge[i] = _first_diff(trace.tokens(i), trace.tokens(r), me * B)
+        else:
+            ep_first_req[e] = i
+        first.update(zip(keys[me:], repeat(i)))
+        if stable[e] is None:
+            probe_keys[e].append((i, keys))
+            if len(probe_keys[e]) >= 200:
+                fix_stable(e)
+        else:
+            add_version(e, i, keys)
+        if progress is not None and i % 5000 == 0:
+            progress("scan", i)
+    for e in range(len(trace.endpoints)):
+        if stable[e] is None:
+            fix_stable(e)
+
+    if bool(trace.has_cached.all()) or not cfg.replay:
+        achieved, source = trace.cached_tokens.astype(np.int64), "trace cached_tokens"
+    else:
+        sim = simulate(
+            trace,
+            SimConfig(ttl_s=ttl, capacity_bytes=1 << 62, block_size=B, align_tokens=cfg.align_tokens,
+                      replicas=1, pricing=()),
+            progress=(lambda k: progress("replay", k)) if progress else None,
+        )
+        achieved, source = sim.cached, f"replay through PrefixCache (TTL {ttl:g} s, unbounded capacity)"
+
+    pricing = pricing_profile(cfg.pricing)
+    tok_cache: list[Any] = []
+
+    def tok_loader() -> Any:
+        if not tok_cache:
+            tok_cache.append(load_tokenizer(cfg.tokenizer or trace.tokenizer))
+        return tok_cache[0]
+
+    rows = []
+    for e, name in enumerate(trace.endpoints):
+        idx = np.flatnonzero(trace.endpoint == e)
+        rows.append(_endpoint_row(
+            trace, cfg, e, name, idx, achieved, achievable, within_ttl, diverge, ref, gap, stable[e] or 0,
+            versions[e], pricing, tok_loader,
+        ))
+        if progress is not None:
+            progress("endpoints", e + 1)
+    q = int(trace.prompt_tokens.sum())
+    return AuditResult(
+        config=cfg, ts=trace.ts, endpoint=trace.endpoint, prompt_tokens=trace.prompt_tokens, achieved=achieved,
+        achievable=achievable, diverge=diverge, gap_s=gap, endpoints=rows, endpoint_names=list(trace.endpoints),
+        achieved_source=source, hit_rate=float(achieved.sum() / q) if q else 0.0,
+        achievable_hit_rate=float(achievable.sum() / q) if q else 0.0,
+    )
+
+
+def _first_diff(a: np.ndarray, b: np.ndarray, start: int) -> int:
+    """First index >= start where a and b differ (equal before start), or the shorter length."""
+    n = min(len(a), len(b))
+    s = min(start, n)
+    neq = np.flatnonzero(a[s:n] != b[s:n])
+    return s + int(neq[0]) if len(neq) else n
+
+
+def _endpoint_row(
+    trace: Trace, cfg: AuditConfig, e: int, name: str, idx: np.ndarray, achieved: np.ndarray,
+    achievable: np.ndarray, within_ttl: np.ndarray, diverge: np.ndarray, ref: np.ndarray, gap: np.ndarray,
+    stable_blocks: int, versions: dict[bytes, dict[str, Any]], pricing: Any, tok_loader: Callable[[], Any],
+) -> dict[str, Any]:
+    B, ttl = cfg.block_size, cfg.ttl_s
+    q = int(trace.prompt_tokens[idx].sum())
+    base = pricing.input_per_mtok / 1e6
+    # Busting: a sample of (request, its most similar earlier request) pairs, spread over time.
+    cand = idx[ref[idx] >= 0]
+    pick = cand[np.linspace(0, len(cand) - 1, min(cfg.sample_pairs, len(cand))).astype(int)] if len(cand) else cand
+    pairs = [Pair(int(i), float(trace.ts[i]), trace.tokens(int(i)), trace.tokens(int(ref[i])), int(diverge[i])) for i in pick]
+    findings = find_busting(pairs, tok_loader, min_shared=cfg.min_shared_tokens)
+    busting = [f.as_dict(len(idx), len(pairs)) for f in findings]
+    for b in busting:
+        b["saving_usd_if_moved_below"] = b["saving_tokens_if_moved_below"] * (pricing.write_mult - pricing.read_mult) * base
+    # Prefix stability.
+    min_req = max(2, int(cfg.version_min_share * len(idx)))
+    vs = sorted((v for v in versions.values() if v["requests"] >= min_req), key=lambda v: v["first_ts"])
+    prefix_tokens = stable_blocks * B
+    on_dominant = max((v["requests"] for v in vs), default=0)
+    for v in vs:
+        v["share"] = v["requests"] / len(idx)
+        v["change_cost_tokens"] = prefix_tokens  # one cold prefill of the new prefix per replica
+        v["change_cost_usd"] = prefix_tokens * pricing.write_mult * base
+    # TTL versus traffic.
+    g = gap[idx]
+    has_prefix = np.isfinite(g)
+    # Lost to expiry: the TTL took at least half of what an unbounded cache would have served
+    # (a one-block coincidence, say two uuids sharing their first hex digits, is not a loss).
+    lost = achievable[idx] - within_ttl[idx]
+    expired = (lost * 2 > achievable[idx]) & (lost >= 2 * B)
+    lost_tokens = int(lost[expired].sum())
+    # Keep-warm: one refresh per TTL of idle time between requests, against the misses it saves.
+    ts = trace.ts[idx]
+    idle = np.diff(ts) if len(ts) > 1 else np.zeros(0)
+    refreshes = int(np.floor(idle / ttl).sum())
+    refresh_cost = refreshes * prefix_tokens * pricing.read_mult
+    saved = lost_tokens * (pricing.write_mult - pricing.read_mult) if pricing.name != "self-hosted" else lost_tokens
+    keep_warm = bool(prefix_tokens > 0 and saved > refresh_cost and lost_tokens > 0)
+    dv = diverge[idx]
+    dv = dv[dv >= 0]
+    hist_edges = np.unique(np.linspace(0, max(int(dv.max()) if len(dv) else 1, 1), 31).astype(int))
+    counts, _ = np.histogram(dv, bins=hist_edges) if len(dv) else (np.zeros(len(hist_edges) - 1), None)
+    return {
+        "endpoint": name,
+        "tenants": sorted({trace.tenants[int(t)] for t in np.unique(trace.tenant[idx])}),
+        "requests": len(idx),
+        "prompt_tokens": q,
+        "hit_rate": float(achieved[idx].sum() / q) if q else 0.0,
+        "achievable_hit_rate": float(achievable[idx].sum() / q) if q else 0.0,
+        "divergence": {
+            "p10": float(np.percentile(dv, 10)) if len(dv) else None,
+            "p50": float(np.percentile(dv, 50)) if len(dv) else None,
+            "p90": float(np.percentile(dv, 90)) if len(dv) else None,
+            "histogram": {"edges": hist_edges.tolist(), "counts": [int(c) for c in counts]},
+        },
+        "busting": busting,
+        "stable_prefix_tokens": prefix_tokens,
+        "prefix_versions": len(vs),
+        "dominant_prefix_share": on_dominant / len(idx) if len(idx) else 0.0,
+        "versions": [{k: v[k] for k in ("first_ts", "last_ts", "requests", "share", "change_cost_tokens", "change_cost_usd")} for v in vs],
+        "ttl_s": ttl,
+        "reuse_gap_s": {
+            "p50": float(np.percentile(g[has_prefix], 50)) if has_prefix.any() else None,
+            "p90": float(np.percentile(g[has_prefix], 90)) if has_prefix.any() else None,
+            "over_ttl_share": float(expired.sum() / has_prefix.sum()) if has_prefix.any() else 0.0,
+        },
+        "ttl_expired_requests": int(expired.sum()),
+        "ttl_lost_tokens": lost_tokens,
+        "keep_warm": keep_warm,
+        "keep_warm_prefix_tokens": prefix_tokens,
+        "keep_warm_refreshes": refreshes,
+        "keep_warm_cost_tokens": refresh_cost,
+        "keep_warm_saved_tokens": saved,
+    }

@@ -1,0 +1,292 @@
+"""Reports: rich terminal tables, a self-contained HTML page (PNG plots embedded as base64), and
+PNG files. matplotlib runs on the Agg backend and is imported only when a plot is drawn.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from prefixcache.analysis.audit import AuditResult
+    from prefixcache.analysis.simulate import SimResult
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _fig(w: float = 9, h: float = 3.6) -> Figure:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(w, h), dpi=100, layout="constrained")
+
+
+def _png(fig: Figure) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+# ------------------------------------------------------------------------------------ audit
+def print_audit(res: AuditResult, console: Console) -> None:
+    """The audit as tables: overview, busting spans, stability and TTL, keep-warm."""
+    console.print(
+        f"[bold]Audit[/bold] {len(res.ts):,} requests, TTL {res.config.ttl_s:g} s, block {res.config.block_size}: "
+        f"hit rate [bold]{_pct(res.hit_rate)}[/bold] of an achievable {_pct(res.achievable_hit_rate)} "
+        f"[dim](achieved from {res.achieved_source})[/dim]"
+    )
+    t = Table(title="Endpoints", title_justify="left")
+    for col in ("endpoint", "requests", "hit rate", "achievable", "diverge p50", "stable prefix", "versions",
+                "dominant", "reuse gap p50", "lost to TTL", "keep warm"):
+        t.add_column(col, justify="left" if col == "endpoint" else "right")
+    for e in res.endpoints:
+        gp = e["reuse_gap_s"]["p50"]
+        t.add_row(
+            e["endpoint"], f"{e['requests']:,}", _pct(e["hit_rate"]), _pct(e["achievable_hit_rate"]),
+            "-" if e["divergence"]["p50"] is None else f"{e['divergence']['p50']:.0f}",
+            f"{e['stable_prefix_tokens']:,}", str(e["prefix_versions"]), _pct(e["dominant_prefix_share"]),
+            "-" if gp is None else f"{gp:.1f} s", f"{e['ttl_expired_requests']:,}",
+            "[green]yes[/green]" if e["keep_warm"] else "no",
+        )
+    console.print(t)
+    spans = [(e["endpoint"], b) for e in res.endpoints for b in e["busting"]]
+    if spans:
+        bt = Table(title="Cache-busting spans (variable content above shared content)", title_justify="left")
+        for col in ("endpoint", "token", "length", "kind", "example", "tokens lost/request", "saving if moved below"):
+            bt.add_column(col)
+        for name, b in spans:
+            bt.add_row(
+                name, str(b["start_token"]), str(b["length_tokens"]), f"[bold red]{b['kind']}[/bold red]",
+                (b["examples"] or [""])[0][:40], f"{b['tokens_lost_per_request']:,.0f}",
+                f"{b['saving_tokens_if_moved_below']:,.0f} tok (${b['saving_usd_if_moved_below']:,.2f})",
+            )
+        console.print(bt)
+        console.print("[yellow]Fix:[/yellow] move each variable value below the stable content (end of the prompt).")
+    else:
+        console.print("[green]No cache-busting spans found.[/green]")
+    for e in res.endpoints:
+        if e["prefix_versions"] > 5:
+            span = e["versions"][-1]["first_ts"] - e["versions"][0]["first_ts"]
+            console.print(f"[bold]{e['endpoint']}[/bold]: {e['prefix_versions']} prefix versions, one every "
+                          f"~{span / (e['prefix_versions'] - 1):,.0f} s: the stable prefix keeps changing.")
+        elif e["prefix_versions"] > 1:
+            vs = ", ".join(f"{v['requests']:,} req from ts {v['first_ts']:.0f}" for v in e["versions"])
+            console.print(f"[bold]{e['endpoint']}[/bold]: {e['prefix_versions']} prefix versions ({vs}); "
+                          f"each change re-prefills {e['stable_prefix_tokens']:,} tokens per replica.")
+        if e["keep_warm"]:
+            console.print(
+                f"[bold]{e['endpoint']}[/bold]: keep warm: {e['keep_warm_refreshes']:,} refreshes of "
+                f"{e['keep_warm_prefix_tokens']:,} tokens cost {e['keep_warm_cost_tokens']:,.0f} token-equivalents, "
+                f"save {e['keep_warm_saved_tokens']:,.0f} ({e['ttl_expired_requests']:,} requests lost to the TTL)."
+            )
+
+
+def plot_hit_rate_over_time(res: AuditResult, bins: int = 60) -> Figure:
+    fig = _fig()
+    ax = fig.add_subplot()
+    t0, t1 = float(res.ts[0]), float(res.ts[-1])
+    edges = np.linspace(t0, t1 + 1e-9, bins + 1)
+    centers = (edges[:-1] + edges[1:]) / 2 - t0
+    scale, unit = (3600.0, "h") if t1 - t0 > 7200 else (60.0, "min")
+    for e, name in enumerate(res.endpoint_names):
+        m = res.endpoint == e
+        b = np.digitize(res.ts[m], edges) - 1
+        q = np.bincount(b, weights=res.prompt_tokens[m], minlength=bins)[:bins]
+        h = np.bincount(b, weights=res.achieved[m], minlength=bins)[:bins]
+        ok = q > 0
+        ax.plot(centers[ok] / scale, 100 * h[ok] / q[ok], marker=".", label=name)
+    ax.set_xlabel(f"time since start ({unit})")
+    ax.set_ylabel("hit rate (% of prompt tokens)")
+    ax.set_ylim(-2, 102)
+    ax.set_title("Hit rate over time per endpoint")
+    ax.legend(fontsize="small", ncols=2)
+    return fig
+
+
+def plot_gaps(res: AuditResult) -> Figure:
+    fig = _fig()
+    ax = fig.add_subplot()
+    g = res.gap_s
+    ok = np.isfinite(g) & (g > 0)
+    if ok.any():
+        edges = np.logspace(np.log10(max(g[ok].min(), 1e-3)), np.log10(g[ok].max() * 1.01 + 1e-3), 40)
+        for e, name in enumerate(res.endpoint_names):
+            m = ok & (res.endpoint == e)
+            if m.any():
+                ax.hist(g[m], bins=edges, histtype="step", linewidth=1.5, label=name)
+        ax.set_xscale("log")
+    ax.axvline(res.config.ttl_s, color="red", linestyle="--", label=f"TTL {res.config.ttl_s:g} s")
+    ax.set_xlabel("seconds since the prefix was last used")
+    ax.set_ylabel("requests")
+    ax.set_title("Reuse gaps against the TTL (right of the line: expired)")
+    ax.legend(fontsize="small", ncols=2)
+    return fig
+
+
+def plot_divergence(res: AuditResult) -> Figure:
+    fig = _fig()
+    ax = fig.add_subplot()
+    d = res.diverge
+    ok = d >= 0
+    if ok.any():
+        edges = np.linspace(0, d[ok].max() + 1, 50)
+        for e, name in enumerate(res.endpoint_names):
+            m = ok & (res.endpoint == e)
+            if m.any():
+                ax.hist(d[m], bins=edges, histtype="step", linewidth=1.5, label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("first token that differs from the most similar earlier request")
+    ax.set_ylabel("requests")
+    ax.set_title("Divergence points (early = little shared)")
+    ax.legend(fontsize="small", ncols=2)
+    return fig
+
+
+AUDIT_PLOTS = {"hit_rate_over_time": plot_hit_rate_over_time, "reuse_gaps": plot_gaps, "divergence": plot_divergence}
+
+
+def save_audit_plots(res: AuditResult, folder: str | Path, prefix: str = "audit_") -> list[Path]:
+    out = []
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for name, fn in AUDIT_PLOTS.items():
+        p = Path(folder) / f"{prefix}{name}.png"
+        p.write_bytes(_png(fn(res)))
+        out.append(p)
+    return out
+
+
+def audit_html(res: AuditResult, path: str | Path) -> Path:
+    """A self-contained HTML report: summary, tables, embedded PNG plots, the JSON."""
+    d = res.as_dict()
+    imgs = "".join(
+        f'<h2>{html.escape(name.replace("_", " "))}</h2><img alt="{name}" src="data:image/png;base64,'
+        f'{base64.b64encode(_png(fn(res))).decode()}">'
+        for name, fn in AUDIT_PLOTS.items()
+    )
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in (
+            e["endpoint"], e["requests"], _pct(e["hit_rate"]), _pct(e["achievable_hit_rate"]),
+            len(e["busting"]), e["prefix_versions"], e["ttl_expired_requests"], "yes" if e["keep_warm"] else "no",
+        )) + "</tr>"
+        for e in res.endpoints
+    )
+    spans = "".join(
+        f"<li><b>{html.escape(e['endpoint'])}</b>: {html.escape(b['kind'])} at token {b['start_token']} "
+        f"({b['length_tokens']} tokens, e.g. <code>{html.escape((b['examples'] or [''])[0])}</code>): "
+        f"{b['tokens_lost_per_request']:,.0f} tokens lost per request</li>"
+        for e in res.endpoints for b in e["busting"]
+    ) or "<li>none found</li>"
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>prefixcache audit</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1000px;background:#fff;color:#222}}
+table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}
+th{{background:#eef}} img{{max-width:100%;border:1px solid #ddd}} .big{{font-size:1.4em}}</style></head><body>
+<h1>prefixcache audit</h1>
+<p class="big">{len(res.ts):,} requests &middot; TTL {res.config.ttl_s:g} s &middot; hit rate
+<b>{_pct(res.hit_rate)}</b> of an achievable <b>{_pct(res.achievable_hit_rate)}</b></p>
+<p>Achieved from: {html.escape(res.achieved_source)}</p>
+<table><tr><th>endpoint</th><th>requests</th><th>hit rate</th><th>achievable</th><th>busting spans</th>
+<th>prefix versions</th><th>lost to TTL</th><th>keep warm</th></tr>{rows}</table>
+<h2>Cache-busting spans</h2><ul>{spans}</ul>
+{imgs}
+<h2>JSON</h2><pre>{html.escape(json.dumps(d, indent=1, default=str)[:20000])}</pre>
+</body></html>"""
+    p = Path(path)
+    p.write_text(page, encoding="utf-8")
+    return p
+
+
+# ------------------------------------------------------------------------------- simulate
+def print_sim(res: SimResult, console: Console) -> None:
+    c = res.config
+    d = res.as_dict()
+    console.print(
+        f"[bold]Simulation[/bold] {d['requests']:,} requests, TTL {c.ttl_s:g} s, capacity "
+        f"{c.capacity_bytes / 2**30:,.1f} GiB x {c.replicas} replica(s), routing {c.routing}, block {c.block_size}"
+        + (f", keep-warm {', '.join(c.keep_warm)}" if c.keep_warm else "")
+    )
+    t = Table(show_header=False)
+    t.add_row("hit rate", f"[bold]{_pct(res.hit_rate)}[/bold]")
+    t.add_row("prompt / cached / prefilled tokens", f"{d['prompt_tokens']:,} / {d['cached_tokens']:,} / {d['prefilled_tokens']:,}")
+    t.add_row("prefill time", f"{d['prefill_s']:,.0f} s at {c.cost.prefill_tps:g} tok/s ({c.cost.source})")
+    tt = d["ttft_s"]
+    t.add_row("estimated TTFT", f"mean {tt['mean']:.2f} s, p50 {tt['p50']:.2f} s, p95 {tt['p95']:.2f} s")
+    if c.keep_warm:
+        t.add_row("keep-warm refreshes", f"{res.keep_warm_refreshes:,} ({d['keep_warm_read_tokens']:,} tokens read)")
+    console.print(t)
+    et = Table(title="Per endpoint", title_justify="left")
+    for col in ("endpoint", "requests", "hit rate", "TTFT p50", "TTFT p95"):
+        et.add_column(col, justify="left" if col == "endpoint" else "right")
+    for e in res.endpoints:
+        et.add_row(e["endpoint"], f"{e['requests']:,}", _pct(e["hit_rate"]), f"{e['ttft_s']['p50']:.2f} s", f"{e['ttft_s']['p95']:.2f} s")
+    console.print(et)
+    if c.replicas > 1:
+        rt = Table(title="Per replica", title_justify="left")
+        for col in ("replica", "requests", "hit rate", "blocks", "evictions (capacity/ttl)"):
+            rt.add_column(col, justify="right")
+        for r in res.replicas:
+            ev = r["evictions"]
+            rt.add_row(str(r["replica"]), f"{r['requests']:,}", _pct(r["hit_rate"]), f"{r['blocks']:,}",
+                       f"{ev.get('capacity', 0):,}/{ev.get('ttl', 0):,}")
+        console.print(rt)
+    ct = Table(title="Cost", title_justify="left")
+    for col in ("pricing", "input", "cache writes", "cache reads", "output", "keep-warm", "total", "without cache", "saving"):
+        ct.add_column(col, justify="right")
+    for x in res.costs:
+        ct.add_row(x.profile, *(f"${v:,.2f}" for v in (x.input_usd, x.cache_write_usd, x.cache_read_usd, x.output_usd,
+                                                       x.keep_warm_usd, x.total_usd, x.no_cache_usd)), _pct(x.saving))
+    console.print(ct)
+
+
+def print_sweep(name: str, labels: list[str], results: list[SimResult], console: Console) -> None:
+    t = Table(title=f"Sweep over {name}", title_justify="left")
+    for col in ("value", "hit rate", "prefilled tokens", "TTFT p50", "TTFT p95", *[f"{p} $" for p in results[0].config.pricing]):
+        t.add_column(col, justify="right")
+    for label, r in zip(labels, results, strict=True):
+        d = r.as_dict()
+        t.add_row(label, _pct(r.hit_rate), f"{d['prefilled_tokens']:,}", f"{d['ttft_s']['p50']:.2f} s",
+                  f"{d['ttft_s']['p95']:.2f} s", *(f"{x.total_usd:,.2f}" for x in r.costs))
+    console.print(t)
+
+
+def plot_sweep(name: str, labels: list[str], values: list[float], results: list[SimResult]) -> Figure:
+    fig = _fig(8, 4)
+    ax = fig.add_subplot()
+    ax.plot(values, [100 * r.hit_rate for r in results], marker="o", color="tab:blue", label="hit rate")
+    ax.set_xscale("log")
+    ax.set_xticks(values, labels)
+    ax.set_xlabel(name)
+    ax.set_ylabel("hit rate (%)", color="tab:blue")
+    ax.set_ylim(0, 100)
+    if results[0].costs:
+        ax2 = ax.twinx()
+        for k, prof in enumerate(results[0].config.pricing):
+            ax2.plot(values, [r.costs[k].total_usd for r in results], marker="s", linestyle="--", label=f"{prof} $")
+        ax2.set_ylabel("cost ($)")
+        ax2.legend(loc="lower right", fontsize="small")
+    ax.set_title(f"Hit rate and cost against {name}")
+    return fig
+
+
+def save_png(fig: Figure, path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(_png(fig))
+    return p
+
+
+def to_json(obj: Any) -> str:
+    return json.dumps(obj, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o))
