@@ -153,8 +153,8 @@ def find_busting(
         if f is None:
             f = groups[(kind, t0)] = Finding(kind, t0, max(t1 - t0, 1))
         f.length_tokens = max(f.length_tokens, t1 - t0)
-        # Everything from the value's start down to the end of the shared region was reusable.
-        f.shared_after.append(shared + (p.diverge + sb - t0))
+        # The shared run below the span is what the span keeps out of the cache.
+        f.shared_after.append(shared)
         f.examples.append((p.ts, value))
     need = max(2, int(min_share * len(pairs)))
     out = [f for f in groups.values() if len(f.shared_after) >= need]

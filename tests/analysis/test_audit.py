@@ -1,0 +1,88 @@
+"""The audit on synthetic traces whose answers are known (planted spans, fixed gaps)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from analysis_traces import fixed_gap_trace, make_trace
+
+from prefixcache.analysis.audit import AuditConfig, audit
+from prefixcache.analysis.trace import load_trace
+
+
+def _row(res, name: str) -> dict:
+    return next(e for e in res.endpoints if e["endpoint"] == name)
+
+
+@pytest.mark.parametrize(
+    ("kind", "at", "expected_kind"),
+    [("timestamp", "top", "timestamp"), ("uuid", "middle", "uuid"), ("counter", "top", "counter"),
+     ("hex_id", "middle", "hex_id"), ("epoch", "top", "timestamp")],
+)
+def test_planted_busting_span_is_found_at_its_position(tmp_path: Path, kind: str, at: str, expected_kind: str) -> None:
+    p = make_trace(tmp_path / "t.jsonl", [f"ep:rate=2,system=600,bust={kind},bust_at={at}"], 300)
+    trace = load_trace(p)
+    planted = trace.header["planted"][0]
+    res = audit(trace, AuditConfig(replay=False))
+    busting = _row(res, "ep")["busting"]
+    assert len(busting) == 1, busting
+    b = busting[0]
+    assert b["kind"] == expected_kind
+    assert b["start_token"] == planted["start_token"]  # the byte tokenizer makes positions exact
+    assert b["length_tokens"] == max(len(x) for x in b["examples"])  # one byte, one token
+    # What sits below the value is the rest of the system prompt (and a little of its own line).
+    below = 600 if at == "top" else 300
+    assert below <= b["tokens_lost_per_request"] <= below + 40
+    assert len(b["examples"]) == 3 and len(set(b["examples"])) == 3
+
+
+def test_clean_trace_has_no_busting_finding(tmp_path: Path) -> None:
+    p = make_trace(tmp_path / "t.jsonl", ["a:rate=2,system=800", "b:rate=1,system=500,turns=3", "c:rate=1,system=300,deploys=100"], 600)
+    res = audit(load_trace(p), AuditConfig(replay=False))
+    assert all(e["busting"] == [] for e in res.endpoints)
+    assert _row(res, "c")["prefix_versions"] == 2  # one deploy: two versions
+    assert _row(res, "a")["prefix_versions"] == 1 and _row(res, "a")["dominant_prefix_share"] == 1.0
+
+
+def test_ttl_shorter_than_gaps_quiet_endpoint_near_zero_busy_near_full(tmp_path: Path) -> None:
+    trace = load_trace(fixed_gap_trace(tmp_path / "g.jsonl"))
+    res = audit(trace, AuditConfig(ttl_s=300))  # replay through the real PrefixCache
+    busy, quiet = _row(res, "busy"), _row(res, "quiet")
+    # quiet: every gap (900 s) exceeds the TTL, so nothing is ever served from the cache.
+    assert quiet["hit_rate"] == 0.0
+    assert quiet["achievable_hit_rate"] == pytest.approx(7 * 1024 / (8 * 1056))
+    assert quiet["ttl_expired_requests"] == 7
+    assert quiet["keep_warm"] is True and quiet["keep_warm_prefix_tokens"] == 1024
+    # busy: 1 s gaps; all but the first request read the 1,024-token system prompt (64 blocks).
+    assert busy["hit_rate"] == pytest.approx(199 * 1024 / (200 * 1056))
+    assert busy["ttl_expired_requests"] == 0 and busy["keep_warm"] is False
+    assert busy["divergence"]["p50"] == 1024
+
+
+def test_achieved_comes_from_trace_when_measured(tmp_path: Path) -> None:
+    from prefixcache.analysis.trace import TraceWriter
+
+    p = tmp_path / "m.jsonl"
+    with TraceWriter(p) as w:
+        for i in range(4):
+            w.request(float(i), tokens=list(range(100)) + [i], cached_tokens=48 if i else 0)
+    res = audit(load_trace(p), AuditConfig())
+    assert res.achieved_source == "trace cached_tokens"
+    assert res.hit_rate == pytest.approx(3 * 48 / (4 * 101))
+    assert res.achievable_hit_rate == pytest.approx(3 * 96 / (4 * 101))
+
+
+def test_audit_json_shape(scenario_trace: Path) -> None:
+    res = audit(load_trace(scenario_trace), AuditConfig())
+    d = res.as_dict()
+    for e in d["endpoints"]:
+        assert isinstance(e["endpoint"], str) and isinstance(e["requests"], int)
+        assert 0.0 <= e["hit_rate"] <= e["achievable_hit_rate"] + 1e-9 <= 1.0 + 1e-9
+        assert isinstance(e["prefix_versions"], int) and isinstance(e["ttl_expired_requests"], int)
+        assert isinstance(e["keep_warm"], bool)
+        for b in e["busting"]:
+            assert set(b) >= {"start_token", "length_tokens", "kind", "examples", "tokens_lost_per_request"}
+    kinds = {e["endpoint"]: [b["kind"] for b in e["busting"]] for e in d["endpoints"]}
+    kinds.pop("nightly", None)  # rate 0.002/s: may have no request in 350 s
+    assert kinds == {"chat": [], "support": ["timestamp"], "search": ["uuid"], "agent": []}
