@@ -95,3 +95,38 @@ def test_anthropic_disconnect_mid_stream_releases_blocks(serve):
     assert engine.pulled <= 3
     assert held_refs(engine.cache) == 0
     engine.cache.check_integrity()
+
+
+class _Failing:
+    """An engine whose stream breaks after its first delta (a bug or a lost device)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def stream(self, **kw):
+        gen = self.engine.stream(**kw)
+        try:
+            yield next(iter(gen))
+            raise RuntimeError("boom")
+        finally:
+            gen.close()
+
+
+def test_a_failure_mid_stream_is_an_error_event_and_releases_blocks(serve):
+    engine = _Failing(make_engine())
+    server = serve(engine, model_name=MODEL)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    try:
+        list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, stream=True))
+        raise AssertionError("expected an error event")
+    except openai.APIError as e:
+        assert "RuntimeError" in e.message
+    r = httpx.post(server.url + "/v1/messages", json={"model": MODEL, "max_tokens": 5, "stream": True,
+                                                     "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200 and "event: error" in r.text and "api_error" in r.text
+    wait_until(lambda: server.state.bridge.active_streams() == 0, "the stream threads to stop")
+    assert held_refs(engine.cache) == 0
+    engine.cache.check_integrity()

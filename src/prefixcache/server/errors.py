@@ -82,25 +82,21 @@ def is_anthropic_path(path: str) -> bool:
     return path.startswith("/v1/messages")
 
 
+def anthropic_error_body(err: APIError) -> dict[str, Any]:
+    kind = ANTHROPIC_TYPES.get(err.anthropic_status, "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def openai_error_body(err: APIError) -> dict[str, Any]:
+    kind = OPENAI_TYPES.get(err.status, "invalid_request_error")
+    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
+
+
 def error_response(request: Request, err: APIError) -> JSONResponse:
     """The JSON response for ``err`` in the shape of the route ``request`` hit."""
     if is_anthropic_path(request.url.path):
-        status = err.anthropic_status
-        body: dict[str, Any] = {
-            "type": "error",
-            "error": {"type": ANTHROPIC_TYPES.get(status, "invalid_request_error"), "message": err.message},
-        }
-    else:
-        status = err.status
-        body = {
-            "error": {
-                "message": err.message,
-                "type": OPENAI_TYPES.get(status, "invalid_request_error"),
-                "param": err.param,
-                "code": err.code,
-            }
-        }
-    return JSONResponse(body, status_code=status, headers=err.headers)
+        return JSONResponse(anthropic_error_body(err), status_code=err.anthropic_status, headers=err.headers)
+    return JSONResponse(openai_error_body(err), status_code=err.status, headers=err.headers)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prefixcache.server.anthropic_prompt import to_messages, ttl_plan
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Finished, Usage
-from prefixcache.server.errors import bad_request
+from prefixcache.server.errors import APIError, anthropic_error_body, bad_request
 from prefixcache.server.routes_openai import SSE_HEADERS, _items, _start_stream
 from prefixcache.server.schemas_anthropic import CountTokensRequest, MessagesRequest
 from prefixcache.server.state import ServerState, get_state, get_tenant
@@ -132,6 +132,9 @@ async def create_message(body: MessagesRequest, request: Request, tenant: Tenant
         )
         yield _event("ping", {"type": "ping"})
         async for item in _items(agen, first):
+            if isinstance(item, APIError):
+                yield _event("error", anthropic_error_body(item))
+                return
             if isinstance(item, str):
                 yield _event(
                     "content_block_delta",

@@ -10,6 +10,7 @@ lines, ``data: [DONE]`` last, and with ``stream_options.include_usage`` every ch
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,11 +21,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from prefixcache.cache.policy import TTL_CLASSES
 from prefixcache.server.auth import Tenant
-from prefixcache.server.bridge import Finished, Usage
-from prefixcache.server.errors import bad_request
+from prefixcache.server.bridge import Finished, Usage, translate_error
+from prefixcache.server.errors import APIError, bad_request, openai_error_body
 from prefixcache.server.schemas_openai import ChatCompletionRequest, CompletionRequest, _Sampling
 from prefixcache.server.state import ServerState, get_state, get_tenant
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 DEFAULT_CHAT_MAX_TOKENS = 256
@@ -78,11 +80,20 @@ async def _start_stream(state: ServerState, kwargs: dict[str, Any]) -> tuple[Asy
     return agen, first
 
 
-async def _items(agen: AsyncIterator[str | Finished], first: list[Any]) -> AsyncIterator[str | Finished]:
+async def _items(agen: AsyncIterator[str | Finished], first: list[Any]) -> AsyncIterator[str | Finished | APIError]:
+    """The stream's items; a failure after the 200 went out becomes a last :class:`APIError`
+    item, which the route sends as an error event (the status can no longer change)."""
     for item in first:
         yield item
-    async for item in agen:
-        yield item
+    try:
+        async for item in agen:
+            yield item
+    except Exception as exc:
+        api = translate_error(exc)
+        if api is None:
+            log.exception("a stream failed after it started")
+            api = APIError(500, f"The generation failed ({type(exc).__name__}); see the server log.")
+        yield api
 
 
 @router.post("/v1/chat/completions", summary="Chat completion (OpenAI shape)")
@@ -140,6 +151,9 @@ async def chat_completions(
     async def events() -> AsyncIterator[str]:
         yield _sse(chunk({"role": "assistant", "content": ""}, None))
         async for item in _items(agen, first):
+            if isinstance(item, APIError):
+                yield _sse(openai_error_body(item))
+                return
             if isinstance(item, str):
                 yield _sse(chunk({"content": item}, None))
                 continue
@@ -209,6 +223,9 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
 
     async def events() -> AsyncIterator[str]:
         async for item in _items(agen, first):
+            if isinstance(item, APIError):
+                yield _sse(openai_error_body(item))
+                return
             if isinstance(item, str):
                 yield _sse(chunk(item, None))
                 continue
