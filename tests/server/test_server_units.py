@@ -1,0 +1,66 @@
+"""Small pieces without a server: breakpoint positions, the serve command's options, sizes."""
+
+from __future__ import annotations
+
+import pytest
+import typer
+from server_helpers import make_engine
+from typer.testing import CliRunner
+
+from prefixcache.cli import app
+from prefixcache.commands.server import parse_bytes
+from prefixcache.server.anthropic_prompt import to_messages, ttl_plan
+from prefixcache.server.errors import APIError
+from prefixcache.server.schemas_anthropic import MessagesRequest
+
+
+def test_breakpoints_map_to_the_token_ends_of_their_blocks():
+    engine = make_engine()  # one token per byte: positions are easy to state
+    req = MessagesRequest.model_validate({
+        "model": "m", "max_tokens": 1,
+        "system": [{"type": "text", "text": "AAAA", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+                   {"type": "text", "text": "BBBB"}],
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "CC", "cache_control": {"type": "ephemeral"}}, {"type": "text", "text": "DD"}]}],
+    })
+    messages, bps = to_messages(req)
+    assert messages == [{"role": "system", "content": "AAAABBBB"}, {"role": "user", "content": "CCDD"}]
+    full = engine.render_ids(messages)
+    plan = ttl_plan(messages, bps, full, lambda m: engine.render_ids(m, add_generation_prompt=False))
+    text = bytes(full).decode()
+    assert plan == [(text.index("AAAA") + 4, 3600.0), (text.index("CC") + 2, 300.0)]
+
+
+def test_top_level_cache_control_covers_the_whole_prompt():
+    engine = make_engine()
+    req = MessagesRequest.model_validate({"model": "m", "max_tokens": 1, "cache_control": {"type": "ephemeral", "ttl": "1h"},
+                                          "messages": [{"role": "user", "content": "hello"}]})
+    messages, bps = to_messages(req)
+    full = engine.render_ids(messages)
+    assert ttl_plan(messages, bps, full, engine.render_ids) == [(len(full), 3600.0)]
+
+
+def test_more_than_four_breakpoints_is_an_api_error():
+    cc = {"type": "ephemeral"}
+    req = MessagesRequest.model_validate({
+        "model": "m", "max_tokens": 1, "cache_control": cc,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": str(i), "cache_control": cc} for i in range(4)]}],
+    })
+    with pytest.raises(APIError, match="at most 4"):
+        to_messages(req)
+
+
+def test_parse_bytes():
+    assert parse_bytes("2GiB") == 2 << 30
+    assert parse_bytes("512MB") == 512_000_000
+    assert parse_bytes("1048576") == 1 << 20
+    with pytest.raises(typer.BadParameter):
+        parse_bytes("lots")
+
+
+def test_serve_help_lists_every_option():
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    for flag in ("--host", "--port", "--api-keys", "--max-queue", "--trace-log", "--trace-text", "--ttl",
+                 "--capacity", "--salt-secret", "PREFIXCACHE_SALT_SECRET"):
+        assert flag in result.output
