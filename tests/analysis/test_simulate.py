@@ -1,0 +1,96 @@
+"""The simulator: routing, TTL, keep-warm, sweeps and prices, on traces with known answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from analysis_traces import fixed_gap_trace
+
+from prefixcache.analysis.costs import CostModel, TokenTotals, price, pricing_profile
+from prefixcache.analysis.simulate import SimConfig, simulate, sweep
+from prefixcache.analysis.trace import TraceWriter, load_trace
+
+TINY = CostModel(kv_bytes_per_token=1, prefill_tps=1000.0)  # capacity in tokens
+
+
+def _multi_endpoint_trace(path: Path, endpoints: int = 8, requests: int = 1600, sys_tokens: int = 512) -> Path:
+    rng = np.random.default_rng(3)
+    with TraceWriter(path) as w:
+        for e in range(endpoints):
+            w.segment(f"sys{e}", rng.integers(0, 50_000, sys_tokens))
+        for i in range(requests):
+            e = int(rng.integers(endpoints))
+            w.request(i * 0.25, endpoint=f"e{e}", parts=[f"sys{e}", rng.integers(0, 50_000, 20).tolist()])
+    return path
+
+
+def test_prefix_affinity_beats_round_robin_across_replicas(tmp_path: Path) -> None:
+    trace = load_trace(_multi_endpoint_trace(tmp_path / "m.jsonl"))
+    # Each replica holds ~4 of the 8 system prompts: round-robin makes every replica serve all 8
+    # (LRU thrashes), affinity gives each replica its own ~2.
+    base = SimConfig(replicas=4, capacity_bytes=4 * 560, cost=TINY, ttl_s=3600)
+    rr = simulate(trace, SimConfig(**{**_fields(base), "routing": "round-robin"}))
+    pa = simulate(trace, SimConfig(**{**_fields(base), "routing": "prefix-affinity"}))
+    ca = simulate(trace, SimConfig(**{**_fields(base), "routing": "cache-aware"}))
+    assert pa.hit_rate > rr.hit_rate + 0.2, (pa.hit_rate, rr.hit_rate)
+    assert ca.hit_rate > rr.hit_rate + 0.2, (ca.hit_rate, rr.hit_rate)
+    # Affinity pins each endpoint to one replica.
+    for e in range(8):
+        assert len(set(pa.replica[trace.endpoint == trace.endpoints.index(f"e{e}")].tolist())) == 1
+
+
+def _fields(cfg: SimConfig) -> dict:
+    return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
+
+
+@pytest.mark.parametrize("routing", ["round-robin", "random", "least-loaded", "prefix-affinity", "cache-aware"])
+def test_every_routing_runs_and_is_deterministic(tmp_path: Path, routing: str) -> None:
+    trace = load_trace(_multi_endpoint_trace(tmp_path / "m.jsonl", requests=300))
+    a = simulate(trace, SimConfig(replicas=3, routing=routing, cost=TINY))
+    b = simulate(trace, SimConfig(replicas=3, routing=routing, cost=TINY))
+    assert np.array_equal(a.replica, b.replica) and np.array_equal(a.cached, b.cached)
+    assert sum(r["requests"] for r in a.replicas) == 300
+    assert a.totals.cached == int(a.cached.sum()) <= a.totals.prompt
+
+
+def test_ttl_sweep_quiet_endpoint_and_keep_warm(tmp_path: Path) -> None:
+    trace = load_trace(fixed_gap_trace(tmp_path / "g.jsonl"))
+    res = sweep(trace, SimConfig(cost=TINY), "ttl_s", [60.0, 300.0, 1000.0])
+    quiet = [next(e for e in r.endpoints if e["endpoint"] == "quiet")["hit_rate"] for r in res]
+    busy = [next(e for e in r.endpoints if e["endpoint"] == "busy")["hit_rate"] for r in res]
+    assert quiet[:2] == [0.0, 0.0]  # 900 s gaps: TTL 60 and 300 lose every reuse
+    assert quiet[2] == pytest.approx(7 * 1024 / (8 * 1056))  # TTL 1000 s keeps it
+    assert busy == [pytest.approx(199 * 1024 / (200 * 1056))] * 3
+    warm = simulate(trace, SimConfig(cost=TINY, ttl_s=300, keep_warm={"quiet": 1024}))
+    assert next(e for e in warm.endpoints if e["endpoint"] == "quiet")["hit_rate"] == pytest.approx(quiet[2])
+    # One refresh per 0.95 TTL of idle: 900 s gaps need 3 each, 7 gaps.
+    assert warm.keep_warm_refreshes == 21
+    assert warm.totals.keep_warm_reads == 21 * 1024
+
+
+def test_simulator_counts_match_the_cache_stats(tmp_path: Path) -> None:
+    trace = load_trace(fixed_gap_trace(tmp_path / "g.jsonl"))
+    res = simulate(trace, SimConfig(cost=TINY, ttl_s=300))
+    assert res.totals.prompt == int(trace.prompt_tokens.sum())
+    assert res.totals.written == int(res.written.sum())
+    # Every full block is written once per miss: 2 system prompts x (1 + quiet's 7 expiries) + tails.
+    assert res.totals.cached == 199 * 1024
+    assert res.ttft_s[0] == pytest.approx(1056 / 1000.0)
+
+
+def test_pricing_profiles() -> None:
+    t = TokenTotals(prompt=1_000_000, cached=600_000, written=300_000, written_long=0, output=0)
+    model = CostModel(prefill_tps=1000.0)
+    a = price(t, pricing_profile("anthropic"), model)
+    assert a.input_usd == pytest.approx(0.1 * 3.0)  # 100k uncached, not written
+    assert a.cache_write_usd == pytest.approx(0.3 * 3.0 * 1.25)
+    assert a.cache_read_usd == pytest.approx(0.6 * 3.0 * 0.1)
+    assert a.no_cache_usd == pytest.approx(3.0)
+    long = price(TokenTotals(prompt=100, written_long=100), pricing_profile("anthropic"), model)
+    assert long.cache_write_usd == pytest.approx(100 * 3.0 * 2.0 / 1e6)
+    o = price(t, pricing_profile("openai"), model)
+    assert o.total_usd == pytest.approx(0.4 * 2.5 + 0.6 * 2.5 * 0.5)
+    s = price(t, pricing_profile("self-hosted", gpu_hour=3600.0), model)
+    assert s.total_usd == pytest.approx(400_000 / 1000.0)  # $1 per prefill second
