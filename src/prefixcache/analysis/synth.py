@@ -49,7 +49,7 @@ class EndpointSpec:
     user: int = 48  # mean user message length in tokens
     output: int = 128  # mean output tokens
     bust: str | None = None  # one of BUST_KINDS
-    bust_at: str = "top"  # "top" or "middle" of the system prompt
+    bust_at: str = "top"  # "top", "middle" or "bottom" (after it: the fixed layout) of the system prompt
     deploys: tuple[float, ...] = ()  # seconds from the start when the system prompt changes
     turns: int = 1  # turns per conversation (multi-turn chats when > 1)
     tenant: str = "default"
@@ -77,8 +77,8 @@ def parse_endpoint(text: str) -> EndpointSpec:
             setattr(spec, key, val or None)
     if spec.bust is not None and spec.bust not in BUST_KINDS:
         raise ValueError(f"bust={spec.bust!r}: choose one of {', '.join(BUST_KINDS)}")
-    if spec.bust_at not in ("top", "middle"):
-        raise ValueError(f"bust_at={spec.bust_at!r}: choose top or middle")
+    if spec.bust_at not in ("top", "middle", "bottom"):
+        raise ValueError(f"bust_at={spec.bust_at!r}: choose top, middle or bottom")
     if spec.arrival not in ARRIVALS:
         raise ValueError(f"arrival={spec.arrival!r}: choose one of {', '.join(ARRIVALS)}")
     return spec
@@ -193,7 +193,7 @@ def synthesize(
         for v in range(len(spec.deploys) + 1):
             srng = np.random.default_rng([seed, ei, v, 7])
             ids = enc(f"You are the {spec.name} assistant (prompt v{v}). " + _text(srng, spec.system * 5))[: spec.system]
-            cut = len(ids) // 2 if spec.bust_at == "middle" else 0
+            cut = {"top": 0, "middle": len(ids) // 2, "bottom": len(ids)}[spec.bust_at]
             head, tail = f"{spec.name}-v{v}-a", f"{spec.name}-v{v}-b"
             seg_lines.append((head, ids[:cut]))
             seg_lines.append((tail, ids[cut:]))

@@ -52,7 +52,7 @@ def synth(
         list[str] | None,
         typer.Option("--endpoint", "-e", help=(
             "Endpoint spec, repeatable: name:rate=2,system=1500,user=48,output=128,bust=timestamp|epoch|uuid|"
-            "hex_id|counter,bust_at=top|middle,deploys=600;1800,turns=3,tenant=acme,arrival=poisson|bursty|diurnal. "
+            "hex_id|counter,bust_at=top|middle|bottom,deploys=600;1800,turns=3,tenant=acme,arrival=poisson|bursty|diurnal. "
             "Default: a five-endpoint scenario (clean chat, timestamp at the top, uuid mid-prompt, deploys, a quiet one)."
         )),
     ] = None,
