@@ -1,0 +1,60 @@
+"""The engine layer: model runner, KV <-> cache blocks, sampling, chat rendering, the Engine.
+
+Imports torch lazily: ``from prefixcache.engine import Engine`` loads it on first access.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = [
+    "DEFAULT_PREFILL_CHUNK",
+    "EmptyPromptError",
+    "Engine",
+    "EngineClosedError",
+    "GenerationResult",
+    "InvalidRequestError",
+    "ModelNotFoundError",
+    "ModelRunner",
+    "PromptTooLongError",
+    "QueueFullError",
+    "RequestCancelledError",
+    "SamplingParams",
+    "Usage",
+    "tiny_llama",
+]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from prefixcache.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
+    from prefixcache.engine.model import ModelNotFoundError, ModelRunner
+    from prefixcache.engine.sampling import SamplingParams
+    from prefixcache.engine.tiny import tiny_llama
+    from prefixcache.engine.types import (
+        EmptyPromptError,
+        EngineClosedError,
+        GenerationResult,
+        InvalidRequestError,
+        PromptTooLongError,
+        QueueFullError,
+        Usage,
+    )
+    from prefixcache.engine.worker import RequestCancelledError
+
+_WHERE = {
+    "DEFAULT_PREFILL_CHUNK": "engine",
+    "Engine": "engine",
+    "ModelNotFoundError": "model",
+    "ModelRunner": "model",
+    "SamplingParams": "sampling",
+    "tiny_llama": "tiny",
+    "RequestCancelledError": "worker",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        import importlib
+
+        module = importlib.import_module(f"prefixcache.engine.{_WHERE.get(name, 'types')}")
+        return getattr(module, name)
+    raise AttributeError(f"module 'prefixcache.engine' has no attribute {name!r}")

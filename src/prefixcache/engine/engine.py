@@ -1,0 +1,360 @@
+"""Engine: one request's lifecycle over a ModelRunner and a PrefixCache, behind one worker.
+
+    engine = Engine()                                   # embedded SmolLM2, cache on
+    r = engine.generate(messages=[...], max_tokens=32)  # or prompt="...", or prompt_token_ids=[...]
+    for item in engine.stream(prompt="Hi"):             # str deltas, then the GenerationResult
+        ...
+
+Lifecycle (on the worker thread): match (acquire) -> KV of the hit blocks into a DynamicCache
+-> prefill the rest in chunks on absolute multiples of ``prefill_chunk`` -> sample the first
+token -> commit the prompt blocks of complete chunks -> decode -> release (in a finally).
+
+Exactness: a chunk's forward pass has the same shape whether the request hit or missed, because
+chunk boundaries depend only on absolute positions and a hit ends on one (``match`` aligns to
+``prefill_chunk``). Only blocks inside *complete* chunks are committed: a block from the last,
+partial chunk was computed in a shorter forward than a longer prompt would use for it, so its
+bits differ from what that prompt computes with the cache off (see docs/engine.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from prefixcache.cache import CacheStats, FakeClock, Match, PrefixCache
+from prefixcache.engine import kv
+from prefixcache.engine.detok import TextAssembler
+from prefixcache.engine.model import ModelRunner
+from prefixcache.engine.prompts import EmptyPromptError, encode, render_chat
+from prefixcache.engine.sampling import InvalidRequestError, Sampler, SamplingParams
+from prefixcache.engine.types import (
+    EngineClosedError,
+    GenerationResult,
+    PromptTooLongError,
+    QueueFullError,
+    Usage,
+)
+from prefixcache.engine.worker import Job, Worker
+
+log = logging.getLogger(__name__)
+
+#: Chosen from measurements on SmolLM2/2 cores (docs/engine.md): >= 90% of single-pass prefill
+#: throughput; the hit granularity is this many tokens.
+DEFAULT_PREFILL_CHUNK = 512
+
+CancelSignal = threading.Event | Callable[[], bool] | None
+
+
+def chunk_schedule(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
+    """Forward passes covering ``[start, stop)``: cut at every absolute multiple of ``chunk``."""
+    if start % chunk:
+        raise ValueError(f"prefill must start on a chunk boundary; {start} % {chunk} != 0")
+    return [(a, min(a + chunk, stop)) for a in range(start, stop, chunk)]
+
+
+class Engine:
+    """Generation with exact prefix caching. Thread-safe: calls from any thread are queued to
+    one worker, in arrival order. See the module docstring for the request lifecycle."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | ModelRunner | None = None,
+        *,
+        enable_cache: bool = True,
+        block_size: int = 16,
+        prefill_chunk: int | None = None,
+        dtype: str = "float32",
+        cache: PrefixCache | None = None,
+        capacity_bytes: int = 2 << 30,
+        pinned_capacity_bytes: int = 256 << 20,
+        default_ttl_s: float = 300.0,
+        clock: Callable[[], float] | None = None,
+        threads: int | None = None,
+        max_queue: int = 64,
+    ) -> None:
+        """``model``: a .gguf path, an HF folder, a loaded :class:`ModelRunner` (shared weights),
+        or None (embedded SmolLM2). ``cache``: an existing PrefixCache to share (its block size
+        wins); otherwise one is created from the capacity/TTL/clock arguments."""
+        self.runner = model if isinstance(model, ModelRunner) else ModelRunner.load(model, dtype=dtype, threads=threads)
+        if cache is not None:
+            block_size = cache.block_size
+        chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK
+        if chunk < block_size or chunk % block_size:
+            raise ValueError(f"prefill_chunk ({chunk}) must be a positive multiple of block_size ({block_size})")
+        self.block_size = block_size
+        self.prefill_chunk = chunk
+        self.clock = clock or (cache.clock if cache is not None else time.monotonic)
+        self.cache: PrefixCache | None = None
+        if enable_cache:
+            self.cache = cache or PrefixCache(
+                block_size=block_size,
+                capacity_bytes=capacity_bytes,
+                pinned_capacity_bytes=pinned_capacity_bytes,
+                default_ttl_s=default_ttl_s,
+                clock=self.clock,
+            )
+        self.fingerprint = self.runner.fingerprint(block_size, chunk)
+        self._worker = Worker(self._run, max_queue=max_queue)
+
+    @classmethod
+    def tiny(cls, seed: int = 0, **kwargs: Any) -> Engine:
+        """An engine over a random tiny Llama (tests, demos of the mechanics): chunk 16 by default."""
+        kwargs.setdefault("prefill_chunk", 16)
+        return cls(ModelRunner.tiny(seed), **kwargs)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def tokenizer(self) -> Any:
+        return self.runner.tokenizer
+
+    @property
+    def context_len(self) -> int:
+        return self.runner.context_len
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests admitted and not finished (waiting or running)."""
+        return self._worker.depth
+
+    @property
+    def max_queue(self) -> int:
+        return self._worker.max_queue
+
+    def stats(self, tenant: str | None = None) -> CacheStats:
+        return self.cache.stats(tenant) if self.cache is not None else CacheStats()
+
+    def close(self) -> None:
+        """Stop the worker after the requests already queued. Idempotent."""
+        self._worker.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ prompts
+    def tokenize(self, text: str) -> list[int]:
+        return encode(self.tokenizer, text)
+
+    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        return render_chat(messages, self.tokenizer, add_generation_prompt=add_generation_prompt)
+
+    def render_ids(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        return self.tokenize(self.render(messages, add_generation_prompt=add_generation_prompt))
+
+    def prompt_ids(
+        self,
+        messages: Sequence[dict[str, Any]] | None = None,
+        prompt: str | Sequence[int] | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+    ) -> list[int]:
+        """The token ids a request would prefill. Exactly one source must be given."""
+        given = [x is not None for x in (messages, prompt, prompt_token_ids)]
+        if sum(given) != 1:
+            raise InvalidRequestError("pass exactly one of messages=, prompt= or prompt_token_ids=")
+        if messages is not None:
+            ids = self.render_ids(messages)
+        elif isinstance(prompt, str):
+            ids = self.tokenize(prompt)
+        else:
+            ids = [int(t) for t in (prompt if prompt is not None else prompt_token_ids or [])]
+        if not ids:
+            raise EmptyPromptError("the prompt is empty: pass a non-empty prompt or messages with content")
+        bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.runner.vocab_size - 1})")
+        return ids
+
+    def count_tokens(
+        self,
+        messages: Sequence[dict[str, Any]] | None = None,
+        prompt: str | Sequence[int] | None = None,
+    ) -> int:
+        return len(self.prompt_ids(messages, prompt))
+
+    def namespace(self, tenant: str = "default", salt: bytes | str = b"") -> Any:
+        if self.cache is None:
+            raise InvalidRequestError("the cache is disabled on this engine (enable_cache=False)")
+        return self.cache.namespace(self.fingerprint, tenant=tenant, salt=salt)
+
+    def pin(self, messages: Any = None, prompt: Any = None, *, tenant: str = "default", salt: bytes = b"") -> int:
+        """Keep-warm: pin the cached blocks of this prompt's prefix. Returns pinned tokens."""
+        ids = self.prompt_ids(messages, prompt)
+        return self.cache.pin(ids, self.namespace(tenant, salt)) if self.cache is not None else 0
+
+    def unpin(self, messages: Any = None, prompt: Any = None, *, tenant: str = "default", salt: bytes = b"") -> int:
+        ids = self.prompt_ids(messages, prompt)
+        return self.cache.unpin(ids, self.namespace(tenant, salt)) if self.cache is not None else 0
+
+    # ------------------------------------------------------------------ requests
+    def generate(self, messages: Any = None, prompt: Any = None, prompt_token_ids: Any = None, **kw: Any) -> GenerationResult:
+        """Run one request to completion. Same arguments as :meth:`stream`."""
+        result: GenerationResult | None = None
+        for item in self.stream(messages, prompt, prompt_token_ids, **kw):
+            if isinstance(item, GenerationResult):
+                result = item
+        assert result is not None  # the worker always ends a job with a result or an error
+        return result
+
+    def stream(
+        self,
+        messages: Sequence[dict[str, Any]] | None = None,
+        prompt: str | Sequence[int] | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        tenant: str = "default",
+        salt: bytes | str = b"",
+        ttl_s: float | None = None,
+        ttl_plan: Sequence[tuple[int, float]] | None = None,
+        cancel: CancelSignal = None,
+        return_logits: bool = False,
+    ) -> Iterator[str | GenerationResult]:
+        """Yield text deltas as they are decoded, then one :class:`GenerationResult`.
+
+        Validation errors (ValueError subclasses) are raised at the first ``next()``, before
+        the request is queued; :class:`QueueFullError` when ``max_queue`` requests are in
+        flight. Closing the generator early (or setting ``cancel``) stops the request and
+        releases its cache references before ``close()`` returns.
+        """
+        job = self._prepare(
+            messages, prompt, prompt_token_ids, max_tokens, SamplingParams(temperature, top_p, top_k, seed),
+            stop, tenant, salt, ttl_s, ttl_plan, cancel, return_logits,
+        )
+        yield from self._worker.submit(job)
+
+    def _prepare(self, messages: Any, prompt: Any, ids_in: Any, max_tokens: Any, params: SamplingParams, stop: Any,
+                 tenant: str, salt: Any, ttl_s: Any, ttl_plan: Any, cancel: CancelSignal, return_logits: bool) -> Job:
+        if self._worker.closed:
+            raise EngineClosedError("this engine is closed; create a new Engine")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1; got {max_tokens!r}")
+        params.validate()
+        ids = self.prompt_ids(messages, prompt, ids_in)
+        if len(ids) + max_tokens > self.context_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together "
+                f"{len(ids) + max_tokens}, over the model's context of {self.context_len} tokens; "
+                "shorten the prompt or lower max_tokens"
+            )
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidRequestError(f"ttl_s must be > 0 seconds; got {ttl_s!r}")
+        salt_b = salt.encode() if isinstance(salt, str) else bytes(salt)
+        return Job(dict(ids=ids, max_tokens=max_tokens, params=params, stop=stops, tenant=tenant, salt=salt_b,
+                        ttl_s=ttl_s, ttl_plan=list(ttl_plan) if ttl_plan else None, return_logits=return_logits),
+                   cancel=cancel)
+
+    # ------------------------------------------------------------------ the worker's side
+    def _run(self, job: Job) -> None:
+        """Process one job on the worker thread; posts deltas and the result to ``job``."""
+        r = job.request
+        ids: list[int] = r["ids"]
+        n = len(ids)
+        t0 = time.perf_counter()
+        queue_s = t0 - job.submitted
+        cache = self.cache
+        m: Match | None = None
+        try:
+            hit = 0
+            if cache is not None:
+                ns = cache.namespace(self.fingerprint, tenant=r["tenant"], salt=r["salt"])
+                m = cache.match(ids, ns, align_tokens=self.prefill_chunk, ttl_s=r["ttl_s"], ttl_plan=r["ttl_plan"])
+                hit = m.cached_tokens
+            past = kv.build_cache(self.runner, [b.payload for b in m.blocks]) if m and m.blocks else self.runner.new_cache()
+            logits = None
+            for a, b in chunk_schedule(hit, n, self.prefill_chunk):
+                if job.cancelled():
+                    return job.finish_cancelled()
+                logits = self.runner.forward(ids[a:b], past)
+            t_prefill = time.perf_counter()
+            sampler = Sampler(r["params"])
+            token = sampler(logits)
+            ttft = time.perf_counter() - t0
+            commit_s = self._commit(m, past, n) if m is not None else 0.0
+            result = self._decode(job, past, token, sampler, n)
+            if result is None:
+                return job.finish_cancelled()
+            text, tokens, reason, stop_seq, decode_s = result
+            usage = m.usage if m is not None else None
+            job.finish(GenerationResult(
+                text=text, tokens=tokens, finish_reason=reason,
+                usage=Usage(n, usage.cached_tokens if usage else 0, usage.cache_write_tokens if usage else 0, len(tokens)),
+                ttft_s=ttft, prefill_s=t_prefill - t0, decode_s=decode_s, queue_s=queue_s, commit_s=commit_s,
+                outcome=str(m.outcome.value) if m is not None else "miss", prompt_token_ids=ids,
+                stop_sequence=stop_seq, first_logits=logits.clone() if r["return_logits"] else None,
+            ))
+        finally:
+            if m is not None and cache is not None:
+                cache.release(m)
+
+    def _commit(self, m: Match, past: Any, n: int) -> float:
+        """Store the prompt blocks of complete chunks that are not cached yet. Returns seconds."""
+        assert self.cache is not None
+        t = time.perf_counter()
+        hit = m.cached_tokens
+        limit = (n // self.prefill_chunk) * self.prefill_chunk
+        if limit <= hit:
+            return 0.0
+        B = self.block_size
+        # NOTE: the manager commits every full block in m.keys; trimming the list to complete
+        # chunks is how the engine keeps partial-chunk blocks out (see the module docstring).
+        m.keys = m.keys[: limit // B]
+        payloads: list[Any] = []
+
+        def payload_fn(i: int) -> tuple[Any, int]:
+            if not payloads:  # one copy of the whole range, only if some block is new
+                payloads.extend(kv.slice_blocks(past, hit, limit, B))
+            p = payloads[i - hit // B]
+            return p, kv.payload_nbytes(p)
+
+        self.cache.commit(m, payload_fn)
+        return time.perf_counter() - t
+
+    def _decode(self, job: Job, past: Any, token: int, sampler: Sampler, n: int) -> tuple[str, list[int], str, str | None, float] | None:
+        """Decode from the first sampled token. Returns None when cancelled."""
+        r = job.request
+        t = time.perf_counter()
+        eos = self.runner.eos_token_ids
+        text = TextAssembler(self.tokenizer, r["stop"])
+        tokens: list[int] = []
+        reason = "length"
+        while True:
+            tokens.append(token)
+            if token in eos:
+                reason = "stop"
+                break
+            delta = text.push(token)
+            if delta:
+                job.post(delta)
+            if text.stop_sequence is not None:
+                reason = "stop"
+                break
+            if len(tokens) >= r["max_tokens"] or n + len(tokens) >= self.context_len:
+                break
+            if job.cancelled():
+                return None
+            token = sampler(self.runner.forward([token], past))
+        rest = text.finish()
+        if rest:
+            job.post(rest)
+        return text.text, tokens, reason, text.stop_sequence, time.perf_counter() - t
+
+
+def fake_clock_engine(runner: ModelRunner, **kwargs: Any) -> Engine:
+    """An engine over ``runner`` whose cache reads a :class:`FakeClock` (``engine.clock``)."""
+    kwargs.setdefault("clock", FakeClock(0.0))
+    return Engine(runner, **kwargs)
+
+
+__all__ = ["DEFAULT_PREFILL_CHUNK", "Engine", "QueueFullError", "chunk_schedule", "fake_clock_engine"]

@@ -1,0 +1,62 @@
+"""Cache blocks <-> the model's ``past_key_values`` (a transformers ``DynamicCache``).
+
+One block's payload is one contiguous tensor::
+
+    # [layers, 2, kv_heads, B, head_dim]   (index 0 = keys, 1 = values), compute dtype
+
+Storing the compute dtype is required for exactness: a downcast block would give different
+attention scores than recomputing it. The engine never hands the cache a view of a live
+DynamicCache tensor: a payload is its own copy, so evicting a block frees its bytes and
+the request's cache can keep growing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def payload_nbytes(payload: torch.Tensor) -> int:
+    return payload.nelement() * payload.element_size()
+
+
+def build_cache(runner: Any, payloads: Sequence[torch.Tensor]) -> Any:
+    """A DynamicCache holding the concatenated KV of ``payloads`` (blocks in prompt order).
+
+    One ``torch.cat`` over all blocks, then each layer gets views into that tensor (no further
+    copy): the model's first forward concatenates the new KV onto them anyway.
+    """
+    cache = runner.new_cache()
+    if not payloads:
+        return cache
+    full = torch.cat(list(payloads), dim=3).to(runner.device)  # [layers, 2, kv_heads, T, head_dim]
+    for layer_idx, layer in enumerate(cache.layers):
+        keys = full[layer_idx, 0].unsqueeze(0)  # [1, kv_heads, T, head_dim], contiguous view
+        values = full[layer_idx, 1].unsqueeze(0)
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+    return cache
+
+
+def cache_length(cache: Any) -> int:
+    return int(cache.get_seq_length())
+
+
+def slice_blocks(cache: Any, start: int, stop: int, block_size: int) -> list[torch.Tensor]:
+    """Payloads of the full blocks covering token positions ``[start, stop)`` of ``cache``.
+
+    ``start`` and ``stop`` are multiples of ``block_size``. Each payload is a fresh contiguous
+    tensor [layers, 2, kv_heads, B, head_dim] on the CPU-or-device of the model.
+    """
+    if start % block_size or stop % block_size:
+        raise ValueError(f"block range [{start}, {stop}) is not aligned to {block_size}")
+    if stop <= start:
+        return []
+    # [layers, 2, kv_heads, T, head_dim]: one copy of the range, then per-block clones so a
+    # payload owns exactly its own bytes.
+    span = torch.stack(
+        [torch.stack((layer.keys[0, :, start:stop], layer.values[0, :, start:stop])) for layer in cache.layers]
+    )
+    return [span[:, :, :, i : i + block_size].clone() for i in range(0, stop - start, block_size)]

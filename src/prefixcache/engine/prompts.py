@@ -1,0 +1,127 @@
+"""Chat rendering: OpenAI/Anthropic-shaped messages -> the model's chat template -> token ids.
+
+    text = render_chat(messages, tokenizer)                   # add_generation_prompt=True
+    ids = render_ids(messages, tokenizer)
+    ends = breakpoint_token_ends(messages, [(0, None), (2, 1)], tokenizer)
+
+``content`` may be a string or a list of content blocks (``{"type": "text", "text": ...}``);
+blocks are joined without separator. A breakpoint ``(message_index, block_index)`` names the end
+of one content block (``block_index`` None: the end of the message's whole content), and
+:func:`breakpoint_token_ends` says after how many prompt tokens that point lies, which is what
+Anthropic ``cache_control`` breakpoints need.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+from prefixcache.engine.sampling import InvalidRequestError
+
+Message = dict[str, Any]
+
+
+class EmptyPromptError(InvalidRequestError):
+    """No prompt, no messages, or nothing in them."""
+
+
+def content_text(content: Any, upto_block: int | None = None) -> str:
+    """A message's content as text; with ``upto_block``, only blocks ``[0, upto_block]``."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        blocks = content if upto_block is None else content[: upto_block + 1]
+        parts = []
+        for b in blocks:
+            if isinstance(b, dict):
+                parts.append(str(b.get("text", "")))
+            else:
+                parts.append(str(b))
+        return "".join(parts)
+    return str(content)
+
+
+def normalize_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
+    """``[{"role", "content": str}]``; raises :class:`EmptyPromptError` / InvalidRequestError."""
+    if not messages:
+        raise EmptyPromptError("messages is empty: pass at least one {'role': 'user', 'content': ...} message")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise InvalidRequestError(f"messages[{i}] must be a dict with 'role' and 'content'; got {m!r:.80}")
+        out.append({"role": str(m["role"]), "content": content_text(m.get("content"))})
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _default_tokenizer() -> Any:
+    from prefixcache.engine.model import load_tokenizer
+
+    return load_tokenizer()
+
+
+def render_chat(messages: Sequence[Message], tokenizer: Any = None, *, add_generation_prompt: bool = True) -> str:
+    """The prompt text the model sees for these messages (default: the embedded model's template)."""
+    tok = tokenizer if tokenizer is not None else _default_tokenizer()
+    flat = normalize_messages(messages)
+    if getattr(tok, "chat_template", None):
+        return str(tok.apply_chat_template(flat, tokenize=False, add_generation_prompt=add_generation_prompt))
+    # A model without a template: a plain, unambiguous layout.
+    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in flat)
+    return text + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text``; special-token strings in it (from the template) become specials."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def render_ids(messages: Sequence[Message], tokenizer: Any = None, *, add_generation_prompt: bool = True) -> list[int]:
+    tok = tokenizer if tokenizer is not None else _default_tokenizer()
+    return encode(tok, render_chat(messages, tok, add_generation_prompt=add_generation_prompt))
+
+
+def breakpoint_token_ends(
+    messages: Sequence[Message],
+    breakpoints: Sequence[tuple[int, int | None]],
+    tokenizer: Any = None,
+    *,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """For each ``(message_index, block_index)``, the number of leading prompt tokens that end at
+    (or just before) the end of that content block in the full rendered prompt.
+
+    Method: render the conversation cut after the breakpoint, keep the part of its text shared
+    with the full prompt's text (the template's closing tags differ), tokenize that, and count
+    the leading tokens equal to the full prompt's: a token straddling the cut is not counted,
+    so the result is always a true token prefix of the full prompt.
+    """
+    tok = tokenizer if tokenizer is not None else _default_tokenizer()
+    full_text = render_chat(messages, tok, add_generation_prompt=add_generation_prompt)
+    full_ids = encode(tok, full_text)
+    ends = []
+    for mi, bi in breakpoints:
+        if not 0 <= mi < len(messages):
+            raise InvalidRequestError(f"breakpoint message index {mi} is outside 0..{len(messages) - 1}")
+        cut = [dict(m) for m in messages[: mi + 1]]
+        cut[-1]["content"] = content_text(messages[mi].get("content"), bi)
+        cut_text = render_chat(cut, tok, add_generation_prompt=False)
+        common = 0
+        for a, b in zip(cut_text, full_text, strict=False):
+            if a != b:
+                break
+            common += 1
+        cut_ids = encode(tok, cut_text[:common])
+        n = 0
+        for a, b in zip(cut_ids, full_ids, strict=False):
+            if a != b:
+                break
+            n += 1
+        # The last shared id may be a longer token in the full prompt that only starts here.
+        if n and n == len(cut_ids) and len(tok.decode(full_ids[:n])) > common:
+            n -= 1
+        ends.append(n)
+    return ends

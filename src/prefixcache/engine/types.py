@@ -1,0 +1,89 @@
+"""The engine's typed results and errors (imported by the server through ``prefixcache.engine``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from prefixcache.engine.model import ModelNotFoundError
+from prefixcache.engine.prompts import EmptyPromptError
+from prefixcache.engine.sampling import InvalidRequestError
+
+__all__ = [
+    "EmptyPromptError",
+    "EngineClosedError",
+    "GenerationResult",
+    "InvalidRequestError",
+    "ModelNotFoundError",
+    "PromptTooLongError",
+    "QueueFullError",
+    "Usage",
+]
+
+
+class PromptTooLongError(InvalidRequestError):
+    """prompt tokens + max_tokens exceed the model's context."""
+
+
+class QueueFullError(RuntimeError):
+    """The engine's request queue is at ``max_queue``: retry later (HTTP 429)."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed; create a new one."""
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A request's accounting in tokens: ``cached_tokens`` were read from the cache,
+    ``cache_write_tokens`` were prefilled and stored, ``completion_tokens`` were generated
+    (an EOS that ended the generation counts, as in OpenAI's usage)."""
+
+    prompt_tokens: int
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+    completion_tokens: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """One finished generation.
+
+    ``finish_reason``: "stop" (EOS or a stop string; the stop string is not in ``text``),
+    "length" (max_tokens reached) or "cancelled" (the ``cancel`` signal fired).
+    Timings in seconds, measured on the worker: ``ttft_s`` from the start of the request's
+    processing (after its wait in the queue, ``queue_s``) to the first sampled token.
+    ``first_logits`` (only with ``return_logits=True``): float32 [vocab] logits the first token
+    was sampled from (exactness tests compare them with ``torch.equal``).
+    """
+
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    usage: Usage
+    ttft_s: float
+    prefill_s: float
+    decode_s: float
+    queue_s: float = 0.0
+    commit_s: float = 0.0
+    outcome: str = "miss"  # "hit" | "partial" | "miss" (cache off: "miss")
+    prompt_token_ids: list[int] = field(default_factory=list, repr=False)
+    stop_sequence: str | None = None
+    first_logits: Any = field(default=None, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly summary (no token ids, no logits)."""
+        return {
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "usage": self.usage.as_dict(),
+            "ttft_s": self.ttft_s,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "queue_s": self.queue_s,
+            "outcome": self.outcome,
+            "stop_sequence": self.stop_sequence,
+        }

@@ -1,0 +1,157 @@
+"""One worker thread serving a bounded FIFO of jobs; callers consume a job's output as a stream.
+
+The worker never blocks on a consumer: it posts deltas to the job's own queue. A consumer that
+stops early (closes its generator) cancels the job and, if the job already started, waits until
+the worker has finished it, so the job's cache references are released when ``close()`` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prefixcache.engine.types import EngineClosedError, QueueFullError
+
+log = logging.getLogger(__name__)
+
+_DONE = object()
+
+
+class Job:
+    """One request: its prepared arguments, its output queue and its cancellation state."""
+
+    def __init__(self, request: dict[str, Any], cancel: threading.Event | Callable[[], bool] | None = None) -> None:
+        self.request = request
+        self.submitted = time.perf_counter()
+        self._external = cancel
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        self.started = False
+        self.done = threading.Event()
+        self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def cancelled(self) -> bool:
+        ext = self._external
+        if ext is not None and (ext.is_set() if isinstance(ext, threading.Event) else ext()):
+            return True
+        return self._cancel.is_set()
+
+    def post(self, item: Any) -> None:
+        self.out.put(item)
+
+    def finish(self, result: Any) -> None:
+        self.out.put(result)
+
+    def finish_cancelled(self) -> None:
+        """A cancelled job ends without a result; a still-listening ``generate`` raises."""
+        self.out.put(_Cancelled())
+
+    def cancel_and_wait(self, timeout: float = 120.0) -> None:
+        """Cancel; if the worker already started the job, wait until it has let go of it."""
+        with self._lock:
+            self._cancel.set()
+            started = self.started
+        if started and not self.done.wait(timeout):
+            log.warning("a cancelled request did not stop within %.0f s", timeout)
+
+    def start(self) -> bool:
+        """Called by the worker: False if the job was cancelled before it started."""
+        with self._lock:
+            if self.cancelled():
+                return False
+            self.started = True
+            return True
+
+
+class _Cancelled:
+    pass
+
+
+class RequestCancelledError(RuntimeError):
+    """The request was cancelled through its ``cancel`` signal before it finished."""
+
+
+class Worker:
+    """A daemon thread running ``run(job)`` for each job, in submission order."""
+
+    def __init__(self, run: Callable[[Job], None], max_queue: int = 64) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1; got {max_queue}")
+        self.run = run
+        self.max_queue = max_queue
+        self.closed = False
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._thread: threading.Thread | None = None
+
+    @property
+    def depth(self) -> int:
+        return self._depth
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="prefixcache-engine", daemon=True)
+            self._thread.start()
+
+    def submit(self, job: Job) -> Iterator[Any]:
+        """Admit ``job`` (or raise QueueFullError at once) and yield its items until the end."""
+        with self._lock:
+            if self.closed:
+                raise EngineClosedError("this engine is closed; create a new Engine")
+            if self._depth >= self.max_queue:
+                raise QueueFullError(
+                    f"the engine's queue is full ({self._depth} requests in flight, max_queue={self.max_queue}); retry later"
+                )
+            self._depth += 1
+            self._ensure_thread()
+            self._jobs.put(job)
+        finished = False
+        try:
+            while True:
+                item = job.out.get()
+                if item is _DONE:
+                    finished = True
+                    return
+                if isinstance(item, _Cancelled):
+                    finished = True
+                    raise RequestCancelledError("the request was cancelled before it finished")
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+        finally:
+            if not finished:  # the consumer stopped early: stop the job and free its blocks
+                job.cancel_and_wait()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                if job.start():
+                    self.run(job)
+                else:
+                    job.post(_Cancelled())
+            except BaseException as exc:  # handed to the caller; the worker keeps serving
+                if not isinstance(exc, ValueError | RequestCancelledError):
+                    log.exception("request failed")
+                job.post(exc)
+            finally:
+                with self._lock:
+                    self._depth -= 1
+                job.done.set()
+                job.post(_DONE)
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            if self._thread is not None:
+                self._jobs.put(None)
