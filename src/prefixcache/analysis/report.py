@@ -268,13 +268,14 @@ def plot_sweep(name: str, labels: list[str], values: list[float], results: list[
     ax.plot(values, [100 * r.hit_rate for r in results], marker="o", color="tab:blue", label="hit rate")
     ax.set_xscale("log")
     ax.set_xticks(values, labels)
-    ax.set_xlabel(name)
+    ax.set_xlabel({"ttl": "TTL (s)", "capacity": "capacity per replica (bytes)"}.get(name, name))
     ax.set_ylabel("hit rate (%)", color="tab:blue")
     ax.set_ylim(0, 100)
     if results[0].costs:
         ax2 = ax.twinx()
         for k, prof in enumerate(results[0].config.pricing):
-            ax2.plot(values, [r.costs[k].total_usd for r in results], marker="s", linestyle="--", label=f"{prof} $")
+            ax2.plot(values, [r.costs[k].total_usd for r in results], marker="s", linestyle="--", label=f"{prof} $",
+                     color=("tab:red", "tab:orange", "tab:green", "tab:purple")[k % 4])
         ax2.set_ylabel("cost ($)")
         ax2.legend(loc="lower right", fontsize="small")
     ax.set_title(f"Hit rate and cost against {name}")

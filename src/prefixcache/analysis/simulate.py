@@ -260,7 +260,7 @@ def simulate(trace: Trace, cfg: SimConfig, *, progress: Callable[[int], None] | 
         hit = m.cached_tokens
         cached[i] = hit
         written[i] = res.written_tokens
-        if ttl is not None and ttl >= 3600:
+        if (ttl if ttl is not None else cfg.ttl_s) >= 3600:  # the 1 h write class (priced 2x by anthropic)
             totals.written_long += res.written_tokens
         else:
             totals.written += res.written_tokens
