@@ -92,7 +92,9 @@ def breakpoint_token_ends(
     add_generation_prompt: bool = True,
 ) -> list[int]:
     """For each ``(message_index, block_index)``, the number of leading prompt tokens that end at
-    (or just before) the end of that content block in the full rendered prompt.
+    (or just before) the end of that content block in the full rendered prompt. When the block
+    is its message's last, the template's closing tag of the message is included (it is the same
+    in every later prompt, so it can be cached with it).
 
     Method: render the conversation cut after the breakpoint, keep the part of its text shared
     with the full prompt's text (the template's closing tags differ), tokenize that, and count

@@ -33,6 +33,9 @@ class Job:
         self.started = False
         self.done = threading.Event()
         self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # The last item (result, error or cancellation) is posted by the worker only after the
+        # job let go of everything, so a caller that sees it also sees refs released.
+        self.terminal: Any = None
 
     def cancelled(self) -> bool:
         ext = self._external
@@ -44,11 +47,11 @@ class Job:
         self.out.put(item)
 
     def finish(self, result: Any) -> None:
-        self.out.put(result)
+        self.terminal = result
 
     def finish_cancelled(self) -> None:
         """A cancelled job ends without a result; a still-listening ``generate`` raises."""
-        self.out.put(_Cancelled())
+        self.terminal = _Cancelled()
 
     def cancel_and_wait(self, timeout: float = 120.0) -> None:
         """Cancel; if the worker already started the job, wait until it has let go of it."""
@@ -137,15 +140,17 @@ class Worker:
                 if job.start():
                     self.run(job)
                 else:
-                    job.post(_Cancelled())
+                    job.finish_cancelled()
             except BaseException as exc:  # handed to the caller; the worker keeps serving
-                if not isinstance(exc, ValueError | RequestCancelledError):
+                if not isinstance(exc, ValueError):
                     log.exception("request failed")
-                job.post(exc)
+                job.terminal = exc
             finally:
                 with self._lock:
                     self._depth -= 1
                 job.done.set()
+                if job.terminal is not None:
+                    job.post(job.terminal)
                 job.post(_DONE)
 
     def close(self) -> None:
