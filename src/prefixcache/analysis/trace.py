@@ -114,10 +114,13 @@ def load_tokenizer(name: str | None = None) -> Tokenizer:
             tok: Tokenizer = ByteTokenizer()
         elif key == "default":
             tok = HFTokenizer(_default_hf_tokenizer(), name="default")
-        else:
+        elif Path(key).exists():
             from transformers import AutoTokenizer
 
             tok = HFTokenizer(AutoTokenizer.from_pretrained(key), name=key)
+        else:  # a label (a trace header naming the model): nothing is fetched from a hub
+            log.warning("tokenizer %r is not a local folder; using the default (SmolLM2) tokenizer", key)
+            tok = HFTokenizer(_default_hf_tokenizer(), name="default")
         _TOKENIZERS[key] = tok
         return tok
 
