@@ -1,9 +1,148 @@
-"""CLI commands of the engine layer (filled in by the work on that layer)."""
+"""CLI commands of the engine layer: ``generate``, ``demo``, ``bench``.
+
+Heavy imports (torch, transformers) happen inside the functions so ``--help`` stays instant.
+"""
 
 from __future__ import annotations
 
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated
+
 import typer
+
+ModelOpt = Annotated[
+    str | None, typer.Option("--model", "-m", help="A .gguf file or Hugging Face model folder (default: embedded SmolLM2-135M-Instruct).")
+]
+DtypeOpt = Annotated[str, typer.Option(help="Compute dtype: float32 or bfloat16.")]
+ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads (default: all cores).")]
+
+
+def _fail(exc: Exception) -> None:
+    typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def generate(
+    prompt: Annotated[str | None, typer.Argument(help="A raw prompt (no chat template). Or use --user.")] = None,
+    system: Annotated[str | None, typer.Option(help="System message (chat mode).")] = None,
+    user: Annotated[str | None, typer.Option(help="User message (chat mode).")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
+    model: ModelOpt = None,
+    dtype: DtypeOpt = "float32",
+    threads: ThreadsOpt = None,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Run with the prefix cache off.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, usage, ttft_s.")] = False,
+) -> None:
+    """Generate a completion and print it with its usage (prompt, cached, written tokens, TTFT)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from prefixcache.engine.engine import Engine
+
+    if prompt is None and user is None:
+        raise typer.BadParameter("pass a prompt, or --user (and optionally --system)", param_hint="PROMPT")
+    try:
+        engine = Engine(model, dtype=dtype, threads=threads, enable_cache=not no_cache)
+        if prompt is not None and user is None:
+            r = engine.generate(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        else:
+            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user or prompt}]
+            r = engine.generate(messages=msgs, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    except ValueError as exc:
+        _fail(exc)
+        return
+    if as_json:
+        typer.echo(json.dumps({"text": r.text, "usage": r.usage.as_dict(), "ttft_s": r.ttft_s,
+                               "finish_reason": r.finish_reason}))
+        return
+    console = Console()
+    console.print(r.text)
+    t = Table(title="usage")
+    for col in ("prompt", "cached", "written", "completion", "TTFT (s)", "finish"):
+        t.add_column(col, justify="right")
+    u = r.usage
+    t.add_row(str(u.prompt_tokens), str(u.cached_tokens), str(u.cache_write_tokens), str(u.completion_tokens),
+              f"{r.ttft_s:.3f}", r.finish_reason)
+    console.print(t)
+
+
+def demo(
+    max_tokens: Annotated[int, typer.Option(help="Tokens generated per request (kept short).")] = 4,
+    model: ModelOpt = None,
+    dtype: DtypeOpt = "float32",
+    threads: ThreadsOpt = None,
+) -> None:
+    """Run the seed's caching flows on the real model and print one table, a row per flow:
+    warm, cold after a deploy, cache busting (top vs bottom), TTL vs traffic, keep-warm."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from prefixcache.engine.demo import run_demo
+    from prefixcache.engine.model import ModelRunner
+
+    console = Console()
+    with console.status("loading the model") as status:
+        try:
+            runner = ModelRunner.load(model, dtype=dtype, threads=threads)
+        except ValueError as exc:
+            _fail(exc)
+            return
+        rows, cold = run_demo(runner, max_tokens=max_tokens, progress=lambda m: status.update(f"flow {m}"))
+    t = Table(title=f"prefix caching flows ({runner.name}, {dtype}, chunk 512)")
+    for col, just in (("flow", "left"), ("requests", "right"), ("hit rate", "right"), ("cached tokens", "right"),
+                      ("TTFT (s)", "right"), ("speedup", "right"), ("what it shows", "left")):
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    for r in rows:
+        t.add_row(r.flow, str(r.requests), f"{r.hit_rate:.0%}", f"{r.cached_tokens:,}", f"{r.ttft_s:.3f}",
+                  f"{r.speedup(cold):.1f}x", r.note)
+    console.print(t)
+    console.print("TTFT: median after each flow's first request; speedup: the flow's cold TTFT over that.")
+
+
+def bench(
+    lengths: Annotated[str, typer.Option(help="Comma-separated prefix lengths.")] = "256,512,1024,1536,2048",
+    tail: Annotated[int, typer.Option(help="Uncached tail tokens after the prefix.")] = 64,
+    repeats: Annotated[int, typer.Option(help="Repeats per figure (medians).")] = 3,
+    prefill_chunk: Annotated[int | None, typer.Option(help="Prefill chunk (default: the engine's).")] = None,
+    out: Annotated[Path, typer.Option(help="Where engine.md, engine_ttft.png, calibration.json go.")] = Path("benchmarks/results"),
+    model: ModelOpt = None,
+    dtype: DtypeOpt = "float32",
+    threads: ThreadsOpt = None,
+) -> None:
+    """Measure cold/warm/floor TTFT over prefix lengths, the 0%-hit overhead, exact vs
+    single-pass prefill and hashing+lookup time; print a table and write benchmarks/results/."""
+    from rich.console import Console
+
+    from prefixcache.engine.bench import markdown, run_bench, write_results
+    from prefixcache.engine.model import ModelRunner
+
+    console = Console()
+    try:
+        sizes = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError as exc:
+        raise typer.BadParameter("lengths must be integers, e.g. 256,512,1024", param_hint="--lengths") from exc
+    with console.status("loading the model") as status:
+        try:
+            runner = ModelRunner.load(model, dtype=dtype, threads=threads)
+        except ValueError as exc:
+            _fail(exc)
+            return
+        res = run_bench(runner, lengths=sizes, tail=tail, repeats=repeats, prefill_chunk=prefill_chunk,
+                        progress=lambda m: status.update(m))
+    command = "prefixcache " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    files = write_results(res, out, command)
+    console.print(markdown(res, command))
+    console.print("wrote " + ", ".join(str(f) for f in files))
 
 
 def register(app: typer.Typer) -> None:
     """Add this layer's commands to the root app."""
+    app.command("generate")(generate)
+    app.command("demo")(demo)
+    app.command("bench")(bench)
