@@ -242,7 +242,7 @@ def simulate(
 
 
 def start_replicas(
-    n: int, keys_file: Path, env: dict[str, str], redis_url: str | None, logs: Path
+    n: int, keys_file: Path, env: dict[str, str], redis_url: str | None, logs: Path, chunk: int
 ) -> tuple[list[str], list[subprocess.Popen[bytes]]]:
     urls, procs = [], []
     for i in range(n):
@@ -258,6 +258,8 @@ def start_replicas(
             str(keys_file),
             "--log-level",
             "warning",
+            "--prefill-chunk",
+            str(chunk),
         ]
         if redis_url:
             cmd += ["--redis", redis_url]
@@ -289,7 +291,7 @@ def main() -> None:
     ap.add_argument(
         "--shared-tier", action="store_true", help="also run round-robin over replicas sharing Redis"
     )
-    ap.add_argument("--align", type=int, default=64, help="the engine's prefill chunk (hit granularity)")
+    ap.add_argument("--align", type=int, default=128, help="the replicas' prefill chunk (hit granularity)")
     ap.add_argument("--model-name", default=None, help="model id to send (default: from GET /v1/models)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/cluster.md")
@@ -309,7 +311,7 @@ def main() -> None:
     procs: list[subprocess.Popen[bytes]] = []
     t_start = time.time()
     try:
-        urls, procs = start_replicas(args.replicas, keys_file, env, None, tmp)
+        urls, procs = start_replicas(args.replicas, keys_file, env, None, tmp, args.align)
         model = (
             args.model_name
             or httpx.get(urls[0] + "/v1/models", headers={"authorization": "Bearer key-tenant-a"}).json()[
@@ -334,7 +336,7 @@ def main() -> None:
                 ]
                 time.sleep(0.5)
                 more_urls, more = start_replicas(
-                    args.replicas, keys_file, env, f"redis://127.0.0.1:{rport}/0", tmp
+                    args.replicas, keys_file, env, f"redis://127.0.0.1:{rport}/0", tmp, args.align
                 )
                 procs += more
                 runs.append(

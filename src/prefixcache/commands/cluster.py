@@ -121,6 +121,9 @@ def replica(
     ttl: Annotated[float, typer.Option(min=1.0, help="Default cache TTL in seconds.")] = 300.0,
     capacity: Annotated[str, typer.Option(help="Memory KV budget, e.g. 2GiB.")] = "2GiB",
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    prefill_chunk: Annotated[
+        int | None, typer.Option(help="Prefill chunk in tokens (the hit granularity). Default: the engine's.")
+    ] = None,
     model_name: Annotated[str | None, typer.Option(help="The model id clients send.")] = None,
     salt_secret: Annotated[
         str | None,
@@ -142,7 +145,13 @@ def replica(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keys = load_api_keys(api_keys) if api_keys else None
-    engine = Engine(model, dtype=dtype, capacity_bytes=parse_bytes(capacity), default_ttl_s=ttl)
+    engine = Engine(
+        model,
+        dtype=dtype,
+        capacity_bytes=parse_bytes(capacity),
+        default_ttl_s=ttl,
+        prefill_chunk=prefill_chunk,
+    )
     if engine.cache is not None:
         attach_tiers(
             engine.cache, disk_dir=disk_cache, disk_bytes=parse_bytes(disk_size), redis_url=redis_url
