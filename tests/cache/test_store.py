@@ -201,3 +201,14 @@ def test_release_is_idempotent_and_commit_after_release_is_refused() -> None:
     cache.release(m)
     with pytest.raises(RuntimeError, match="after release"):
         cache.commit(m, payload)
+
+
+def test_commit_upto_tokens_stores_only_the_blocks_before_it() -> None:
+    cache, _ = make()
+    ns = cache.namespace("m")
+    t = prompt(1, 4)
+    m = cache.match(t, ns)
+    r = cache.commit(m, payload, upto_tokens=9)  # blocks ending at 4 and 8; block 3 ends at 12
+    cache.release(m)
+    assert (r.written_blocks, r.written_tokens) == (2, 8)
+    assert [k in cache.store for k in m.keys] == [True, True, False, False]

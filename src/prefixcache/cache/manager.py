@@ -179,18 +179,20 @@ class PrefixCache:
             self._tenants.setdefault(ns.tenant, TenantCounters()).add(usage, m.outcome)
         return m
 
-    def commit(self, m: Match, payload_fn: PayloadFn) -> CommitResult:
+    def commit(self, m: Match, payload_fn: PayloadFn, *, upto_tokens: int | None = None) -> CommitResult:
         """Store the prompt's full blocks after the cached prefix that are not cached yet.
 
-        Blocks already present (computed by another request meanwhile, or beyond an alignment
-        cut) are kept and acquired, not rewritten. New blocks are acquired into ``m``.
+        ``upto_tokens`` stops at the block that ends there (the engine commits only blocks of
+        complete prefill chunks). Blocks already present (computed by another request
+        meanwhile, or beyond an alignment cut) are kept and acquired, not rewritten. New blocks
+        are acquired into ``m``.
         """
         if m.released:
             raise RuntimeError("commit after release: the match no longer holds its prefix")
         B = self.block_size
         step = 4 * B
         ns = m.namespace
-        keys = m.keys
+        keys = m.keys if upto_tokens is None else m.keys[: max(upto_tokens, 0) // B]
         with self._lock:
             start = len(m._held)
             parent: BlockHash | None = keys[start - 1] if start else None
