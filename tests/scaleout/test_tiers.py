@@ -279,3 +279,26 @@ def test_background_writer_bounds_queued_bytes_and_never_blocks() -> None:
     assert w.submit(lambda: ran.append(4), 500)  # nothing pending: one oversized job may go
     w.close()
     assert ran == [1, 3, 4] and not w.submit(lambda: None)
+
+
+@pytest.mark.redis
+def test_keep_warm_refresh_extends_pinned_blocks_in_redis_and_rewrites_lost_ones(redis_url: str) -> None:
+    import redis
+
+    from prefixcache.cache.tiers import refresh_pinned
+
+    cache = make_cache()
+    (rt,) = attach_tiers(cache, redis_url=redis_url, pin_refresh_s=None)
+    run(cache, PROMPT, NS)
+    rt.flush()
+    assert cache.pin(PROMPT, NS) == 20
+    keys = cache.block_keys(PROMPT, NS)
+    c = redis.Redis.from_url(redis_url)
+    c.delete(rt.redis_key(keys[3]))  # Redis dropped one (maxmemory, restart)
+    assert refresh_pinned(cache, ttl_s=7200) == 4
+    rt.flush()
+    assert all(3600 < c.ttl(rt.redis_key(k)) <= 7200 for k in keys[:3])
+    assert c.exists(rt.redis_key(keys[3])) == 1  # re-written from the pinned copy
+    other = make_cache()
+    attach_tiers(other, redis_url=redis_url, pin_refresh_s=None)
+    assert run(other, PROMPT, NS)[0] == 20
