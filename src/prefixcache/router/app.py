@@ -214,7 +214,7 @@ class Proxy:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
         results = await asyncio.gather(
             *(
-                self._send_one(request.method, r, request.url.path, raw, headers)
+                self.send_one(request.method, r, request.url.path, raw, headers)
                 for r in self.router.replicas
                 if r.healthy
             )
@@ -225,9 +225,10 @@ class Proxy:
             status_code=200 if ok else 502,
         )
 
-    async def _send_one(
+    async def send_one(
         self, method: str, replica: Replica, path: str, raw: bytes, headers: dict[str, str]
     ) -> tuple[str, int, Any]:
+        """One request to one replica, no fail-over: (url, HTTP status or 0 if unreachable, body)."""
         try:
             resp = await self.client.request(method, replica.url + path, content=raw, headers=headers)
         except httpx.TransportError as exc:

@@ -99,7 +99,7 @@ class KeepWarm:
             raw = json.dumps(p.body).encode()
             targets = [r for r in proxy.router.replicas if r.healthy]
             results = await asyncio.gather(
-                *(proxy._send_one("POST", r, "/v1/cache/pin", raw, headers) for r in targets)
+                *(proxy.send_one("POST", r, "/v1/cache/pin", raw, headers) for r in targets)
             )
             for url, status, body in results:
                 p.last_status[url] = status
