@@ -137,6 +137,13 @@ def _convert_gguf(path: Path, sha: str, home: Path) -> Path:
     return target
 
 
+def _quiet_transformers() -> None:
+    """No per-tensor progress bars on the console (the CLI shows its own progress)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def load_tokenizer(model: str | os.PathLike[str] | None = None) -> Any:
     """The tokenizer of a model (default: the embedded one), through the conversion cache."""
     from transformers import AutoTokenizer
@@ -211,6 +218,7 @@ class ModelRunner:
 
         torch_dtype = _torch_dtype(dtype)
         path = resolve_model_path(model)
+        _quiet_transformers()
         if threads:
             torch.set_num_threads(threads)
         sha = weights_sha256(path)

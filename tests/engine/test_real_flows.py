@@ -1,0 +1,29 @@
+"""Flows on the embedded SmolLM2 (``-m model``): busting, and usage through the real template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from prefixcache.engine.demo import flow_busting
+
+pytestmark = pytest.mark.model
+
+
+def test_busting_at_the_top_kills_hits_and_at_the_bottom_restores_them(real_runner: Any) -> None:
+    top, bottom = flow_busting(real_runner, max_tokens=1, requests=2)
+    assert [r.usage.cached_tokens for r in top.results] == [0, 0]
+    first, second = bottom.results
+    assert first.usage.cached_tokens == 0 and first.usage.cache_write_tokens >= 1024
+    assert second.usage.cached_tokens >= 1024 and second.outcome in ("hit", "partial")
+    assert top.hit_rate == 0.0 and bottom.hit_rate > 0.4
+
+
+def test_real_engine_fixture_counts_and_serves_after_errors(real_engine: Any) -> None:
+    msgs = [{"role": "user", "content": "Say hi."}]
+    assert real_engine.count_tokens(messages=msgs) == len(real_engine.render_ids(msgs))
+    with pytest.raises(ValueError, match="8192"):
+        real_engine.generate(prompt_token_ids=[42] * 8200, max_tokens=1)
+    r = real_engine.generate(messages=msgs, max_tokens=3)
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens >= 1
