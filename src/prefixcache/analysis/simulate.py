@@ -48,7 +48,9 @@ class SimConfig:
     ttl_s: float = 300.0
     capacity_bytes: int = 16 << 30  # per replica
     block_size: int = 16
-    align_tokens: int | None = None  # hits end on a multiple of this (the engine's prefill chunk)
+    # Hits end on a multiple of this and only complete chunks are stored, as in the engine (whose
+    # default prefill chunk is 512); None: the block size (the cache's own granularity).
+    align_tokens: int | None = None
     replicas: int = 1
     routing: str = "round-robin"
     affinity_blocks: int = 4  # K for prefix-affinity
@@ -253,6 +255,10 @@ def simulate(trace: Trace, cfg: SimConfig, *, progress: Callable[[int], None] | 
         cache = caches[r]
         ttl = float(ttl_col[i]) if has_ttl and np.isfinite(ttl_col[i]) else None
         m = cache.match(tokens, ns, align_tokens=align, ttl_s=ttl)
+        if align > B:
+            # As the engine does: only blocks of complete prefill chunks are committed (a block of
+            # the last, partial chunk would not be bitwise what a longer prompt computes).
+            m.keys = m.keys[: (len(tokens) // align) * align // B]
         try:
             res = cache.commit(m, payload_fn)
         finally:
