@@ -161,7 +161,7 @@ def render_messages(messages: list[dict[str, Any]], hf_tok: Any = None) -> str:
 
         fn = getattr(prompts, "render_chat", None)
         if callable(fn):
-            return str(fn(flat))
+            return str(fn(flat, hf_tok))
     except Exception:
         pass
     if hf_tok is not None and getattr(hf_tok, "chat_template", None):

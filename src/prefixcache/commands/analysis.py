@@ -134,7 +134,7 @@ def simulate(
     ttl: Annotated[str, typer.Option(help="Cache TTL: 300, 5m, 1h.")] = "300",
     capacity: Annotated[str, typer.Option(help="Cache bytes per replica: 16GiB, 512MiB, inf.")] = "16GiB",
     block_size: Annotated[int, typer.Option(help="Tokens per cache block.")] = 16,
-    align: Annotated[int | None, typer.Option(help="Hits end on a multiple of this many tokens (the engine's prefill chunk).")] = None,
+    align: Annotated[int | None, typer.Option(help="Hits end on a multiple of this many tokens and only complete chunks are stored, as in the engine (prefixcache serve: 512). Default: the block size.")] = None,
     replicas: Annotated[int, typer.Option(help="Number of replicas, each with its own cache.")] = 1,
     routing: Annotated[str, typer.Option(help="round-robin | random | least-loaded | prefix-affinity | cache-aware")] = "round-robin",
     keep_warm: Annotated[str | None, typer.Option(help="auto (the audit's candidates) or FILE (audit --json output, or lines endpoint=prefix_tokens).")] = None,
