@@ -10,7 +10,6 @@ from typing import Any
 
 import httpx
 import uvicorn
-from fake_engine import FakeEngine
 
 
 class RunningServer:
@@ -56,10 +55,13 @@ def wait_until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> No
 
 
 class Gated:
-    """Wraps an engine so a test holds it deterministically.
+    """Wraps an engine so a test holds it at known points, deterministically.
 
-    ``generate`` sets ``entered`` and waits for ``release``; ``stream`` yields its first item,
-    then waits for ``resume`` before pulling each further one (``pulled`` counts items taken).
+    ``generate`` sets ``entered`` and waits for ``release`` before it calls the engine.
+    ``stream`` lets the engine run until the consumer has taken its first text delta; from then
+    on, every step the engine's worker takes (it polls its ``cancel`` signal once per decode
+    step) waits until ``resume`` is set or the server cancels the request. ``steps`` counts the
+    held steps: after a disconnect it stays small however large ``max_tokens`` is.
     """
 
     def __init__(self, engine: Any) -> None:
@@ -67,7 +69,8 @@ class Gated:
         self.entered = threading.Event()
         self.release = threading.Event()
         self.resume = threading.Event()
-        self.pulled = 0
+        self.first_taken = threading.Event()
+        self.steps = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -78,12 +81,24 @@ class Gated:
         return self.engine.generate(**kw)
 
     def stream(self, **kw: Any) -> Iterator[Any]:
-        gen = self.engine.stream(**kw)
+        outer = kw.get("cancel")
+
+        def cancelled() -> bool:
+            def stop() -> bool:
+                return outer is not None and outer.is_set()
+
+            if self.first_taken.is_set():
+                self.steps += 1
+                while not (self.resume.is_set() or stop()):
+                    time.sleep(0.002)
+            return stop()
+
+        gen = self.engine.stream(**{**kw, "cancel": cancelled})
         try:
             for item in gen:
-                self.pulled += 1
                 yield item
-                self.resume.wait()
+                if isinstance(item, str):
+                    self.first_taken.set()
         finally:
             gen.close()
 
@@ -91,8 +106,3 @@ class Gated:
 def held_refs(cache: Any) -> int:
     """Block references held by requests (0 when every request has released)."""
     return sum(b.ref_count for b in cache.store)
-
-
-def make_engine(clock: Any = None) -> Any:
-    """The engine under test: the fast model-free engine over the real PrefixCache."""
-    return FakeEngine(clock=clock)

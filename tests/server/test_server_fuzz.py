@@ -7,13 +7,13 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from server_helpers import RunningServer, make_engine
+from server_helpers import RunningServer
 
 from prefixcache.server import create_app
 
 MODEL = "test-model"
 
-schema = schemathesis.openapi.from_dict(create_app(make_engine(), model_name=MODEL).openapi())
+schema = schemathesis.openapi.from_dict(create_app(None, model_name=MODEL).openapi())
 schema.config.generation.update(
     modes=[schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE],
     deterministic=True,
@@ -22,10 +22,21 @@ schema.config.generation.update(
 
 
 @pytest.fixture(scope="module")
-def live() -> RunningServer:
-    server = RunningServer(create_app(make_engine(), model_name=MODEL, max_queue=8), None).start()
+def live(tiny_runner) -> RunningServer:
+    import torch
+
+    from prefixcache.engine import Engine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see conftest.make_engine
+    # Fuzzed bodies ask for up to a million tokens; the tiny model's 2,048-token context turns
+    # most of those into a 400 at once, and the rest decode fast.
+    engine = Engine(tiny_runner, prefill_chunk=16)
+    server = RunningServer(create_app(engine, model_name=MODEL, max_queue=8), engine).start()
     yield server
     server.stop()
+    engine.close()
+    torch.set_num_threads(threads)
 
 
 @schema.parametrize()

@@ -9,7 +9,6 @@ import anthropic
 import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import make_engine
 
 from prefixcache.analysis.trace import load_trace
 
@@ -26,7 +25,7 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return out
 
 
-def test_counters_move_as_the_requests_say(serve):
+def test_counters_move_as_the_requests_say(serve, make_engine):
     server = serve(make_engine(), model_name=MODEL)
     oa = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     an = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
@@ -70,7 +69,7 @@ def test_counters_move_as_the_requests_say(serve):
     assert flushed[("prefixcache_cache_blocks", ())] == 0
 
 
-def test_trace_log_lines_load_in_the_ops_tools(serve, tmp_path):
+def test_trace_log_lines_load_in_the_ops_tools(serve, make_engine, tmp_path):
     path = tmp_path / "trace.jsonl"
     server = serve(make_engine(), model_name=MODEL, trace_log=path, api_keys={"k": "acme"})
     oa = openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
@@ -94,7 +93,7 @@ def test_trace_log_lines_load_in_the_ops_tools(serve, tmp_path):
     assert int(trace.cached_tokens[0]) == r1.usage.prompt_tokens_details.cached_tokens
 
 
-def test_trace_text_only_when_asked(serve, tmp_path):
+def test_trace_text_only_when_asked(serve, make_engine, tmp_path):
     path = tmp_path / "trace.jsonl"
     server = serve(make_engine(), model_name=MODEL, trace_log=path, trace_text=True)
     oa = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import openai
 import pytest
-from server_helpers import make_engine
 
 MODEL = "test-model"
 SYSTEM = "You are a careful assistant for the prefixcache project. " * 12
 
 
 @pytest.fixture
-def server(serve):
+def server(serve, make_engine):
     return serve(make_engine(), model_name=MODEL)
 
 
@@ -34,7 +33,7 @@ def test_chat_reports_cached_tokens_on_the_second_request(client):
     first = chat(client, "What is a block?")
     assert first.object == "chat.completion"
     assert first.choices[0].message.role == "assistant"
-    assert first.choices[0].message.content
+    assert isinstance(first.choices[0].message.content, str)
     assert first.choices[0].finish_reason in ("stop", "length")
     u1 = first.usage
     assert u1.prompt_tokens_details.cached_tokens == 0
@@ -52,7 +51,7 @@ def test_chat_stream_with_usage(client):
     chunks = list(chat(client, "stream this", stream=True, stream_options={"include_usage": True}, max_tokens=5))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text
+    assert text == chat(client, "stream this", max_tokens=5).choices[0].message.content
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finals) == 1
     assert all(c.usage is None for c in chunks[:-1])
@@ -72,16 +71,17 @@ def test_completions_plain_and_stream(client):
     prompt = "The quick brown fox jumps over the lazy dog. " * 4
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
     assert r.object == "text_completion"
-    assert r.choices[0].text
+    assert isinstance(r.choices[0].text, str)
     assert r.usage.completion_tokens <= 3
     r2 = client.completions.create(model=MODEL, prompt=prompt + "Again?", max_tokens=3, temperature=0)
     assert r2.usage.prompt_tokens_details.cached_tokens > 0
     chunks = list(
         client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=3, stream=True, stream_options={"include_usage": True}
+            model=MODEL, prompt=prompt, max_tokens=3, temperature=0, stream=True,
+            stream_options={"include_usage": True},
         )
     )
-    assert "".join(c.choices[0].text for c in chunks if c.choices)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
     assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
 
 

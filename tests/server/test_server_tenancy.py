@@ -9,7 +9,6 @@ import anthropic
 import httpx
 import openai
 import pytest
-from server_helpers import make_engine
 
 from prefixcache.server.auth import Authenticator, load_api_keys
 
@@ -19,7 +18,7 @@ SYSTEM = "Shared system prompt that both tenants happen to send, word for word. 
 
 
 @pytest.fixture
-def server(serve):
+def server(serve, make_engine):
     return serve(make_engine(), model_name=MODEL, api_keys=KEYS, salt_secret="test-secret")
 
 
@@ -87,7 +86,7 @@ def test_flush_removes_only_the_callers_blocks(server):
     assert cached(oa(server, "sk-beta"), "b") > 0
 
 
-def test_pin_keeps_a_prefix_warm(serve):
+def test_pin_keeps_a_prefix_warm(serve, make_engine):
     from prefixcache.cache import FakeClock
 
     clock = FakeClock()

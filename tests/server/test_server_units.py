@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import typer
-from server_helpers import make_engine
 from typer.testing import CliRunner
 
 from prefixcache.cli import app
@@ -14,8 +13,8 @@ from prefixcache.server.errors import APIError
 from prefixcache.server.schemas_anthropic import MessagesRequest
 
 
-def test_breakpoints_map_to_the_token_ends_of_their_blocks():
-    engine = make_engine()  # one token per byte: positions are easy to state
+def test_breakpoints_map_to_the_token_ends_of_their_blocks(make_engine):
+    engine = make_engine()  # byte tokenizer: positions are easy to state
     req = MessagesRequest.model_validate({
         "model": "m", "max_tokens": 1,
         "system": [{"type": "text", "text": "AAAA", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
@@ -27,11 +26,15 @@ def test_breakpoints_map_to_the_token_ends_of_their_blocks():
     assert messages == [{"role": "system", "content": "AAAABBBB"}, {"role": "user", "content": "CCDD"}]
     full = engine.render_ids(messages)
     plan = ttl_plan(messages, bps, full, lambda m: engine.render_ids(m, add_generation_prompt=False))
-    text = bytes(full).decode()
-    assert plan == [(text.index("AAAA") + 4, 3600.0), (text.index("CC") + 2, 300.0)]
+    text = engine.render(messages)
+
+    def upto(marker: str) -> int:
+        return len(engine.tokenize(text[: text.index(marker) + len(marker)]))
+
+    assert plan == [(upto("AAAA"), 3600.0), (upto("CC"), 300.0)]
 
 
-def test_top_level_cache_control_covers_the_whole_prompt():
+def test_top_level_cache_control_covers_the_whole_prompt(make_engine):
     engine = make_engine()
     req = MessagesRequest.model_validate({"model": "m", "max_tokens": 1, "cache_control": {"type": "ephemeral", "ttl": "1h"},
                                           "messages": [{"role": "user", "content": "hello"}]})

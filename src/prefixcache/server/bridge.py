@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -98,7 +99,7 @@ def normalize(result: Any) -> Finished:
         cache_write_tokens=int(getattr(u, "cache_write_tokens", 0) or 0),
         completion_tokens=int(getattr(u, "completion_tokens", 0) or 0),
     )
-    ids = getattr(result, "prompt_token_ids", None) or getattr(result, "prompt_tokens", None) or []
+    ids = getattr(result, "prompt_token_ids", None) or []
     reason = str(getattr(result, "finish_reason", "stop") or "stop")
     return Finished(
         text=str(result.text),
@@ -109,6 +110,17 @@ def normalize(result: Any) -> Finished:
         prompt_token_ids=list(ids) if isinstance(ids, Sequence) else [],
         stop_sequence=getattr(result, "stop_sequence", None),
     )
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    """Whether callable ``fn`` takes keyword ``name`` (or any keyword)."""
+    if fn is None:
+        return False
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 class Admission:
@@ -150,6 +162,7 @@ class EngineBridge:
         self.engine = engine
         self.admission = Admission(max_queue)
         self._streams: set[threading.Thread] = set()
+        self._takes_cancel = _accepts(getattr(engine, "stream", None), "cancel")
 
     # ------------------------------------------------------------------ generation
     async def generate(self, kwargs: dict[str, Any]) -> Finished:
@@ -179,6 +192,11 @@ class EngineBridge:
         def post(kind: str, value: Any) -> None:
             with contextlib.suppress(RuntimeError):  # the loop is gone (server shutting down)
                 loop.call_soon_threadsafe(items.put_nowait, (kind, value))
+
+        if self._takes_cancel:
+            # The engine's worker checks it at every step: a disconnect stops the generation
+            # at once, even while this thread waits for the next delta.
+            kwargs = {**kwargs, "cancel": cancel}
 
         def drive() -> None:
             gen: Iterator[Any] | None = None
