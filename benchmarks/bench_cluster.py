@@ -88,9 +88,13 @@ class Run:
     ttft_s: list[float] = field(default_factory=list)
     per_replica: dict[str, int] = field(default_factory=dict)
     failed: int = 0
+    uncached_tokens: list[int] = field(default_factory=list)
+    sent: list[tuple[float, dict[str, Any]]] = field(default_factory=list, repr=False)
+    routing: str = ""  # the router policy (policy may be a label)
+    shared_tier: bool = False
     sim_hit_rate: float | None = None
-    sim_ttft_s: float | None = None
-    sim_note: str = ""
+    sim_ttft_s: float | None = None  # default cost model
+    sim_ttft_cal_s: float | None = None  # prefill rate calibrated on this benchmark's requests
 
     @property
     def hit_rate(self) -> float:
@@ -204,41 +208,54 @@ def one_request(client: httpx.Client, model: str, req: dict[str, Any]) -> tuple[
     return ttft, int(usage.get("prompt_tokens", 0)), cached, replica
 
 
-def simulate(
-    run: Run, sent: list[tuple[float, dict[str, Any]]], replicas: int, align: int, tmp: Path
-) -> None:
-    """The simulator's prediction for exactly the requests sent (same send times)."""
+def fit_line(xs: list[int], ys: list[float]) -> tuple[float, float] | None:
+    """(overhead seconds, tokens per second) of ``y = a + x / tps``; None if it cannot be fitted."""
+    n = len(xs)
+    if n < 3 or len(set(xs)) < 2:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    if slope <= 0:
+        return None
+    return max(0.0, my - slope * mx), 1.0 / slope
+
+
+def simulate(run: Run, replicas: int, align: int, tmp: Path, fit: tuple[float, float] | None) -> str:
+    """The simulator's prediction for exactly the requests sent (same send times). Returns a note."""
     try:
         from prefixcache.analysis.costs import cost_model
         from prefixcache.analysis.simulate import SimConfig
         from prefixcache.analysis.simulate import simulate as sim
         from prefixcache.analysis.trace import load_trace
     except ImportError as e:  # the simulator is another team's module
-        run.sim_note = f"simulator unavailable: {e}"
-        return
-    path = tmp / f"trace-{run.policy}.jsonl"
+        return f"simulator unavailable: {e}"
+    if not run.sent:
+        return "nothing sent"
+    path = tmp / f"trace-{run.policy.replace(' ', '_')}.jsonl"
     with open(path, "w") as f:
-        for ts, req in sent:
+        for ts, req in run.sent:
             f.write(
                 json.dumps({"v": 1, "ts": ts, "tenant": req["tenant"], "messages": req["messages"]}) + "\n"
             )
     trace = load_trace(path, tokenizer="default")
-    routing = run.policy if run.policy != "shared-tier" else "round-robin"
-    cost = cost_model()
-    res = sim(
-        trace,
-        SimConfig(
-            replicas=replicas if run.policy != "shared-tier" else 1,
-            routing=routing,
-            block_size=16,
-            align_tokens=align,
-            cost=cost,
-            pricing=(),
-        ),
+    # A shared tier makes every replica see every prefix: predicted as one replica.
+    cfg = SimConfig(
+        replicas=1 if run.shared_tier else replicas,
+        routing=run.routing,
+        block_size=16,
+        align_tokens=align,
+        cost=cost_model(),
+        pricing=(),
     )
+    res = sim(trace, cfg)
     run.sim_hit_rate = res.hit_rate
     run.sim_ttft_s = float(res.ttft_s.mean())
-    run.sim_note = f"prefill {cost.prefill_tps:.0f} tok/s ({cost.source})"
+    note = f"default cost model: prefill {cfg.cost.prefill_tps:.0f} tok/s ({cfg.cost.source})"
+    if fit:
+        cfg.cost = cost_model(prefill_tps=fit[1])
+        run.sim_ttft_cal_s = fit[0] + float(sim(trace, cfg).ttft_s.mean())
+    return note
 
 
 def start_replicas(
@@ -320,7 +337,7 @@ def main() -> None:
         )
         plan = [(p, urls) for p in args.policies.split(",")]
         for policy, rurls in plan:
-            runs.append(run_policy(policy, rurls, model, args, tmp))
+            runs.append(run_policy(policy, rurls, model, args))
         if args.shared_tier:
             binary = shutil.which("redis-server")
             if binary is None:
@@ -340,22 +357,33 @@ def main() -> None:
                 )
                 procs += more
                 runs.append(
-                    run_policy("round-robin", more_urls, model, args, tmp, label="round-robin + Redis tier")
+                    run_policy("round-robin", more_urls, model, args, label="round-robin + Redis tier")
                 )
     finally:
         stop(procs)
-    write_report(runs, args, time.time() - t_start)
+    # Calibrate on this machine, now: a least-squares line TTFT = a + uncached / tps over every
+    # measured request; the prediction is then a + the simulator's TTFT at that tps (requests are
+    # sequential, so the simulator's queueing adds nothing here).
+    xs = [u for r in runs for u in r.uncached_tokens]
+    ys = [t for r in runs for t in r.ttft_s]
+    fit = fit_line(xs, ys)
+    notes = {simulate(r, args.replicas, args.align, tmp, fit) for r in runs}
+    if fit:
+        notes.add(
+            f"calibrated: TTFT = {fit[0] * 1000:.0f} ms + uncached tokens / {fit[1]:.0f} tok/s "
+            "(least squares over this run's requests)"
+        )
+    write_report(runs, args, time.time() - t_start, sorted(notes))
     shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run_policy(
-    policy: str, urls: list[str], model: str, args: argparse.Namespace, tmp: Path, label: str | None = None
+    policy: str, urls: list[str], model: str, args: argparse.Namespace, label: str | None = None
 ) -> Run:
-    run = Run(policy=label or policy)
+    run = Run(policy=label or policy, routing=policy, shared_tier=label is not None)
     reqs = build_requests(args, tag=f"{run.policy}-{args.seed}")
-    sent: list[tuple[float, dict[str, Any]]] = []
     t0 = time.perf_counter()
-    with RouterThread(urls, policy) as base, httpx.Client(base_url=base, timeout=300) as client:
+    with RouterThread(urls, policy) as base, httpx.Client(base_url=base, timeout=600) as client:
         for req in reqs:
             ts = time.perf_counter() - t0
             try:
@@ -364,65 +392,68 @@ def run_policy(
                 print(f"{policy}: request failed: {e}", file=sys.stderr)
                 run.failed += 1
                 continue
-            sent.append((ts, req))
+            run.sent.append((ts, req))
             run.requests += 1
             run.prompt_tokens += prompt
             run.cached_tokens += cached
+            run.uncached_tokens.append(prompt - cached)
             run.ttft_s.append(ttft)
             run.per_replica[replica] = run.per_replica.get(replica, 0) + 1
     print(
-        f"{run.policy:28s} hit {run.hit_rate:6.1%}  mean TTFT {run.mean_ttft_s * 1000:7.0f} ms  per replica {sorted(run.per_replica.values())}"
-    )
-    sim_policy = "shared-tier" if label else policy
-    sim_run = Run(policy=sim_policy)
-    simulate(sim_run, sent, len(urls), args.align, tmp)
-    run.sim_hit_rate, run.sim_ttft_s, run.sim_note = (
-        sim_run.sim_hit_rate,
-        sim_run.sim_ttft_s,
-        sim_run.sim_note,
+        f"{run.policy:28s} hit {run.hit_rate:6.1%}  mean TTFT {run.mean_ttft_s * 1000:7.0f} ms  "
+        f"per replica {sorted(run.per_replica.values())}",
+        flush=True,
     )
     return run
 
 
-def write_report(runs: list[Run], args: argparse.Namespace, elapsed: float) -> None:
+def write_report(runs: list[Run], args: argparse.Namespace, elapsed: float, notes: list[str]) -> None:
     def pct(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.1%}"
 
     def ms(x: float | None) -> str:
         return "n/a" if x is None else f"{x * 1000:.0f} ms"
 
+    cmd = (
+        f"python benchmarks/bench_cluster.py --replicas {args.replicas} --tenants {args.tenants} "
+        f"--per-tenant {args.per_tenant} --system-words {args.system_words} --align {args.align}"
+        + (" --shared-tier" if args.shared_tier else "")
+    )
     lines = [
         "# Cluster routing benchmark",
         "",
-        f"`python benchmarks/bench_cluster.py --replicas {args.replicas} --tenants {args.tenants} "
-        f"--per-tenant {args.per_tenant} --system-words {args.system_words}{' --shared-tier' if args.shared_tier else ''}`"
-        f" ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs shared, {elapsed:.0f} s in all).",
+        f"`{cmd}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs shared with "
+        f"other work, load average {os.getloadavg()[0]:.1f} at the end; {elapsed:.0f} s in all).",
         "",
-        f"{args.replicas} replicas of the embedded SmolLM2-135M (float32), {args.tenants} tenants (own API key, own salt, "
-        f"own ~{args.system_words}-word system prompt), {args.per_tenant} requests each with a unique question, "
-        "interleaved in a seeded random order, sent one at a time through the router (streamed, max_tokens=1). "
-        "Measured TTFT is client side (send to first content chunk). The prediction replays the same requests "
-        "(same send times) through `prefixcache.analysis.simulate` with the same replica count and routing "
-        "(the shared-tier row is predicted as one replica: every replica reads every prefix from Redis).",
+        f"{args.replicas} replicas of the embedded SmolLM2-135M (float32, prefill chunk {args.align}: the hit "
+        f"granularity), {args.tenants} tenants (own API key, so own salt; own ~{args.system_words}-word system "
+        f"prompt), {args.per_tenant} requests per tenant with a unique question, interleaved in a seeded random "
+        "order and sent one at a time through the router (streamed, max_tokens=1). Each row uses fresh prefixes. "
+        "Measured: hit rate = cached / prompt tokens from the responses' usage; TTFT client side, send to first "
+        "content chunk. Predicted: the same requests at the same send times replayed by "
+        "`prefixcache.analysis.simulate` with the same replica count and routing (the shared-tier row as one "
+        "replica, since every replica reads every prefix from Redis).",
         "",
-        "| routing | requests | hit rate measured | hit rate predicted | mean TTFT measured | mean TTFT predicted | requests per replica | failed |",
-        "|---|---|---|---|---|---|---|---|",
+        "| routing | requests | hit rate measured | hit rate predicted | mean TTFT measured "
+        "| predicted (default cost) | predicted (calibrated) | requests per replica | failed |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
+        per = ", ".join(str(v) for v in sorted(r.per_replica.values(), reverse=True))
         lines.append(
-            f"| {r.policy} | {r.requests} | {pct(r.hit_rate)} | {pct(r.sim_hit_rate)} | {ms(r.mean_ttft_s)} | "
-            f"{ms(r.sim_ttft_s)} | {', '.join(str(v) for v in sorted(r.per_replica.values(), reverse=True))} | {r.failed} |"
+            f"| {r.policy} | {r.requests} | {pct(r.hit_rate)} | {pct(r.sim_hit_rate)} | {ms(r.mean_ttft_s)} "
+            f"| {ms(r.sim_ttft_s)} | {ms(r.sim_ttft_cal_s)} | {per} | {r.failed} |"
         )
-    notes = sorted({r.sim_note for r in runs if r.sim_note})
     if notes:
-        lines += ["", "Simulator: " + "; ".join(notes) + "."]
+        lines += ["", "Simulator cost models: " + "; ".join(notes) + "."]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
-    args.out.with_suffix(".json").write_text(
-        json.dumps(
-            [asdict(r) | {"hit_rate": r.hit_rate, "mean_ttft_s": r.mean_ttft_s} for r in runs], indent=1
-        )
-    )
+    rows = []
+    for r in runs:
+        d = asdict(r)
+        d.pop("sent")
+        rows.append(d | {"hit_rate": r.hit_rate, "mean_ttft_s": r.mean_ttft_s})
+    args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.out}")
 
 
