@@ -17,7 +17,7 @@ def test_busting_at_the_top_kills_hits_and_at_the_bottom_restores_them(real_runn
     first, second = bottom.results
     assert first.usage.cached_tokens == 0 and first.usage.cache_write_tokens >= 1024
     assert second.usage.cached_tokens >= 1024 and second.outcome in ("hit", "partial")
-    assert top.hit_rate == 0.0 and bottom.hit_rate > 0.4
+    assert top.hit_rate == 0.0 and bottom.hit_rate > 0.3  # 1 miss, then 1,024 of ~1,320 tokens
 
 
 def test_real_engine_fixture_counts_and_serves_after_errors(real_engine: Any) -> None:
