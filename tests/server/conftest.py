@@ -29,18 +29,24 @@ def serve() -> Iterator[Callable[..., RunningServer]]:
 
 
 @pytest.fixture
-def make_engine(tiny_runner: Any) -> Iterator[Callable[..., Any]]:
-    """``make_engine(clock=None, **engine_kwargs)``: a fresh Engine over the session's tiny random
-    Llama (byte tokenizer, ChatML template), block 16, prefill chunk 16; closed at teardown."""
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread while a server test runs: the HTTP server, the engine worker and the
+    test share two cores, and two OpenMP threads under contention made prefill ~50x slower
+    here (9 s instead of 0.17 s for the tiny model's 750-token prompt). Restored afterwards."""
     import torch
 
-    from prefixcache.engine import Engine
-
-    # One intra-op thread while the server tests run: the HTTP server, the engine worker and
-    # the test share two cores, and two OpenMP threads under contention made the tiny model's
-    # prefill ~50x slower here. Restored at teardown.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def make_engine(tiny_runner: Any, one_torch_thread: None) -> Iterator[Callable[..., Any]]:
+    """``make_engine(clock=None, **engine_kwargs)``: a fresh Engine over the session's tiny random
+    Llama (byte tokenizer, ChatML template), block 16, prefill chunk 16; closed at teardown."""
+    from prefixcache.engine import Engine
+
     engines: list[Any] = []
 
     def make(clock: FakeClock | None = None, **kwargs: Any) -> Any:
@@ -52,4 +58,3 @@ def make_engine(tiny_runner: Any) -> Iterator[Callable[..., Any]]:
     yield make
     for engine in engines:
         engine.close()
-    torch.set_num_threads(threads)
