@@ -47,6 +47,11 @@ def serve(
     ttl: Annotated[float, typer.Option(min=1.0, help="Default cache TTL in seconds (refreshed on every hit).")] = 300.0,
     capacity: Annotated[str, typer.Option(help="Byte budget of the KV cache, e.g. 2GiB or 512MB.")] = "2GiB",
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per cache block.")] = 16,
+    prefill_chunk: Annotated[
+        int | None,
+        typer.Option(min=1, help="Prefill chunk in tokens (a multiple of the block size; the hit granularity). "
+                     "Default: the engine's (512)."),
+    ] = None,
     dtype: Annotated[str, typer.Option(help="Compute (and KV) dtype: float32 or bfloat16.")] = "float32",
     model_name: Annotated[
         str | None, typer.Option(help="The model id clients must send. Default: the model's name.")
@@ -77,13 +82,19 @@ def serve(
         keys = load_api_keys(api_keys) if api_keys else None
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--api-keys") from e
-    engine = Engine(
-        model,
-        block_size=block_size,
-        dtype=dtype,
-        capacity_bytes=parse_bytes(capacity),
-        default_ttl_s=ttl,
-    )
+    capacity_bytes = parse_bytes(capacity)
+    try:
+        engine = Engine(
+            model,
+            block_size=block_size,
+            prefill_chunk=prefill_chunk,
+            dtype=dtype,
+            capacity_bytes=capacity_bytes,
+            default_ttl_s=ttl,
+            max_queue=max_queue,
+        )
+    except ValueError as e:  # a missing model file, a bad chunk size or dtype: say which
+        raise typer.BadParameter(str(e)) from e
     name = model_name or (DEFAULT_MODEL_NAME if model is None else Path(model).stem)
     app = create_app(
         engine,
