@@ -26,9 +26,12 @@ trace_app = typer.Typer(
 
 
 def _progress() -> Progress:
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True)
+    # On stderr, so that --json output on stdout stays clean.
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    transient=True, console=Console(stderr=True))
 
 
 def _load(path: Path, tokenizer: str | None) -> Trace:
