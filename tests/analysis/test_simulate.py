@@ -94,3 +94,33 @@ def test_pricing_profiles() -> None:
     assert o.total_usd == pytest.approx(0.4 * 2.5 + 0.6 * 2.5 * 0.5)
     s = price(t, pricing_profile("self-hosted", gpu_hour=3600.0), model)
     assert s.total_usd == pytest.approx(400_000 / 1000.0)  # $1 per prefill second
+
+
+def test_keep_warm_file_from_audit_json_or_lines(tmp_path: Path) -> None:
+    import json
+
+    from prefixcache.analysis.audit import AuditConfig, audit
+    from prefixcache.analysis.simulate import load_keep_warm
+
+    trace = load_trace(fixed_gap_trace(tmp_path / "g.jsonl"))
+    report = tmp_path / "audit.json"
+    report.write_text(json.dumps(audit(trace, AuditConfig(ttl_s=300, replay=False)).as_dict()))
+    assert load_keep_warm(report, trace) == {"quiet": 1024}
+    lines = tmp_path / "warm.txt"
+    lines.write_text("# endpoint=prefix tokens\nquiet=1024\nbusy = 512\n")
+    assert load_keep_warm(lines, trace) == {"quiet": 1024, "busy": 512}
+    lines.write_text("quiet:1024\n")
+    with pytest.raises(ValueError, match="endpoint=prefix_tokens"):
+        load_keep_warm(lines, trace)
+
+
+def test_sizes_durations_and_sweeps_parse() -> None:
+    from prefixcache.analysis.costs import parse_duration, parse_size
+    from prefixcache.analysis.simulate import parse_sweep
+
+    assert parse_size("2GiB") == 2 << 30 and parse_size("512MB") == 512_000_000 and parse_size("1e6") == 10**6
+    assert parse_duration("5m") == 300 and parse_duration("1h") == 3600 and parse_duration("90") == 90
+    assert parse_sweep("ttl=60,300") == ("ttl", ["60", "300"])
+    assert parse_sweep("capacity=1GiB,4GiB") == ("capacity", ["1GiB", "4GiB"])
+    with pytest.raises(ValueError, match="ttl=60"):
+        parse_sweep("speed=1,2")
