@@ -124,3 +124,17 @@ def test_sizes_durations_and_sweeps_parse() -> None:
     assert parse_sweep("capacity=1GiB,4GiB") == ("capacity", ["1GiB", "4GiB"])
     with pytest.raises(ValueError, match="ttl=60"):
         parse_sweep("speed=1,2")
+
+
+def test_calibration_from_prefixcache_bench(tmp_path: Path) -> None:
+    import json
+
+    from prefixcache.analysis.costs import DEFAULT_PREFILL_TPS, cost_model
+
+    cal = tmp_path / "calibration.json"
+    cal.write_text(json.dumps({"prefill_tps": 812.5, "decode_tps": 31.2, "kv_bytes_per_token": 46080,
+                               "single_pass_tps": 900.0, "prefill_chunk": 512, "rows": [{"prefill_tps": 1.0}]}))
+    m = cost_model(None, cal)
+    assert (m.prefill_tps, m.decode_tps, m.kv_bytes_per_token, m.source) == (812.5, 31.2, 46080, str(cal))
+    assert cost_model(300.0, cal).prefill_tps == 300.0  # the flag wins
+    assert cost_model(None, tmp_path / "missing.json").prefill_tps == DEFAULT_PREFILL_TPS
