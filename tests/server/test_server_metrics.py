@@ -77,7 +77,7 @@ def test_trace_log_lines_load_in_the_ops_tools(serve, make_engine, tmp_path):
     r1 = oa.chat.completions.create(model=MODEL, max_tokens=2, messages=msgs,
                                     extra_headers={"X-Prefixcache-Endpoint": "support-bot"})
     r2 = oa.completions.create(model=MODEL, prompt="plain text prompt", max_tokens=2,
-                               extra_body={"prompt_cache_retention": "24h"})
+                               extra_body={"prompt_cache_retention": "24h", "prompt_cache_key": "docs-bot"})
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line["endpoint"] for line in lines] == ["support-bot", "/v1/completions"]
     assert all(line["v"] == 1 and line["tenant"] == "acme" for line in lines)
@@ -85,6 +85,7 @@ def test_trace_log_lines_load_in_the_ops_tools(serve, make_engine, tmp_path):
     assert lines[0]["prompt_tokens"] == r1.usage.prompt_tokens == len(lines[0]["tokens"])
     assert lines[1]["cache_write_tokens"] == r2.usage.prompt_tokens_details.cache_write_tokens
     assert lines[1]["ttl"] == 86400.0
+    assert lines[1]["prompt_cache_key"] == "docs-bot" and "prompt_cache_key" not in lines[0]
     assert "messages" not in lines[0] and "prompt" not in lines[1]  # no text without --trace-text
     trace = load_trace(path)
     assert len(trace) == 2

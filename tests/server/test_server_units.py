@@ -67,3 +67,15 @@ def test_serve_help_lists_every_option():
     for flag in ("--host", "--port", "--api-keys", "--max-queue", "--trace-log", "--trace-text", "--ttl",
                  "--capacity", "--salt-secret", "PREFIXCACHE_SALT_SECRET"):
         assert flag in result.output
+
+
+def test_engine_errors_become_client_errors():
+    from prefixcache.engine import InvalidRequestError, PromptTooLongError, QueueFullError
+    from prefixcache.server.bridge import translate_error
+
+    full = translate_error(QueueFullError("full"))
+    assert full is not None and (full.status, full.anthropic_status) == (429, 529)
+    too_long = translate_error(PromptTooLongError("the prompt has 9000 tokens"))
+    assert too_long is not None and too_long.status == 400 and "9000" in too_long.message
+    assert translate_error(InvalidRequestError("top_p")).status == 400
+    assert translate_error(RuntimeError("a bug")) is None  # a real bug stays a 500, logged

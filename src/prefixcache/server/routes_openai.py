@@ -113,7 +113,7 @@ async def chat_completions(
     text = {"messages": messages}
     if not body.stream:
         fin = await state.bridge.generate(kwargs)
-        state.record(request, tenant, fin, text, kwargs.get("ttl_s"))
+        state.record(request, tenant, fin, text, kwargs.get("ttl_s"), body.prompt_cache_key)
         return JSONResponse(
             {
                 "id": rid,
@@ -157,7 +157,7 @@ async def chat_completions(
             if isinstance(item, str):
                 yield _sse(chunk({"content": item}, None))
                 continue
-            state.record(request, tenant, item, text, kwargs.get("ttl_s"))
+            state.record(request, tenant, item, text, kwargs.get("ttl_s"), body.prompt_cache_key)
             yield _sse(chunk({}, item.finish_reason))
             if include_usage:
                 final = chunk({}, None)
@@ -193,7 +193,7 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
     created = int(time.time())
     if not body.stream:
         fin = await state.bridge.generate(kwargs)
-        state.record(request, tenant, fin, text, kwargs.get("ttl_s"))
+        state.record(request, tenant, fin, text, kwargs.get("ttl_s"), body.prompt_cache_key)
         return JSONResponse(
             {
                 "id": rid,
@@ -229,7 +229,7 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
             if isinstance(item, str):
                 yield _sse(chunk(item, None))
                 continue
-            state.record(request, tenant, item, text, kwargs.get("ttl_s"))
+            state.record(request, tenant, item, text, kwargs.get("ttl_s"), body.prompt_cache_key)
             yield _sse(chunk("", item.finish_reason))
             if include_usage:
                 final = chunk("", None)

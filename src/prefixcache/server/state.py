@@ -45,12 +45,16 @@ class ServerState:
         fin: Finished,
         text: dict[str, Any] | None,
         ttl_s: float | None = None,
+        cache_key: str | None = None,
     ) -> None:
-        """Count a finished generation in the metrics and the trace log."""
+        """Count a finished generation in the metrics and the trace log (``cache_key``: the
+        request's ``prompt_cache_key``, kept for routing analysis)."""
         self.metrics.observe(fin.usage, fin.ttft_s, fin.outcome)
         if self.trace is not None:
             endpoint = request.headers.get(ENDPOINT_HEADER) or request.url.path
-            self.trace.record(tenant=tenant.name, endpoint=endpoint[:200], result=fin, text=text, ttl_s=ttl_s)
+            self.trace.record(
+                tenant=tenant.name, endpoint=endpoint[:200], result=fin, text=text, ttl_s=ttl_s, cache_key=cache_key
+            )
 
 
 def get_state(request: Request) -> ServerState:

@@ -6,7 +6,8 @@ what this server saw::
      "prompt_tokens": 1043, "tokens": [1, 2, ...], "cached_tokens": 1024, "cache_write_tokens": 16,
      "ttft_s": 0.041, "output_tokens": 32}
 
-plus ``"ttl"`` (seconds) when the request asked for a TTL class, and a header line
+plus ``"ttl"`` (seconds) when the request asked for a TTL class, ``"prompt_cache_key"`` when an
+OpenAI request sent one, and a header line
 ``{"v": 1, "type": "header", "tokenizer": ...}`` first in a new file when the tokenizer is known.
 
 ``endpoint`` is the route path unless the client sends ``X-Prefixcache-Endpoint`` (a label for
@@ -54,6 +55,7 @@ class TraceWriter:
         result: Finished,
         text: dict[str, Any] | None = None,
         ttl_s: float | None = None,
+        cache_key: str | None = None,
         ts: float | None = None,
     ) -> None:
         """Write one request. ``text`` (``{"messages": ...}`` or ``{"prompt": ...}``) is kept only
@@ -73,6 +75,8 @@ class TraceWriter:
         }
         if ttl_s is not None:
             line["ttl"] = ttl_s
+        if cache_key is not None:
+            line["prompt_cache_key"] = cache_key[:200]
         if self.include_text and text:
             line.update(text)
         data = json.dumps(line, separators=(",", ":"), ensure_ascii=False)
