@@ -3,6 +3,9 @@ the body (valid, invalid, or not JSON at all), the answer is never a 5xx."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import httpx
 import pytest
 import schemathesis
@@ -22,7 +25,7 @@ schema.config.generation.update(
 
 
 @pytest.fixture(scope="module")
-def live(tiny_runner) -> RunningServer:
+def live(tiny_runner: Any) -> Iterator[RunningServer]:
     import torch
 
     from prefixcache.engine import Engine

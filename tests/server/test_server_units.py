@@ -79,3 +79,13 @@ def test_engine_errors_become_client_errors():
     assert too_long is not None and too_long.status == 400 and "9000" in too_long.message
     assert translate_error(InvalidRequestError("top_p")).status == 400
     assert translate_error(RuntimeError("a bug")) is None  # a real bug stays a 500, logged
+
+
+def test_anthropic_stop_reasons():
+    from prefixcache.server.bridge import Finished, Usage
+    from prefixcache.server.routes_anthropic import stop_reason
+
+    usage = Usage(10, 0, 0, 3)
+    assert stop_reason(Finished("a", "length", usage, 0.1, "miss")) == ("max_tokens", None)
+    assert stop_reason(Finished("a", "stop", usage, 0.1, "miss", stop_sequence="\n\n")) == ("stop_sequence", "\n\n")
+    assert stop_reason(Finished("a", "stop", usage, 0.1, "miss")) == ("end_turn", None)

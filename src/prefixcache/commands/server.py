@@ -107,7 +107,10 @@ def serve(
         trace_tokenizer="default" if model is None else None,
     )
     typer.echo(f"prefixcache: serving '{name}' on http://{host}:{port} (OpenAI and Anthropic routes, /metrics)")
-    uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
+    finally:
+        engine.close()
 
 
 def register(app: typer.Typer) -> None:
