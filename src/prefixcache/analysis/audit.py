@@ -20,6 +20,7 @@ plus O(log blocks) lookups: never proportional to the cache or trace size.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -62,7 +63,9 @@ class KeyChains:
         self.segments = segments
         self.B = block_size
         self.max_states = max_states
-        self._states: dict[tuple[bytes, tuple[int, ...]], tuple[list[bytes], np.ndarray]] = {}
+        # An OrderedDict: popping the oldest is O(1) (a plain dict's next(iter()) walks over the
+        # holes that deletions from its front leave, which made this quadratic).
+        self._states: OrderedDict[tuple[bytes, tuple[int, ...]], tuple[list[bytes], np.ndarray]] = OrderedDict()
         self._empty = np.zeros(0, dtype=np.uint32)
 
     def keys(self, root: bytes, parts: tuple[int, ...]) -> list[bytes]:
@@ -79,7 +82,7 @@ class KeyChains:
             keys, tail = self._extend(root, keys, tail, self.segments[parts[j]])
             if j < len(parts) - 1:
                 if len(states) >= self.max_states:
-                    del states[next(iter(states))]
+                    states.popitem(last=False)
                 states[(root, parts[: j + 1])] = (keys, tail)
         return keys
 
