@@ -57,7 +57,9 @@ def wait_until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> No
 class Gated:
     """Wraps an engine so a test holds it at known points, deterministically.
 
-    ``generate`` sets ``entered`` and waits for ``release`` before it calls the engine.
+    ``generate`` sets ``entered`` and waits for ``release`` before it calls the engine; with
+    ``hold_generate``, the engine then waits at its first cancel poll (``held`` is set) until
+    ``resume`` is set or the server cancels the request.
     ``stream`` lets the engine run until the consumer has taken its first text delta; from then
     on, every step the engine's worker takes (it polls its ``cancel`` signal once per decode
     step) waits until ``resume`` is set or the server cancels the request. ``steps`` counts the
@@ -71,6 +73,8 @@ class Gated:
         self.resume = threading.Event()
         self.first_taken = threading.Event()
         self.steps = 0
+        self.hold_generate = False
+        self.held = threading.Event()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -78,6 +82,16 @@ class Gated:
     def generate(self, **kw: Any) -> Any:
         self.entered.set()
         self.release.wait()
+        if self.hold_generate:  # hold the engine at its first cancel poll (before prefill)
+            outer = kw.get("cancel")
+
+            def cancelled() -> bool:
+                self.held.set()
+                while not (self.resume.is_set() or (outer is not None and outer.is_set())):
+                    time.sleep(0.002)
+                return outer is not None and outer.is_set()
+
+            kw = {**kw, "cancel": cancelled}
         return self.engine.generate(**kw)
 
     def stream(self, **kw: Any) -> Iterator[Any]:

@@ -3,6 +3,8 @@ mid-stream stops its generation and releases its block references."""
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 
 import anthropic
@@ -92,6 +94,26 @@ def test_anthropic_disconnect_mid_stream_releases_blocks(serve, make_engine):
     assert engine.steps <= 3
     assert held_refs(engine.cache) == 0
     engine.cache.check_integrity()
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_cancels_it(serve, make_engine):
+    engine = Gated(make_engine())
+    engine.release.set()
+    engine.hold_generate = True
+    server = serve(engine, model_name=MODEL)
+    body = json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 100}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(head + body)
+        assert engine.held.wait(30)  # the request is in the engine
+    # The client hung up without reading: the server cancels, the engine lets go.
+    wait_until(lambda: engine.queue_depth == 0, "the engine to drop the request")
+    wait_until(lambda: 'route="/v1/chat/completions",status="499"' in httpx.get(server.url + "/metrics").text,
+               "the request to end as 499")
+    assert held_refs(engine.cache) == 0
+    engine.cache.check_integrity()
+    assert server.state.bridge.admission.depth == 0
 
 
 class _Failing:

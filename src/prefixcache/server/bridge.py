@@ -12,7 +12,7 @@ import contextlib
 import inspect
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +112,20 @@ def normalize(result: Any) -> Finished:
     )
 
 
+def client_gone() -> APIError:
+    """The client closed the connection before the answer (nginx's 499; nobody reads it)."""
+    return APIError(499, "The client closed the request before the answer was ready.", code="client_closed")
+
+
+async def _watch(disconnected: Callable[[], Awaitable[bool]], cancel: threading.Event, every_s: float = 0.1) -> None:
+    """Set ``cancel`` once the client has gone (polled: Starlette has no disconnect callback)."""
+    while not cancel.is_set():
+        if await disconnected():
+            cancel.set()
+            return
+        await asyncio.sleep(every_s)
+
+
 def _accepts(fn: Any, name: str) -> bool:
     """Whether callable ``fn`` takes keyword ``name`` (or any keyword)."""
     if fn is None:
@@ -165,17 +179,29 @@ class EngineBridge:
         self._takes_cancel = _accepts(getattr(engine, "stream", None), "cancel")
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, kwargs: dict[str, Any]) -> Finished:
-        """One whole generation in a worker thread, under admission."""
+    async def generate(
+        self, kwargs: dict[str, Any], disconnected: Callable[[], Awaitable[bool]] | None = None
+    ) -> Finished:
+        """One whole generation in a worker thread, under admission. With ``disconnected`` (the
+        request's ``is_disconnected``), a client that goes away cancels the generation."""
         release = self.admission.enter()
+        cancel = threading.Event()
+        watcher: asyncio.Task[None] | None = None
+        if disconnected is not None and _accepts(getattr(self.engine, "generate", None), "cancel"):
+            kwargs = {**kwargs, "cancel": cancel}
+            watcher = asyncio.create_task(_watch(disconnected, cancel))
         try:
             result = await anyio.to_thread.run_sync(lambda: self.engine.generate(**kwargs))
         except Exception as exc:
+            if cancel.is_set():
+                raise client_gone() from exc
             api = translate_error(exc)
             if api is None:
                 raise
             raise api from exc
         finally:
+            if watcher is not None:
+                watcher.cancel()
             release()
         return normalize(result)
 

@@ -94,7 +94,7 @@ async def create_message(body: MessagesRequest, request: Request, tenant: Tenant
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     text = {"messages": messages}
     if not body.stream:
-        fin = await state.bridge.generate(kwargs)
+        fin = await state.bridge.generate(kwargs, request.is_disconnected)
         state.record(request, tenant, fin, text, ttl_s=longest)
         reason, seq = stop_reason(fin)
         return JSONResponse(

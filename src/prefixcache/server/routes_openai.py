@@ -112,7 +112,7 @@ async def chat_completions(
     created = int(time.time())
     text = {"messages": messages}
     if not body.stream:
-        fin = await state.bridge.generate(kwargs)
+        fin = await state.bridge.generate(kwargs, request.is_disconnected)
         state.record(request, tenant, fin, text, kwargs.get("ttl_s"), body.prompt_cache_key)
         return JSONResponse(
             {
@@ -192,7 +192,7 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
     rid = f"cmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if not body.stream:
-        fin = await state.bridge.generate(kwargs)
+        fin = await state.bridge.generate(kwargs, request.is_disconnected)
         state.record(request, tenant, fin, text, kwargs.get("ttl_s"), body.prompt_cache_key)
         return JSONResponse(
             {
