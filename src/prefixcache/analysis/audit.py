@@ -339,7 +339,8 @@ def _endpoint_row(
         "reuse_gap_s": {
             "p50": float(np.percentile(g[has_prefix], 50)) if has_prefix.any() else None,
             "p90": float(np.percentile(g[has_prefix], 90)) if has_prefix.any() else None,
-            "over_ttl_share": float(expired.sum() / has_prefix.sum()) if has_prefix.any() else 0.0,
+            "over_ttl_share": float((g[has_prefix] >= ttl).sum() / has_prefix.sum()) if has_prefix.any() else 0.0,
+            "histogram": _gap_histogram(g[has_prefix], ttl),
         },
         "ttl_expired_requests": int(expired.sum()),
         "ttl_lost_tokens": lost_tokens,
@@ -349,3 +350,10 @@ def _endpoint_row(
         "keep_warm_cost_tokens": refresh_cost,
         "keep_warm_saved_tokens": saved,
     }
+
+
+def _gap_histogram(g: np.ndarray, ttl: float) -> dict[str, list[float]]:
+    """Reuse gaps on fixed edges around the TTL (seconds); the last bin is open."""
+    edges = sorted({0.0, 1.0, 10.0, 60.0, ttl / 2, ttl, 2 * ttl, 3600.0, 86400.0})
+    counts, _ = np.histogram(g, bins=[*edges, np.inf])
+    return {"edges_s": edges, "counts": [int(c) for c in counts]}
