@@ -54,6 +54,8 @@ def test_ttl_shorter_than_gaps_quiet_endpoint_near_zero_busy_near_full(tmp_path:
     assert quiet["achievable_hit_rate"] == pytest.approx(7 * 1024 / (8 * 1056))
     assert quiet["ttl_expired_requests"] == 7
     assert quiet["keep_warm"] is True and quiet["keep_warm_prefix_tokens"] == 1024
+    hist = quiet["reuse_gap_s"]["histogram"]
+    assert hist["counts"][hist["edges_s"].index(600.0)] == 7  # every 900 s gap in [2 x TTL, 1 h)
     # busy: 1 s gaps; all but the first request read the 1,024-token system prompt (64 blocks).
     assert busy["hit_rate"] == pytest.approx(199 * 1024 / (200 * 1056))
     assert busy["ttl_expired_requests"] == 0 and busy["keep_warm"] is False
