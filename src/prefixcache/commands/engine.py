@@ -86,7 +86,7 @@ def demo(
     from prefixcache.engine.demo import run_demo
     from prefixcache.engine.model import ModelRunner
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)
     with console.status("loading the model") as status:
         try:
             runner = ModelRunner.load(model, dtype=dtype, threads=threads)
