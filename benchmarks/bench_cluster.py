@@ -446,6 +446,14 @@ def write_report(runs: list[Run], args: argparse.Namespace, elapsed: float, note
         )
     if notes:
         lines += ["", "Simulator cost models: " + "; ".join(notes) + "."]
+    lines += [
+        "",
+        "Reading it: the hit-rate predictions replay the same PrefixCache code, so for the routing rows they "
+        "should agree to the token; a gap on the shared-tier row is the asynchronous write-through (a request "
+        "reaching another replica before the previous one's blocks land in Redis recomputes), which the "
+        "one-replica prediction does not model. Measured TTFT on a shared, loaded CPU is dominated by "
+        "contention; compare rows with each other, not with the default cost model.",
+    ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     rows = []
