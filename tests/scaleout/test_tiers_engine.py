@@ -159,3 +159,17 @@ def test_real_model_blocks_from_redis_and_disk_are_exact(real_runner, redis_url,
         a.close()
         b.close()
         off.close()
+
+
+@pytest.mark.redis
+def test_sync_writes_give_read_your_writes_across_replicas(tiny_runner, off_engine, redis_url) -> None:  # noqa: ANN001
+    a, _ = engine_with(tiny_runner, redis_url=redis_url, redis_sync_writes=True)
+    b, _ = engine_with(tiny_runner, redis_url=redis_url, redis_sync_writes=True)
+    try:
+        for seed in range(20, 26):  # back to back, no flush: B sees what A just committed
+            ids = prompt(seed, 60)
+            a.generate(prompt_token_ids=ids, max_tokens=1)
+            assert assert_exact(b, off_engine, ids, max_tokens=2).usage.cached_tokens == 48
+    finally:
+        a.close()
+        b.close()

@@ -115,6 +115,14 @@ def replica(
         typer.Option("--disk-cache", envvar="PREFIXCACHE_DISK_CACHE", help="Disk tier directory."),
     ] = None,
     disk_size: Annotated[str, typer.Option(help="Disk tier byte budget, e.g. 8GiB.")] = "8GiB",
+    redis_sync_writes: Annotated[
+        bool,
+        typer.Option(
+            "--redis-sync-writes",
+            help="Write new blocks to Redis inside the commit (other replicas see them at once; "
+            "adds a round trip per block).",
+        ),
+    ] = False,
     api_keys: Annotated[
         Path | None, typer.Option("--api-keys", help="Key file (see `serve --help`).")
     ] = None,
@@ -154,7 +162,11 @@ def replica(
     )
     if engine.cache is not None:
         attach_tiers(
-            engine.cache, disk_dir=disk_cache, disk_bytes=parse_bytes(disk_size), redis_url=redis_url
+            engine.cache,
+            disk_dir=disk_cache,
+            disk_bytes=parse_bytes(disk_size),
+            redis_url=redis_url,
+            redis_sync_writes=redis_sync_writes,
         )
     name = model_name or (DEFAULT_MODEL_NAME if model is None else Path(model).stem)
     app = create_app(engine, api_keys=keys, model_name=name, salt_secret=salt_secret)
@@ -215,6 +227,9 @@ def cluster(
     ] = None,
     no_redis: Annotated[
         bool, typer.Option("--no-redis", help="No shared tier (each replica caches alone).")
+    ] = False,
+    redis_sync_writes: Annotated[
+        bool, typer.Option("--redis-sync-writes", help="Replicas write blocks to Redis synchronously.")
     ] = False,
     disk_cache: Annotated[
         Path | None, typer.Option("--disk-cache", help="Give each replica a disk tier under DIR/replica-<i>.")
@@ -293,6 +308,8 @@ def cluster(
                 cmd.insert(4, model)
             if redis_url and not no_redis:
                 cmd += ["--redis", redis_url]
+                if redis_sync_writes:
+                    cmd.append("--redis-sync-writes")
             if disk_cache:
                 cmd += ["--disk-cache", str(disk_cache / f"replica-{i}")]
             if api_keys:

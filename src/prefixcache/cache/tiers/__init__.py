@@ -57,6 +57,7 @@ def attach_tiers(
     redis_deployment: str | None = None,
     redis_ttl_s: float | None = None,
     redis_timeout_s: float = 0.25,
+    redis_sync_writes: bool = False,
     pin_refresh_s: float | None = 60.0,
 ) -> list[DiskTier | RedisTier]:
     """Add a disk tier (if ``disk_dir``) then a Redis tier (if ``redis_url``) below ``cache``.
@@ -66,6 +67,7 @@ def attach_tiers(
     replicas of one deployment share blocks). Returns the tiers added (maybe none). Does not
     contact Redis: a Redis that is down only costs counted misses. With Redis and
     ``pin_refresh_s``, a daemon thread keeps the pinned (keep-warm) blocks alive in Redis.
+    ``redis_sync_writes``: see :class:`RedisTier` (read-your-writes across replicas vs latency).
     """
     codec = codec or TensorCodec()
     disk_dir = disk_dir or os.environ.get("PREFIXCACHE_DISK_CACHE") or None
@@ -86,6 +88,7 @@ def attach_tiers(
             codec=codec,
             socket_timeout_s=redis_timeout_s,
             connect_timeout_s=redis_timeout_s,
+            sync_writes=redis_sync_writes,
         )
         cache.add_tier(rt)
         added.append(rt)

@@ -65,6 +65,13 @@ class CircuitBreaker:
 class RedisTier:
     """A shared tier in Redis. Thread-safe; never raises on backend failure.
 
+    Writes are asynchronous by default: the request path only enqueues, so a request that
+    reaches another replica a few milliseconds later may not see the blocks yet (measured: 9 of
+    20 back-to-back follow-ups missed). ``sync_writes=True`` writes inside ``put``, i.e. inside
+    the cache's commit, before the request's decode starts: read-your-writes across replicas, at
+    the cost of one ``SET`` round trip per new block on the request path (bounded by the socket
+    timeout and skipped while the breaker is open).
+
     ``client`` may be given (tests); otherwise one is made from ``url`` with short socket
     timeouts and no client-side retries (the breaker decides when to retry).
     """
@@ -79,6 +86,7 @@ class RedisTier:
         refresh_ttl_s: float = 300.0,
         codec: TensorCodec | None = None,
         write_through: bool = True,
+        sync_writes: bool = False,
         socket_timeout_s: float = 0.25,
         connect_timeout_s: float = 0.25,
         backoff_s: float = 1.0,
@@ -91,6 +99,7 @@ class RedisTier:
     ) -> None:
         self.name = name
         self.write_through = write_through
+        self.sync_writes = sync_writes
         self.url = url
         self.key_prefix = f"{prefix}{deployment}:kv:"
         self.ttl_s = ttl_s
@@ -171,7 +180,8 @@ class RedisTier:
         return out
 
     def put(self, block: Block) -> None:
-        """Write ``block`` in the background with its TTL; dropped (counted) if the breaker is open."""
+        """Write ``block`` with its TTL (in the background unless ``sync_writes``); dropped
+        (counted) if the breaker is open."""
         if not self.breaker.allow():
             with self._lock:
                 self._stats.skipped += 1
@@ -179,6 +189,9 @@ class RedisTier:
             return
         ttl = self.ttl_s if self.ttl_s is not None else block.ttl_s
         key, parent, tokens, payload = bytes(block.key), block.parent, block.tokens, block.payload
+        if self.sync_writes:
+            self._write(key, parent, tokens, payload, ttl)
+            return
         if not self._writer.submit(lambda: self._write(key, parent, tokens, payload, ttl), block.nbytes):
             with self._lock:
                 self._stats.write_drops += 1
