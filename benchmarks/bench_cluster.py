@@ -259,7 +259,13 @@ def simulate(run: Run, replicas: int, align: int, tmp: Path, fit: tuple[float, f
 
 
 def start_replicas(
-    n: int, keys_file: Path, env: dict[str, str], redis_url: str | None, logs: Path, chunk: int
+    n: int,
+    keys_file: Path,
+    env: dict[str, str],
+    redis_url: str | None,
+    logs: Path,
+    chunk: int,
+    extra: list[str] | None = None,
 ) -> tuple[list[str], list[subprocess.Popen[bytes]]]:
     urls, procs = [], []
     for i in range(n):
@@ -279,7 +285,7 @@ def start_replicas(
             str(chunk),
         ]
         if redis_url:
-            cmd += ["--redis", redis_url]
+            cmd += ["--redis", redis_url, *(extra or [])]
         log = open(logs / f"replica-{i}.log", "wb")  # noqa: SIM115 - lives as long as the process
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
         urls.append(f"http://127.0.0.1:{port}")
@@ -307,6 +313,9 @@ def main() -> None:
     ap.add_argument("--policies", default="round-robin,prefix-affinity,cache-aware")
     ap.add_argument(
         "--shared-tier", action="store_true", help="also run round-robin over replicas sharing Redis"
+    )
+    ap.add_argument(
+        "--shared-tier-modes", default="async,sync", help="Redis write modes to run with --shared-tier"
     )
     ap.add_argument("--align", type=int, default=128, help="the replicas' prefill chunk (hit granularity)")
     ap.add_argument("--model-name", default=None, help="model id to send (default: from GET /v1/models)")
@@ -345,20 +354,22 @@ def main() -> None:
             else:
                 stop(procs)
                 rport = free_port()
-                procs = [
-                    subprocess.Popen(
-                        [binary, "--port", str(rport), "--save", "", "--appendonly", "no", "--dir", str(tmp)],
-                        stdout=subprocess.DEVNULL,
-                    )
-                ]
+                redis_proc = subprocess.Popen(
+                    [binary, "--port", str(rport), "--save", "", "--appendonly", "no", "--dir", str(tmp)],
+                    stdout=subprocess.DEVNULL,
+                )
+                procs = [redis_proc]
                 time.sleep(0.5)
-                more_urls, more = start_replicas(
-                    args.replicas, keys_file, env, f"redis://127.0.0.1:{rport}/0", tmp, args.align
-                )
-                procs += more
-                runs.append(
-                    run_policy("round-robin", more_urls, model, args, label="round-robin + Redis tier")
-                )
+                for mode in args.shared_tier_modes.split(","):
+                    extra = ["--redis-sync-writes"] if mode == "sync" else []
+                    more_urls, more = start_replicas(
+                        args.replicas, keys_file, env, f"redis://127.0.0.1:{rport}/0", tmp, args.align, extra
+                    )
+                    procs += more
+                    label = f"round-robin + Redis tier ({mode} writes)"
+                    runs.append(run_policy("round-robin", more_urls, model, args, label=label))
+                    stop(more)
+                    procs = [redis_proc]
     finally:
         stop(procs)
     # Calibrate on this machine, now: a least-squares line TTFT = a + uncached / tps over every
@@ -417,7 +428,7 @@ def write_report(runs: list[Run], args: argparse.Namespace, elapsed: float, note
     cmd = (
         f"python benchmarks/bench_cluster.py --replicas {args.replicas} --tenants {args.tenants} "
         f"--per-tenant {args.per_tenant} --system-words {args.system_words} --align {args.align}"
-        + (" --shared-tier" if args.shared_tier else "")
+        + (f" --shared-tier --shared-tier-modes {args.shared_tier_modes}" if args.shared_tier else "")
     )
     lines = [
         "# Cluster routing benchmark",
@@ -449,9 +460,9 @@ def write_report(runs: list[Run], args: argparse.Namespace, elapsed: float, note
     lines += [
         "",
         "Reading it: the hit-rate predictions replay the same PrefixCache code, so for the routing rows they "
-        "should agree to the token; a gap on the shared-tier row is the asynchronous write-through (a request "
-        "reaching another replica before the previous one's blocks land in Redis recomputes), which the "
-        "one-replica prediction does not model. Measured TTFT on a shared, loaded CPU is dominated by "
+        "should agree to the token; a gap on an async shared-tier row is the asynchronous write-through (a "
+        "request reaching another replica before the previous one's blocks land in Redis recomputes), which the "
+        "one-replica prediction does not model; synchronous writes close it. Measured TTFT on a shared, loaded CPU is dominated by "
         "contention; compare rows with each other, not with the default cost model.",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -71,3 +71,36 @@ def test_round_robin_replicas_share_prefixes_through_redis(tiny_runner, redis_ur
     finally:
         ea.close()
         eb.close()
+
+
+@pytest.mark.redis
+def test_keep_warm_policy_pins_the_prefix_on_every_real_replica(tiny_runner, redis_url, tmp_path) -> None:  # noqa: ANN001
+    import json
+    import time
+
+    (ea, app_a), (eb, app_b) = replica(tiny_runner, redis_url), replica(tiny_runner, redis_url)
+    policy = tmp_path / "warm.json"
+    policy.write_text(
+        json.dumps(
+            {
+                "interval_s": 3600,
+                "prefixes": [{"name": "support", "messages": [{"role": "system", "content": SYSTEM}]}],
+            }
+        )
+    )
+    try:
+        with ServerThread(app_a) as a, ServerThread(app_b) as b:
+            router = create_router_app(RouterConfig([a.url, b.url], keepwarm_file=str(policy)))
+            with ServerThread(router):
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and not (
+                    ea.cache.pinned_prefixes() == 1 and eb.cache.pinned_prefixes() == 1
+                ):
+                    time.sleep(0.05)
+                assert ea.cache.pinned_prefixes() == 1 and eb.cache.pinned_prefixes() == 1
+                assert ea.cache.stats().pinned_blocks > 0
+                ea.cache.check_integrity()
+                eb.cache.check_integrity()
+    finally:
+        ea.close()
+        eb.close()
