@@ -98,9 +98,9 @@ def flow_deploy(runner: ModelRunner, max_tokens: int = 4) -> FlowRow:
     return row
 
 
-def busting_prompts(n: int, where: str) -> list[str]:
+def busting_prompts(n: int, where: str, repeat: int = 6) -> list[str]:
     """System prompts with a request id and timestamp at the top or the bottom."""
-    base = system_prompt("Acme Home")
+    base = system_prompt("Acme Home", repeat=repeat)
     out = []
     for i in range(n):
         meta = f"Request id: req-{7000 + i * 37:06d}. Time: 2025-03-0{1 + i}T10:{i:02d}:00Z."
@@ -108,12 +108,14 @@ def busting_prompts(n: int, where: str) -> list[str]:
     return out
 
 
-def flow_busting(runner: ModelRunner, max_tokens: int = 4, requests: int = 3) -> tuple[FlowRow, FlowRow]:
+def flow_busting(
+    runner: ModelRunner, max_tokens: int = 4, requests: int = 3, repeat: int = 6
+) -> tuple[FlowRow, FlowRow]:
     rows = []
     for where in ("top", "bottom"):
         row = FlowRow(f"c. busting: id+time at {where}", "hit rate collapses" if where == "top" else "moved down: hits")
         with Engine(runner, clock=FakeClock()) as e:
-            row.results = [_ask(e, s, QUESTIONS[0], max_tokens) for s in busting_prompts(requests, where)]
+            row.results = [_ask(e, s, QUESTIONS[0], max_tokens) for s in busting_prompts(requests, where, repeat)]
         rows.append(row)
     return rows[0], rows[1]
 
