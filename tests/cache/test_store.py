@@ -212,3 +212,31 @@ def test_commit_upto_tokens_stores_only_the_blocks_before_it() -> None:
     cache.release(m)
     assert (r.written_blocks, r.written_tokens) == (2, 8)
     assert [k in cache.store for k in m.keys] == [True, True, False, False]
+
+
+def test_a_hit_refreshes_the_whole_prefix_even_after_its_tail_is_evicted() -> None:
+    # Only the deepest block of a hit is touched; its ancestors inherit that freshness when it
+    # goes. Here block a1 is evicted at t=400 and a0 must still carry the hit at t=250.
+    cache, clock = make(capacity_blocks=3, ttl=300)
+    a = prompt(1, 2)
+    run(cache, a)  # t=0: a0, a1
+    clock.advance(250)
+    assert run(cache, a).cached_tokens == 8  # t=250: hit through a1
+    clock.advance(150)
+    run(cache, prompt(2, 2))  # t=400: b0, b1 need room: a1 (least recent leaf) is evicted
+    assert cache.store.get(cache.block_keys(a, cache.namespace("m"))[1]) is None
+    clock.advance(100)  # t=500: a0 would have expired at 300 without the inherited hit
+    m = run(cache, a)
+    assert m.cached_tokens == 4 and len(m.written) == 1
+
+
+def test_expired_chain_goes_tail_first_and_whole() -> None:
+    cache, clock = make(ttl=300)
+    a = prompt(1, 3)
+    run(cache, a)
+    evicted: list[bytes] = []
+    cache.store.add_listener(lambda ev, blk: evicted.append(blk.key) if ev == "evict" else None)
+    clock.advance(300)
+    assert cache.sweep() == 3
+    keys = cache.block_keys(a, cache.namespace("m"))
+    assert evicted == keys[::-1]

@@ -57,7 +57,8 @@ class Match:
     written: list[Block] = field(default_factory=list)
     skipped_blocks: int = 0
     released: bool = False
-    _held: list[Block] = field(default_factory=list, repr=False)
+    _held: Block | None = field(default=None, repr=False)  # the deepest block, referenced
+    _depth: int = 0  # blocks of the prompt covered by _held's chain
 
     @property
     def cached_tokens(self) -> int:
@@ -146,28 +147,21 @@ class PrefixCache:
         # Cap: at least one token is computed (there must be logits to sample from), and a hit
         # ends on an alignment boundary (the prefill chunk schedule makes that exact).
         max_blocks = (max(n - 1, 0) // align) * align // B
-        step = 4 * B
+        store = self.store
         with self._lock:
-            self.store.sweep()
-            hits: list[Block] = []
-            parent: BlockHash | None = None
-            for i in range(max_blocks):
-                block = self.store.lookup(keys[i], packed[i * step : (i + 1) * step], parent)
-                if block is None:
-                    break
-                hits.append(block)
-                parent = keys[i]
+            store.sweep()
+            hits = self._lookup(keys, packed, max_blocks)
+            # Only a leaf can be due (ancestors' freshness is their subtree's), so one check.
+            if hits and store.is_due(hits[-1], self.clock()):
+                hits.pop()
             if len(hits) < max_blocks and self.tiers:
                 hits.extend(self._promote(keys, packed, len(hits), max_blocks, ns, ttls))
             usable = (len(hits) * B // align) * align // B
             hits = hits[:usable]
             m = Match(namespace=ns, prompt_tokens=n, keys=keys, blocks=hits, ttls=ttls, packed=packed, block_size=B)
-            for block in hits:
-                self.store.acquire(block)
-                block.hits += 1
-            m._held.extend(hits)
-            for i in range(len(hits) - 1, -1, -1):  # tail to root: parents stay more recent
-                self.store.touch(hits[i], ttls[i])
+            if hits:
+                self._hold(m, hits, ttls)
+                m._depth = len(hits)
             if not hits:
                 m.outcome = Outcome.MISS
             elif usable == max_blocks:
@@ -178,6 +172,55 @@ class PrefixCache:
             self._totals.add(usage, m.outcome)
             self._tenants.setdefault(ns.tenant, TenantCounters()).add(usage, m.outcome)
         return m
+
+    def _lookup(self, keys: list[BlockHash], packed: bytes, max_blocks: int) -> list[Block]:
+        """The cached blocks of the longest run of leading ``keys``, verified.
+
+        Tokens (and parents) are compared so that even a hash collision cannot serve another
+        prompt's state. Done in bulk, in C, for the common case; block by block only to find
+        where a collision cuts the run.
+        """
+        store = self.store
+        step = 4 * self.block_size
+        found = list(map(store._blocks.get, keys[:max_blocks]))
+        if None in found:
+            del found[found.index(None) :]
+        if not found:
+            return found
+        n = len(found)
+        if (
+            b"".join([b.tokens for b in found]) == packed[: n * step]
+            and found[0].parent is None
+            and [b.parent for b in found[1:]] == keys[: n - 1]
+        ):
+            return found
+        parent: BlockHash | None = None
+        for i, block in enumerate(found):
+            if block.tokens != packed[i * step : (i + 1) * step] or block.parent != parent:
+                store.counters.collisions += 1
+                return found[:i]
+            parent = block.key
+        return found  # pragma: no cover - the bulk check failed, so some block differs
+
+    def _hold(self, m: Match, chain: list[Block], ttls: list[float]) -> None:
+        """Make ``chain[-1]`` the one block ``m`` holds, refreshed; raise TTL classes on the way.
+
+        Holding the deepest block protects the whole chain (ancestors have a child, so they
+        are never evicted or expired), and refreshing it refreshes them: O(1) per request
+        instead of O(prefix), except where a longer TTL class is asked for.
+        """
+        store = self.store
+        tail = chain[-1]
+        store.acquire(tail)
+        if m._held is not None:
+            store.release(m._held)
+        m._held = tail
+        # A block keeps the longest TTL it was asked for; ttls never grow along a chain.
+        if max(ttls[: len(chain)]) > min([b.ttl_s for b in chain]):  # rare: a longer class asked
+            for block, ttl in zip(chain, ttls, strict=False):
+                if ttl > block.ttl_s:
+                    store.raise_ttl(block, ttl)
+        store.touch(tail, ttls[len(chain) - 1])
 
     def commit(self, m: Match, payload_fn: PayloadFn, *, upto_tokens: int | None = None) -> CommitResult:
         """Store the prompt's full blocks after the cached prefix that are not cached yet.
@@ -194,9 +237,10 @@ class PrefixCache:
         ns = m.namespace
         keys = m.keys if upto_tokens is None else m.keys[: max(upto_tokens, 0) // B]
         with self._lock:
-            start = len(m._held)
+            start = m._depth
             parent: BlockHash | None = keys[start - 1] if start else None
             written: list[Block] = []
+            chain: list[Block] = []
             for i in range(start, len(keys)):
                 tokens = m.packed[i * step : (i + 1) * step]
                 block = self.store.get(keys[i])
@@ -213,11 +257,11 @@ class PrefixCache:
                         m.skipped_blocks = len(keys) - i
                         break
                     written.append(block)
-                self.store.acquire(block)
-                m._held.append(block)
+                chain.append(block)
                 parent = keys[i]
-            for i in range(len(m._held) - 1, start - 1, -1):
-                self.store.touch(m._held[i], m.ttls[i])
+            if chain:
+                self._hold(m, chain, m.ttls[start : start + len(chain)])
+                m._depth = start + len(chain)
             m.written.extend(written)
             tokens_written = len(written) * B
             self._totals.written_tokens += tokens_written
@@ -234,9 +278,9 @@ class PrefixCache:
             if m.released:
                 return
             m.released = True
-            for block in reversed(m._held):
-                self.store.release(block)
-            m._held.clear()
+            if m._held is not None:
+                self.store.release(m._held)
+                m._held = None
 
     # ------------------------------------------------------------------ keep-warm and admin
     def pin(self, tokens: Sequence[int], ns: Namespace) -> int:
@@ -353,13 +397,9 @@ class PrefixCache:
                     namespace=ns.root, tenant=ns.tenant, ttl_s=ttls[i],
                 )
                 if block is None:
-                    return promoted
-                # Hold it at once: a later promotion must not evict this one to make room.
-                self.store.acquire(block)
+                    break
                 promoted.append(block)
                 i += 1
-        for block in reversed(promoted):  # the caller acquires what it keeps
-            self.store.release(block)
         self._tier_hits += len(promoted)
         return promoted
 

@@ -33,6 +33,8 @@ class TtlPolicy:
         if base <= 0:
             raise ValueError(f"a TTL must be positive seconds; got {base}")
         ttls = [base] * n_blocks
+        if not ttl_plan:
+            return ttls
         for token_end, plan_ttl in ttl_plan or ():
             if plan_ttl <= 0:
                 raise ValueError(f"a TTL must be positive seconds; got {plan_ttl}")

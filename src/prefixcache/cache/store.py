@@ -1,18 +1,19 @@
 """BlockStore: cached blocks, reference counts, a byte budget, TTLs, LRU eviction and pins.
 
-The store knows blocks, never requests. Every operation on the hot path is O(1) (amortised):
+The store knows blocks, never requests. Only *leaves* (blocks with no cached child) are ever
+evicted or expired, so a chain is trimmed from its tail and never orphaned in the middle. That
+rule also makes every per-request operation O(1) instead of O(prefix length):
 
-* ``_blocks``: key -> Block.
-* ``_lru``: the blocks that may be evicted (unreferenced, unpinned), least recently used first.
-  Two invariants make its front always a leaf, so eviction never scans: a chain is touched from
-  its tail to its root (a parent is always more recent than its children), and a referenced or
-  pinned block implies referenced or pinned ancestors (requests hold whole prefixes). Evicting
-  the front therefore trims chains from their tails and never orphans a block in the middle.
-* ``_expiry``: one ordered dict per TTL class (300 s, 3600 s, ...), in order of last touch. Within
-  a class that is also the order of expiry, so a sweep pops only what is due.
-
-Referenced and pinned blocks sit in neither structure: they can be neither evicted nor expired.
-They re-enter (as most recently used, TTL refreshed) when the last reference or pin goes.
+* A request holds one reference, on the deepest block of its prefix: every ancestor has a
+  child, so none of them can be evicted or expired while the request runs.
+* A hit refreshes only that deepest block. An ancestor's freshness is the freshest of its
+  subtree: when a block's last child goes, the block inherits the child's last use and expiry.
+* ``_lru``: the evictable leaves (unreferenced, unpinned, childless), least recently used first.
+  A block that becomes a leaf because its child was evicted from the front inherits the
+  child's time, which is the oldest, so it enters at the front: the order stays exact.
+* ``_expiry``: one ordered dict per TTL class (300 s, 3600 s, ...) of the same leaves, in order
+  of expiry, so a sweep pops only what is due. Lookups also check expiry, so a block that a
+  sweep has not reached yet is never served.
 """
 
 from __future__ import annotations
@@ -130,9 +131,13 @@ class BlockStore:
         if block.tokens != tokens or block.parent != parent:
             self.counters.collisions += 1
             return None
-        if block.evictable and block.expires_at <= self.clock():
+        if block.key in self._lru and block.expires_at <= self.clock():
             return None  # due; the next sweep removes it
         return block
+
+    def is_due(self, block: Block, now: float) -> bool:
+        """True when ``block`` is an expired leaf that a sweep has not removed yet."""
+        return block.expires_at <= now and block.key in self._lru
 
     def add_listener(self, fn: Listener) -> None:
         self._listeners.append(fn)
@@ -182,6 +187,8 @@ class BlockStore:
         )
         self._blocks[key] = block
         if parent_block is not None:
+            if parent_block.n_children == 0 and parent_block.key in self._lru:
+                self._leave(parent_block)  # no longer a leaf
             parent_block.n_children += 1
         self.bytes += block.nbytes
         self.tenant_blocks[tenant] = self.tenant_blocks.get(tenant, 0) + 1
@@ -194,38 +201,51 @@ class BlockStore:
     def touch(self, block: Block, ttl_s: float | None = None) -> None:
         """A use: refresh the TTL (to the longest class ever asked) and the LRU position.
 
-        Callers touch a chain from its tail to its root, so parents stay more recent.
+        Touch the deepest block of a hit; its ancestors' freshness follows from it.
         """
+        queued = block.key in self._lru
+        if queued:
+            self._leave(block)
         if ttl_s is not None and ttl_s > block.ttl_s:
-            if block.evictable:
-                self._leave(block)
-                block.ttl_s = float(ttl_s)
-                self._enter(block)
-            else:
-                block.ttl_s = float(ttl_s)
+            block.ttl_s = float(ttl_s)
         now = self.clock()
         block.last_used = now
         block.expires_at = now + block.ttl_s
-        if block.evictable:
-            self._lru.move_to_end(block.key)
-            self._expiry[block.ttl_s].move_to_end(block.key)
+        if queued:
+            self._enter(block)
+
+    def raise_ttl(self, block: Block, ttl_s: float) -> None:
+        """Move ``block`` to a longer TTL class (no-op if it already has one at least as long)."""
+        if ttl_s > block.ttl_s:
+            queued = block.key in self._lru
+            if queued:  # only its expiry queue changes; its LRU position stays
+                del self._expiry[block.ttl_s][block.key]
+            block.expires_at += ttl_s - block.ttl_s
+            block.ttl_s = float(ttl_s)
+            if queued:
+                queue = self._expiry.setdefault(block.ttl_s, OrderedDict())
+                queue[block.key] = block
+                if len(queue) > 1 and block.expires_at <= next(iter(queue.values())).expires_at:
+                    queue.move_to_end(block.key, last=False)
 
     def acquire(self, block: Block) -> None:
-        """Take a reference: the block can be neither evicted nor expired until released."""
-        if block.evictable:
+        """Take a reference: neither ``block`` nor any ancestor can be evicted or expired until
+        it is released (ancestors are protected by having a child)."""
+        if block.key in self._lru:
             self._leave(block)
         block.ref_count += 1
 
     def release(self, block: Block) -> None:
-        """Drop a reference. Release a chain from its tail to its root."""
+        """Drop a reference. The block's use ends now: its TTL and LRU position are refreshed."""
         if block.ref_count <= 0:
             raise RuntimeError(f"release of block {block.key.hex()[:12]} that holds no reference")
         block.ref_count -= 1
-        if block.evictable and block.key in self._blocks:
+        if block.ref_count == 0 and block.key in self._blocks:
             now = self.clock()
             block.last_used = now
             block.expires_at = now + block.ttl_s
-            self._enter(block)
+            if block.pin_count == 0 and block.n_children == 0:
+                self._enter(block)
 
     def pin(self, block: Block) -> None:
         """Exempt from TTL and eviction; its bytes move to the pinned budget. Pin root-first."""
@@ -236,7 +256,7 @@ class BlockStore:
                     f"{self.pinned_capacity_bytes - self.pinned_bytes} free; raise pinned_capacity_bytes "
                     "or unpin another prefix"
                 )
-            if block.evictable:
+            if block.key in self._lru:
                 self._leave(block)
             self.bytes -= block.nbytes
             self.pinned_bytes += block.nbytes
@@ -266,27 +286,32 @@ class BlockStore:
         self.pinned_bytes -= block.nbytes
         self.pinned_blocks -= 1
         self.bytes += block.nbytes
-        if block.evictable:
-            now = self.clock()
-            block.last_used = now
-            block.expires_at = now + block.ttl_s
+        now = self.clock()
+        block.last_used = max(block.last_used, now)
+        block.expires_at = block.last_used + block.ttl_s
+        if block.evictable and block.n_children == 0:
             self._enter(block)
-            if not room and block.n_children == 0:
+            if not room:
                 self._remove(block, "capacity")
 
     def sweep(self) -> int:
         """Remove every unreferenced, unpinned block whose TTL has passed. O(expired)."""
         now = self.clock()
         removed = 0
-        # Shorter classes first: a child's TTL never exceeds its parent's, so children go first.
-        for ttl in sorted(self._expiry):
-            queue = self._expiry[ttl]
-            while queue:
-                block = next(iter(queue.values()))
-                if block.expires_at > now or block.n_children:
-                    break
-                self._remove(block, "ttl")
-                removed += 1
+        # Removing a leaf can make its parent a due leaf (in this class or a longer one), so
+        # repeat until a pass removes nothing. Each pass is O(removed + classes).
+        progress = True
+        while progress:
+            progress = False
+            for ttl in sorted(self._expiry):
+                queue = self._expiry[ttl]
+                while queue:
+                    block = next(iter(queue.values()))
+                    if block.expires_at > now:
+                        break
+                    self._remove(block, "ttl")
+                    removed += 1
+                    progress = True
         return removed
 
     def evict(self, nbytes: int) -> int:
@@ -311,10 +336,19 @@ class BlockStore:
         return n
 
     # ------------------------------------------------------------------ internals
-    def _enter(self, block: Block) -> None:
-        """Put an evictable block into the LRU and its TTL class, as most recent."""
+    def _enter(self, block: Block, *, ordered: bool = False) -> None:
+        """Queue an evictable leaf. By default as the most recent; with ``ordered``, at the front
+        when it is at least as old as the front (a parent inheriting an evicted child's time)."""
         self._lru[block.key] = block
-        self._expiry.setdefault(block.ttl_s, OrderedDict())[block.key] = block
+        queue = self._expiry.get(block.ttl_s)
+        if queue is None:
+            queue = self._expiry[block.ttl_s] = OrderedDict()
+        queue[block.key] = block
+        if ordered:
+            if len(self._lru) > 1 and block.last_used <= next(iter(self._lru.values())).last_used:
+                self._lru.move_to_end(block.key, last=False)
+            if len(queue) > 1 and block.expires_at <= next(iter(queue.values())).expires_at:
+                queue.move_to_end(block.key, last=False)
 
     def _leave(self, block: Block) -> None:
         del self._lru[block.key]
@@ -324,9 +358,9 @@ class BlockStore:
         while self.bytes + nbytes > self.capacity_bytes:
             victim = None
             for block in self._lru.values():
-                # The front is a leaf by the invariants; the protected block is the parent of
-                # the block being inserted, which must survive its child's insertion.
-                if block.n_children == 0 and block is not protect:
+                # The front is the victim; the protected block is the parent of the block
+                # being inserted, which must survive its child's insertion.
+                if block is not protect:
                     victim = block
                     break
             if victim is None:
@@ -335,12 +369,18 @@ class BlockStore:
         return True
 
     def _remove(self, block: Block, reason: str) -> None:
+        """Remove a queued leaf. Its parent, if now a leaf, inherits its freshness."""
         self._leave(block)
         del self._blocks[block.key]
         if block.parent is not None:
             parent = self._blocks.get(block.parent)
             if parent is not None:
                 parent.n_children -= 1
+                if block.last_used > parent.last_used:
+                    parent.last_used = block.last_used
+                    parent.expires_at = max(parent.expires_at, block.last_used + parent.ttl_s)
+                if parent.n_children == 0 and parent.evictable:
+                    self._enter(parent, ordered=True)
         self.bytes -= block.nbytes
         self.tenant_blocks[block.tenant] -= 1
         self.tenant_bytes[block.tenant] -= block.nbytes
@@ -364,15 +404,9 @@ class BlockStore:
                 parent = self._blocks.get(b.parent)
                 assert parent is not None, "orphan: a block whose parent is gone"
                 assert parent.depth == b.depth - 1, "depth does not follow the chain"
-                assert parent.ttl_s >= b.ttl_s or b.pin_count, "a child's TTL class exceeds its parent's"
-                if b.ref_count:
-                    assert parent.ref_count, "a referenced block under an unreferenced parent"
                 if b.pin_count:
                     assert parent.pin_count, "a pinned block under an unpinned parent"
                 children[b.parent] = children.get(b.parent, 0) + 1
-            in_lru = key in self._lru
-            assert in_lru == b.evictable, "LRU membership disagrees with evictability"
-            assert (key in self._expiry.get(b.ttl_s, {})) == b.evictable, "expiry queue disagrees"
             if b.pin_count:
                 pinned_bytes += b.nbytes
                 pinned += 1
@@ -382,6 +416,9 @@ class BlockStore:
             tenant_bytes[b.tenant] = tenant_bytes.get(b.tenant, 0) + b.nbytes
         for key, b in self._blocks.items():
             assert b.n_children == children.get(key, 0), "child count is wrong"
+            queued = b.evictable and b.n_children == 0
+            assert (key in self._lru) == queued, "LRU membership disagrees with 'evictable leaf'"
+            assert (key in self._expiry.get(b.ttl_s, {})) == queued, "expiry queue disagrees"
         assert len(self._lru) == sum(len(q) for q in self._expiry.values()), "LRU and expiry disagree"
         assert bytes_ == self.bytes, f"byte count drifted: {self.bytes} recorded, {bytes_} held"
         assert pinned_bytes == self.pinned_bytes and pinned == self.pinned_blocks, "pinned count drifted"
@@ -391,9 +428,3 @@ class BlockStore:
         assert {t: n for t, n in self.tenant_bytes.items() if n} == {
             t: n for t, n in tenant_bytes.items() if n
         }, "tenant bytes drifted"
-        # The LRU front is a leaf, and each TTL queue is in expiry order.
-        for q in self._expiry.values():
-            exp = [b.expires_at for b in q.values()]
-            assert exp == sorted(exp), "a TTL queue is out of expiry order"
-        lru_times = [b.last_used for b in self._lru.values()]
-        assert lru_times == sorted(lru_times), "LRU is out of order"
