@@ -81,19 +81,26 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(n)]
 
 
-def prefill_tps(runner: ModelRunner, ids: Sequence[int], chunk: int | None, repeats: int) -> float:
-    """Tokens/s of a cold prefill of ``ids`` in absolute chunks (None: one forward pass)."""
-    spans = [(0, len(ids))] if chunk is None else chunk_schedule(0, len(ids), chunk)
+def prefill_rates(runner: ModelRunner, ids: Sequence[int], chunk: int, repeats: int) -> tuple[float, float]:
+    """Tokens/s of a cold prefill of ``ids``: (one forward pass, absolute ``chunk``-token chunks).
 
-    def once() -> float:
+    The two are interleaved repeat by repeat, so a change in machine load hits both alike.
+    """
+    schedules = ([(0, len(ids))], chunk_schedule(0, len(ids), chunk))
+
+    def once(spans: list[tuple[int, int]]) -> float:
         past = runner.new_cache()
         t = time.perf_counter()
         for a, b in spans:
             runner.forward(ids[a:b], past)
         return time.perf_counter() - t
 
-    once()  # warm-up: allocator and kernels
-    return len(ids) / _median(once, repeats)
+    once(schedules[0])  # warm-up: allocator and kernels
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for spans, acc in zip(schedules, times, strict=True):
+            acc.append(once(spans))
+    return len(ids) / statistics.median(times[0]), len(ids) / statistics.median(times[1])
 
 
 def hash_lookup_ms(tokens: int = 50_000, repeats: int = 5, block_size: int = 16) -> float:
@@ -172,7 +179,7 @@ def run_bench(
     res.overhead_tokens = n
     say(f"0%-hit overhead, {n} tokens, cache on vs off")
     on_t, off_t = [], []
-    for _ in range(repeats):
+    for _ in range(repeats):  # interleaved, like prefill_rates
         ids = _ids(rng, n, vocab)
         r = on.generate(prompt_token_ids=ids, max_tokens=1)
         on_t.append(r.ttft_s + r.commit_s)
@@ -181,8 +188,7 @@ def run_bench(
     say(f"prefill throughput, {n} tokens: single pass vs {chunk}-token chunks")
     ids = _ids(rng, n, vocab)
     res.prefill_tokens = n
-    res.single_pass_tps = prefill_tps(runner, ids, None, repeats)
-    res.chunked_tps = prefill_tps(runner, ids, chunk, repeats)
+    res.single_pass_tps, res.chunked_tps = prefill_rates(runner, ids, chunk, repeats)
     say("decode throughput")
     r = off.generate(prompt_token_ids=_ids(rng, 32, vocab), max_tokens=33)
     res.decode_tps = (len(r.tokens) - 1) / r.decode_s if r.decode_s > 0 else 0.0
