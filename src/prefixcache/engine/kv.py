@@ -54,9 +54,17 @@ def slice_blocks(cache: Any, start: int, stop: int, block_size: int) -> list[tor
         raise ValueError(f"block range [{start}, {stop}) is not aligned to {block_size}")
     if stop <= start:
         return []
-    # [layers, 2, kv_heads, T, head_dim]: one copy of the range, then per-block clones so a
-    # payload owns exactly its own bytes.
-    span = torch.stack(
-        [torch.stack((layer.keys[0, :, start:stop], layer.values[0, :, start:stop])) for layer in cache.layers]
-    )
-    return [span[:, :, :, i : i + block_size].clone() for i in range(0, stop - start, block_size)]
+    # One small stack per block straight from the layers' tensors: a single copy of the data,
+    # and each copy (~0.7 MB for SmolLM2) is too small for torch to split across threads. One
+    # big stack + per-block clones copied twice and, on a loaded machine, spent 25x longer
+    # in OpenMP barriers (1.7 s instead of 0.07 s for 2,048 tokens).
+    layers = cache.layers
+    shape = (len(layers), 2, *layers[0].keys.shape[1:2], block_size, layers[0].keys.shape[-1])
+    out = []
+    for s in range(start, stop, block_size):
+        parts = []
+        for layer in layers:
+            parts.append(layer.keys[0, :, s : s + block_size])
+            parts.append(layer.values[0, :, s : s + block_size])
+        out.append(torch.stack(parts).view(shape))  # [layers, 2, kv_heads, B, head_dim]
+    return out
