@@ -274,7 +274,7 @@ def start_replicas(
             sys.executable,
             "-m",
             "prefixcache",
-            "replica",
+            "serve",
             "--port",
             str(port),
             "--api-keys",

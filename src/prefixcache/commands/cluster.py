@@ -1,5 +1,5 @@
-"""CLI commands of the scale-out layer: ``prefixcache route``, ``prefixcache cluster`` and the
-replica entry point the cluster starts (``prefixcache replica``: ``serve`` plus the shared tiers).
+"""CLI commands of the scale-out layer: ``prefixcache route`` and ``prefixcache cluster`` (Redis,
+N ``prefixcache serve --redis ...`` replicas and the router, on loopback).
 
 Heavy imports (uvicorn, torch, the engine) happen inside the functions so ``--help`` stays instant.
 """
@@ -99,84 +99,6 @@ def route(
     )
     typer.echo(f"prefixcache router: {policy} over {len(replica)} replicas on http://{host}:{port}")
     uvicorn.run(create_router_app(config), host=host, port=port, log_level=log_level.lower())
-
-
-def replica(
-    model: Annotated[
-        str | None, typer.Argument(help="GGUF file or HF folder (default: embedded SmolLM2).")
-    ] = None,
-    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8001,
-    redis_url: Annotated[
-        str | None, typer.Option("--redis", envvar="PREFIXCACHE_REDIS_URL", help="Shared Redis tier URL.")
-    ] = None,
-    disk_cache: Annotated[
-        Path | None,
-        typer.Option("--disk-cache", envvar="PREFIXCACHE_DISK_CACHE", help="Disk tier directory."),
-    ] = None,
-    disk_size: Annotated[str, typer.Option(help="Disk tier byte budget, e.g. 8GiB.")] = "8GiB",
-    redis_sync_writes: Annotated[
-        bool,
-        typer.Option(
-            "--redis-sync-writes",
-            help="Write new blocks to Redis inside the commit (other replicas see them at once; "
-            "adds a round trip per block).",
-        ),
-    ] = False,
-    api_keys: Annotated[
-        Path | None, typer.Option("--api-keys", help="Key file (see `serve --help`).")
-    ] = None,
-    ttl: Annotated[float, typer.Option(min=1.0, help="Default cache TTL in seconds.")] = 300.0,
-    capacity: Annotated[str, typer.Option(help="Memory KV budget, e.g. 2GiB.")] = "2GiB",
-    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
-    prefill_chunk: Annotated[
-        int | None, typer.Option(help="Prefill chunk in tokens (the hit granularity). Default: the engine's.")
-    ] = None,
-    model_name: Annotated[str | None, typer.Option(help="The model id clients send.")] = None,
-    salt_secret: Annotated[
-        str | None,
-        typer.Option(envvar="PREFIXCACHE_SALT_SECRET", help="Tenant-salt secret (same on all replicas)."),
-    ] = None,
-    log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
-) -> None:
-    """`serve` with the disk and Redis tiers attached (what `prefixcache cluster` runs per replica)."""
-    import logging
-
-    import uvicorn
-
-    from prefixcache.cache.tiers import attach_tiers, register_prometheus
-    from prefixcache.commands.server import parse_bytes
-    from prefixcache.engine import Engine
-    from prefixcache.server import create_app
-    from prefixcache.server.app import DEFAULT_MODEL_NAME
-    from prefixcache.server.auth import load_api_keys
-
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    keys = load_api_keys(api_keys) if api_keys else None
-    engine = Engine(
-        model,
-        dtype=dtype,
-        capacity_bytes=parse_bytes(capacity),
-        default_ttl_s=ttl,
-        prefill_chunk=prefill_chunk,
-    )
-    if engine.cache is not None:
-        attach_tiers(
-            engine.cache,
-            disk_dir=disk_cache,
-            disk_bytes=parse_bytes(disk_size),
-            redis_url=redis_url,
-            redis_sync_writes=redis_sync_writes,
-        )
-    name = model_name or (DEFAULT_MODEL_NAME if model is None else Path(model).stem)
-    app = create_app(engine, api_keys=keys, model_name=name, salt_secret=salt_secret)
-    registry = getattr(getattr(app.state.prefixcache, "metrics", None), "registry", None)
-    if engine.cache is not None and registry is not None:
-        register_prometheus(engine.cache, registry)
-    typer.echo(
-        f"prefixcache replica: '{name}' on http://{host}:{port} (redis={redis_url}, disk={disk_cache})"
-    )
-    uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -292,7 +214,7 @@ def cluster(
                 sys.executable,
                 "-m",
                 "prefixcache",
-                "replica",
+                "serve",
                 "--port",
                 str(rp),
                 "--dtype",
@@ -340,4 +262,3 @@ def register(app: typer.Typer) -> None:
     """Add this layer's commands to the root app."""
     app.command("route")(route)
     app.command("cluster")(cluster)
-    app.command("replica", hidden=True)(replica)

@@ -64,6 +64,23 @@ def serve(
             "Default: random per process.",
         ),
     ] = None,
+    redis_url: Annotated[
+        str | None,
+        typer.Option("--redis", envvar="PREFIXCACHE_REDIS_URL",
+                     help="Shared Redis tier, e.g. redis://127.0.0.1:6379/0: replicas share cached blocks."),
+    ] = None,
+    redis_sync_writes: Annotated[
+        bool,
+        typer.Option("--redis-sync-writes",
+                     help="Write new blocks to Redis inside the commit (other replicas see them at once; "
+                     "one round trip per new block)."),
+    ] = False,
+    disk_cache: Annotated[
+        Path | None,
+        typer.Option("--disk-cache", envvar="PREFIXCACHE_DISK_CACHE",
+                     help="Disk tier directory: a restarted server is warm for what it persisted."),
+    ] = None,
+    disk_cache_size: Annotated[str, typer.Option(help="Disk tier byte budget, e.g. 8GiB.")] = "8GiB",
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
 ) -> None:
     """Serve the engine over HTTP: OpenAI (/v1/chat/completions, /v1/completions) and Anthropic
@@ -72,6 +89,7 @@ def serve(
 
     import uvicorn
 
+    from prefixcache.cache.tiers import attach_tiers, register_prometheus
     from prefixcache.engine import Engine
     from prefixcache.server import create_app
     from prefixcache.server.app import DEFAULT_MODEL_NAME
@@ -95,6 +113,14 @@ def serve(
         )
     except ValueError as e:  # a missing model file, a bad chunk size or dtype: say which
         raise typer.BadParameter(str(e)) from e
+    if engine.cache is not None:
+        attach_tiers(
+            engine.cache,
+            disk_dir=disk_cache,
+            disk_bytes=parse_bytes(disk_cache_size),
+            redis_url=redis_url,
+            redis_sync_writes=redis_sync_writes,
+        )
     name = model_name or (DEFAULT_MODEL_NAME if model is None else Path(model).stem)
     app = create_app(
         engine,
@@ -106,6 +132,10 @@ def serve(
         salt_secret=salt_secret,
         trace_tokenizer="default" if model is None else None,
     )
+    if engine.cache is not None and engine.cache.tiers:
+        register_prometheus(engine.cache, app.state.prefixcache.metrics.registry)
+    tiers = ", ".join(t.name for t in engine.cache.tiers) if engine.cache is not None else ""
+    typer.echo(f"prefixcache: cache tiers below memory: {tiers or 'none'}")
     typer.echo(f"prefixcache: serving '{name}' on http://{host}:{port} (OpenAI and Anthropic routes, /metrics)")
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
