@@ -52,8 +52,9 @@ class Usage:
 class GenerationResult:
     """One finished generation.
 
-    ``finish_reason``: "stop" (EOS or a stop string; the stop string is not in ``text``),
-    "length" (max_tokens reached) or "cancelled" (the ``cancel`` signal fired).
+    ``finish_reason``: "stop" (EOS or a stop string; the stop string is not in ``text``) or
+    "length" (max_tokens or the context reached). A cancelled request has no result: ``generate``
+    raises ``RequestCancelledError`` and a closed stream just ends.
     Timings in seconds, measured on the worker: ``ttft_s`` from the start of the request's
     processing (after its wait in the queue, ``queue_s``) to the first sampled token.
     ``first_logits`` (only with ``return_logits=True``): float32 [vocab] logits the first token
