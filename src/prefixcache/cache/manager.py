@@ -129,20 +129,28 @@ class PrefixCache:
         align_tokens: int | None = None,
         ttl_s: float | None = None,
         ttl_plan: TtlPlan | None = None,
+        keys: list[BlockHash] | None = None,
+        packed: bytes | None = None,
     ) -> Match:
         """Find, touch and acquire the longest usable cached prefix of ``tokens``.
 
         Usable: verified token by token, leaving at least one prompt token to compute, and
         ending on a multiple of ``align_tokens`` (default: the block size). The caller must
-        call :meth:`release` once, whatever happens.
+        call :meth:`release` once, whatever happens. ``keys`` and ``packed`` may pass what the
+        caller already computed (``block_keys(tokens, ns, ...)``, ``pack_tokens(tokens)``): a
+        simulator replaying millions of requests hashes each shared prefix once.
         """
         n = len(tokens)
         B = self.block_size
         align = align_tokens or B
         if align % B:
             raise ValueError(f"align_tokens ({align}) must be a multiple of block_size ({B})")
-        packed = pack_tokens(tokens)
-        keys = block_keys(tokens, ns, B, self.hasher, packed=packed)
+        if packed is None:
+            packed = pack_tokens(tokens)
+        if keys is None:
+            keys = block_keys(tokens, ns, B, self.hasher, packed=packed)
+        elif len(keys) != len(packed) // (4 * B):
+            raise ValueError(f"keys has {len(keys)} entries; the prompt has {len(packed) // (4 * B)} full blocks")
         ttls = self.policy.block_ttls(len(keys), B, ttl_s, ttl_plan)
         # Cap: at least one token is computed (there must be logits to sample from), and a hit
         # ends on an alignment boundary (the prefill chunk schedule makes that exact).
