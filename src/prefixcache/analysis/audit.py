@@ -20,7 +20,6 @@ plus O(log blocks) lookups: never proportional to the cache or trace size.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -29,10 +28,11 @@ from typing import Any
 import numpy as np
 
 from prefixcache.analysis.costs import pricing_profile
+from prefixcache.analysis.keychains import KeyChains
 from prefixcache.analysis.simulate import SimConfig, simulate
 from prefixcache.analysis.spans import Pair, find_busting
 from prefixcache.analysis.trace import Trace, load_tokenizer
-from prefixcache.cache import Namespace, block_keys, model_fingerprint
+from prefixcache.cache import Namespace, model_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -50,49 +50,6 @@ class AuditConfig:
     version_min_share: float = 0.01  # a prefix version must serve this share of requests (and 2)
     fingerprint: str = model_fingerprint("audit", "float32", 16)
     replay: bool = True  # False: skip the PrefixCache replay (achieved = trace's cached_tokens or 0)
-
-
-class KeyChains:
-    """Block keys of ``parts`` tuples, resuming from cached chain states of their prefixes.
-
-    A state is (keys so far, leftover tokens short of a block). States of proper prefixes are
-    kept (FIFO, at most ``max_states``), so a system prompt shared by many requests is hashed once.
-    """
-
-    def __init__(self, segments: list[np.ndarray], block_size: int, max_states: int = 50_000) -> None:
-        self.segments = segments
-        self.B = block_size
-        self.max_states = max_states
-        # An OrderedDict: popping the oldest is O(1) (a plain dict's next(iter()) walks over the
-        # holes that deletions from its front leave, which made this quadratic).
-        self._states: OrderedDict[tuple[bytes, tuple[int, ...]], tuple[list[bytes], np.ndarray]] = OrderedDict()
-        self._empty = np.zeros(0, dtype=np.uint32)
-
-    def keys(self, root: bytes, parts: tuple[int, ...]) -> list[bytes]:
-        states = self._states
-        k = len(parts) - 1
-        state = None
-        while k > 0:
-            state = states.get((root, parts[:k]))
-            if state is not None:
-                break
-            k -= 1
-        keys, tail = state if state is not None else ([], self._empty)
-        for j in range(k, len(parts)):
-            keys, tail = self._extend(root, keys, tail, self.segments[parts[j]])
-            if j < len(parts) - 1:
-                if len(states) >= self.max_states:
-                    states.popitem(last=False)
-                states[(root, parts[: j + 1])] = (keys, tail)
-        return keys
-
-    def _extend(self, root: bytes, keys: list[bytes], tail: np.ndarray, seg: np.ndarray) -> tuple[list[bytes], np.ndarray]:
-        data = np.concatenate((tail, seg)) if len(tail) else seg
-        full = len(data) // self.B
-        if not full:
-            return keys, data
-        new = block_keys(data, keys[-1] if keys else root, self.B, limit=full)
-        return keys + new, data[full * self.B :]
 
 
 def _depth(keys: list[bytes], present: Any) -> int:

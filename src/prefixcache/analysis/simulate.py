@@ -35,8 +35,9 @@ from typing import Any
 import numpy as np
 
 from prefixcache.analysis.costs import CostBreakdown, CostModel, TokenTotals, price, pricing_profile
+from prefixcache.analysis.keychains import KeyChains
 from prefixcache.analysis.trace import Trace
-from prefixcache.cache import FakeClock, Namespace, PrefixCache, block_keys, model_fingerprint, pack_tokens
+from prefixcache.cache import FakeClock, Namespace, PrefixCache, model_fingerprint, pack_tokens
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ class _Router:
                 hi = mid - 1
         return lo
 
-    def choose(self, tokens: np.ndarray, ns: Namespace, now: float) -> int:
+    def choose(self, tokens: np.ndarray, ns: Namespace, now: float, keys: list[bytes], packed: bytes) -> int:
         if self.n == 1:
             return 0
         policy = self.cfg.routing
@@ -167,8 +168,6 @@ class _Router:
         if policy == "prefix-affinity":
             return self.affinity(tokens, ns)
         # cache-aware: minimise estimated TTFT = wait + uncached prefill; ties -> more cached.
-        packed = pack_tokens(tokens)
-        keys = block_keys(tokens, ns, self.cfg.block_size, packed=packed)
         model = self.cfg.cost
         best, best_score = 0, (float("inf"), 0, 0)
         for r in range(self.n):
@@ -200,6 +199,7 @@ def simulate(trace: Trace, cfg: SimConfig, *, progress: Callable[[int], None] | 
         Namespace.create(cfg.fingerprint, tenant=name, salt=f"tenant:{name}") for name in trace.tenants
     ]
     block_bytes = cfg.cost.block_bytes(B)
+    chains = KeyChains(trace.segments, B)
 
     def payload_fn(_i: int) -> tuple[None, int]:
         return None, block_bytes
@@ -232,7 +232,7 @@ def simulate(trace: Trace, cfg: SimConfig, *, progress: Callable[[int], None] | 
         for r in targets:
             m = caches[r].match(toks, ns, align_tokens=align)
             try:
-                caches[r].commit(m, payload_fn)
+                caches[r].commit(m, payload_fn, uniform_nbytes=block_bytes)
                 totals.keep_warm_reads += m.cached_tokens
             finally:
                 caches[r].release(m)
@@ -251,16 +251,19 @@ def simulate(trace: Trace, cfg: SimConfig, *, progress: Callable[[int], None] | 
         clock.set(max(t, clock.now))
         tokens = trace.tokens(i)
         ns = namespaces[trace.tenant[i]]
-        r = router.choose(tokens, ns, t)
+        # Keys of shared prefixes (system prompts, earlier turns) are hashed once, not per request.
+        keys = chains.keys(ns.root, trace.parts[i])
+        packed = pack_tokens(tokens)
+        r = router.choose(tokens, ns, t, keys, packed)
         cache = caches[r]
         ttl = float(ttl_col[i]) if has_ttl and np.isfinite(ttl_col[i]) else None
-        m = cache.match(tokens, ns, align_tokens=align, ttl_s=ttl)
+        m = cache.match(tokens, ns, align_tokens=align, ttl_s=ttl, keys=keys, packed=packed)
         if align > B:
             # As the engine does: only blocks of complete prefill chunks are committed (a block of
             # the last, partial chunk would not be bitwise what a longer prompt computes).
             m.keys = m.keys[: (len(tokens) // align) * align // B]
         try:
-            res = cache.commit(m, payload_fn)
+            res = cache.commit(m, payload_fn, uniform_nbytes=block_bytes)
         finally:
             cache.release(m)
         hit = m.cached_tokens

@@ -230,13 +230,16 @@ class PrefixCache:
                     store.raise_ttl(block, ttl)
         store.touch(tail, ttls[len(chain) - 1])
 
-    def commit(self, m: Match, payload_fn: PayloadFn, *, upto_tokens: int | None = None) -> CommitResult:
+    def commit(
+        self, m: Match, payload_fn: PayloadFn, *, upto_tokens: int | None = None, uniform_nbytes: int | None = None
+    ) -> CommitResult:
         """Store the prompt's full blocks after the cached prefix that are not cached yet.
 
         ``upto_tokens`` stops at the block that ends there (the engine commits only blocks of
         complete prefill chunks). Blocks already present (computed by another request
         meanwhile, or beyond an alignment cut) are kept and acquired, not rewritten. New blocks
-        are acquired into ``m``.
+        are acquired into ``m``. ``uniform_nbytes``: the caller promises every payload has this
+        size (a simulator); room for a run of new blocks is then made in one pass (same victims).
         """
         if m.released:
             raise RuntimeError("commit after release: the match no longer holds its prefix")
@@ -249,24 +252,29 @@ class PrefixCache:
             parent: BlockHash | None = keys[start - 1] if start else None
             written: list[Block] = []
             chain: list[Block] = []
-            for i in range(start, len(keys)):
-                tokens = m.packed[i * step : (i + 1) * step]
+            i = start
+            while i < len(keys):
                 block = self.store.get(keys[i])
                 if block is not None:
-                    if block.tokens != tokens or block.parent != parent:
+                    if block.tokens != m.packed[i * step : (i + 1) * step] or block.parent != parent:
                         self.store.counters.collisions += 1
                         break  # a collision: the chain cannot continue under this key
-                else:
-                    payload, nbytes = payload_fn(i)
-                    block = self.store.insert(
-                        keys[i], parent, tokens, payload, nbytes, namespace=ns.root, tenant=ns.tenant, ttl_s=m.ttls[i]
-                    )
-                    if block is None:
-                        m.skipped_blocks = len(keys) - i
-                        break
-                    written.append(block)
-                chain.append(block)
-                parent = keys[i]
+                    chain.append(block)
+                    parent = keys[i]
+                    i += 1
+                    continue
+                # A run of new blocks, inserted in one call (same effect as one insert each).
+                new, no_room = self.store.insert_chain(
+                    keys, parent, m.packed, i, step, payload_fn, namespace=ns.root, tenant=ns.tenant, ttls=m.ttls,
+                    uniform_nbytes=uniform_nbytes,
+                )
+                written.extend(new)
+                chain.extend(new)
+                i += len(new)
+                if no_room or not new:
+                    m.skipped_blocks = len(keys) - i
+                    break
+                parent = keys[i - 1]
             if chain:
                 self._hold(m, chain, m.ttls[start : start + len(chain)])
                 m._depth = start + len(chain)

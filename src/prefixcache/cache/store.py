@@ -198,6 +198,91 @@ class BlockStore:
             fn("insert", block)
         return block
 
+    def insert_chain(
+        self,
+        keys: list[BlockHash],
+        parent: BlockHash | None,
+        packed: bytes,
+        first: int,
+        step: int,
+        payload_fn: Callable[[int], tuple[Any, int]],
+        *,
+        namespace: bytes,
+        tenant: str,
+        ttls: list[float],
+        uniform_nbytes: int | None = None,
+    ) -> tuple[list[Block], bool]:
+        """Insert a chain of new blocks: ``keys[j]`` holds ``packed[j*step:(j+1)*step]`` and
+        its payload ``payload_fn(j)``, for j from ``first``, each the child of the previous.
+
+        Exactly what :meth:`insert` block by block does (same evictions, same queue order,
+        same listener calls), minus the work on the chain's inner blocks, which would enter
+        the LRU and expiry queues as a leaf only to leave them at the next insert. Stops before
+        a key that is already stored. Returns (the blocks inserted, whether it stopped for lack
+        of room); the caller acquires the last block at once.
+
+        ``uniform_nbytes``: every payload has this size (the caller promises it), so room for the
+        whole run is made before the first insert: the same victims, in the same order, as
+        making room block by block (the run's blocks are never victims), but a victim's parent
+        that becomes the front leaf is evicted straight away instead of queued and dequeued.
+        """
+        blocks = self._blocks
+        parent_block = None
+        if parent is not None:
+            parent_block = blocks.get(parent)
+            if parent_block is None:
+                return [], True
+        out: list[Block] = []
+        cap = self.capacity_bytes
+        clock = self.clock
+        listeners = self._listeners
+        depth = -1 if parent_block is None else parent_block.depth
+        no_room = False
+        if uniform_nbytes is not None and uniform_nbytes <= cap:
+            k = 0
+            for j in range(first, len(keys)):
+                if keys[j] in blocks:
+                    break
+                k += 1
+            if self.bytes + k * uniform_nbytes > cap:
+                # If this fails, everything evictable is gone and the loop stops where the
+                # block-by-block path would.
+                self._make_room(k * uniform_nbytes, protect=parent_block)
+        for j in range(first, len(keys)):
+            key = keys[j]
+            if key in blocks:
+                break
+            payload, nbytes = payload_fn(j)
+            if nbytes > cap or (
+                self.bytes + nbytes > cap
+                and not self._make_room(nbytes, protect=parent_block if not out else None)
+            ):
+                self.counters.rejected += 1
+                no_room = True
+                break
+            now = clock()
+            depth += 1
+            ttl = float(ttls[j])
+            block = Block(key, parent, packed[j * step : (j + 1) * step], payload, int(nbytes), namespace, tenant,
+                          depth, ttl, now + ttl, now)
+            blocks[key] = block
+            if parent_block is not None:
+                if parent_block.n_children == 0 and parent_block.key in self._lru:
+                    self._leave(parent_block)  # no longer a leaf (only the chain's own parent can be queued)
+                parent_block.n_children += 1
+            self.bytes += block.nbytes
+            out.append(block)
+            for fn in listeners:
+                fn("insert", block)
+            parent_block, parent = block, key
+        if out:
+            n = len(out)
+            nb = sum([b.nbytes for b in out])
+            self.tenant_blocks[tenant] = self.tenant_blocks.get(tenant, 0) + n
+            self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + nb
+            self._enter(out[-1])
+        return out, no_room
+
     def touch(self, block: Block, ttl_s: float | None = None) -> None:
         """A use: refresh the TTL (to the longest class ever asked) and the LRU position.
 
@@ -355,9 +440,11 @@ class BlockStore:
         del self._expiry[block.ttl_s][block.key]
 
     def _make_room(self, nbytes: int, protect: Block | None = None) -> bool:
-        while self.bytes + nbytes > self.capacity_bytes:
+        cap = self.capacity_bytes
+        lru = self._lru
+        while self.bytes + nbytes > cap:
             victim = None
-            for block in self._lru.values():
+            for block in lru.values():
                 # The front is the victim; the protected block is the parent of the block
                 # being inserted, which must survive its child's insertion.
                 if block is not protect:
@@ -365,13 +452,35 @@ class BlockStore:
                     break
             if victim is None:
                 return False
-            self._remove(victim, "capacity")
+            queued = True
+            while True:
+                parent = self._remove(victim, "capacity", requeue=False, queued=queued)
+                if parent is None:
+                    break
+                # The parent is now an evictable leaf and would enter the queues at the front
+                # when it is at least as old as the front (see _enter): then, while room is
+                # still needed, it is the next victim, so it is removed without queueing.
+                if (
+                    self.bytes + nbytes > cap
+                    and parent is not protect
+                    and (not lru or parent.last_used <= next(iter(lru.values())).last_used)
+                ):
+                    victim, queued = parent, False
+                    continue
+                self._enter(parent, ordered=True)
+                break
         return True
 
-    def _remove(self, block: Block, reason: str) -> None:
-        """Remove a queued leaf. Its parent, if now a leaf, inherits its freshness."""
-        self._leave(block)
+    def _remove(self, block: Block, reason: str, *, requeue: bool = True, queued: bool = True) -> Block | None:
+        """Remove a queued leaf. Its parent, if now a leaf, inherits its freshness.
+
+        With ``requeue`` False, a parent that becomes an evictable leaf is returned instead of
+        queued (the caller queues or removes it); ``queued`` False: ``block`` was never queued.
+        """
+        if queued:
+            self._leave(block)
         del self._blocks[block.key]
+        orphan = None
         if block.parent is not None:
             parent = self._blocks.get(block.parent)
             if parent is not None:
@@ -380,7 +489,10 @@ class BlockStore:
                     parent.last_used = block.last_used
                     parent.expires_at = max(parent.expires_at, block.last_used + parent.ttl_s)
                 if parent.n_children == 0 and parent.evictable:
-                    self._enter(parent, ordered=True)
+                    if requeue:
+                        self._enter(parent, ordered=True)
+                    else:
+                        orphan = parent
         self.bytes -= block.nbytes
         self.tenant_blocks[block.tenant] -= 1
         self.tenant_bytes[block.tenant] -= block.nbytes
@@ -389,6 +501,7 @@ class BlockStore:
         for fn in self._listeners:
             fn("evict", block)
         block.payload = None  # drop the tensor now; listeners have had it
+        return orphan
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
