@@ -394,9 +394,21 @@ class BlockStore:
                     block = next(iter(queue.values()))
                     if block.expires_at > now:
                         break
-                    self._remove(block, "ttl")
+                    parent = self._remove(block, "ttl", requeue=False)
                     removed += 1
                     progress = True
+                    # A parent left a due leaf of this class that would enter at the front of
+                    # this queue is the next one popped: remove it without queueing it.
+                    while (
+                        parent is not None
+                        and parent.ttl_s == ttl
+                        and parent.expires_at <= now
+                        and (not queue or parent.expires_at <= next(iter(queue.values())).expires_at)
+                    ):
+                        parent = self._remove(parent, "ttl", requeue=False, queued=False)
+                        removed += 1
+                    if parent is not None:
+                        self._enter(parent, ordered=True)
         return removed
 
     def evict(self, nbytes: int) -> int:
