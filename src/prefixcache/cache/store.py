@@ -248,6 +248,7 @@ class BlockStore:
                 # If this fails, everything evictable is gone and the loop stops where the
                 # block-by-block path would.
                 self._make_room(k * uniform_nbytes, protect=parent_block)
+        prev: Block | None = None
         for j in range(first, len(keys)):
             key = keys[j]
             if key in blocks:
@@ -255,7 +256,7 @@ class BlockStore:
             payload, nbytes = payload_fn(j)
             if nbytes > cap or (
                 self.bytes + nbytes > cap
-                and not self._make_room(nbytes, protect=parent_block if not out else None)
+                and not self._make_room(nbytes, protect=parent_block if prev is None else None)
             ):
                 self.counters.rejected += 1
                 no_room = True
@@ -263,18 +264,21 @@ class BlockStore:
             now = clock()
             depth += 1
             ttl = float(ttls[j])
-            block = Block(key, parent, packed[j * step : (j + 1) * step], payload, int(nbytes), namespace, tenant,
+            nbytes = int(nbytes)
+            block = Block(key, parent, packed[j * step : (j + 1) * step], payload, nbytes, namespace, tenant,
                           depth, ttl, now + ttl, now)
             blocks[key] = block
-            if parent_block is not None:
+            if prev is not None:
+                prev.n_children = 1  # new, never queued
+            elif parent_block is not None:
                 if parent_block.n_children == 0 and parent_block.key in self._lru:
-                    self._leave(parent_block)  # no longer a leaf (only the chain's own parent can be queued)
+                    self._leave(parent_block)  # no longer a leaf
                 parent_block.n_children += 1
-            self.bytes += block.nbytes
+            self.bytes += nbytes
             out.append(block)
             for fn in listeners:
                 fn("insert", block)
-            parent_block, parent = block, key
+            prev, parent = block, key
         if out:
             n = len(out)
             nb = sum([b.nbytes for b in out])
