@@ -307,9 +307,6 @@ class Engine:
         if limit <= hit:
             return 0.0
         B = self.block_size
-        # NOTE: the manager commits every full block in m.keys; trimming the list to complete
-        # chunks is how the engine keeps partial-chunk blocks out (see the module docstring).
-        m.keys = m.keys[: limit // B]
         payloads: list[Any] = []
 
         def payload_fn(i: int) -> tuple[Any, int]:
@@ -318,7 +315,8 @@ class Engine:
             p = payloads[i - hit // B]
             return p, kv.payload_nbytes(p)
 
-        self.cache.commit(m, payload_fn)
+        # upto_tokens: partial-chunk blocks stay out (see the module docstring).
+        self.cache.commit(m, payload_fn, upto_tokens=limit)
         return time.perf_counter() - t
 
     def _decode(self, job: Job, past: Any, token: int, sampler: Sampler, n: int) -> tuple[str, list[int], str, str | None, float] | None:
