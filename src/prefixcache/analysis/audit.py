@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from prefixcache.analysis.costs import pricing_profile
-from prefixcache.analysis.keychains import KeyChains
+from prefixcache.analysis.keychains import KeyChains, paused_gc
 from prefixcache.analysis.simulate import SimConfig, simulate
 from prefixcache.analysis.spans import Pair, find_busting
 from prefixcache.analysis.trace import Trace, load_tokenizer
@@ -110,6 +110,11 @@ class AuditResult:
 
 def audit(trace: Trace, cfg: AuditConfig, *, progress: Callable[[str, int], None] | None = None) -> AuditResult:
     """Audit ``trace`` (contract in the module docstring). ``progress(stage, done)`` reports."""
+    with paused_gc():
+        return _audit(trace, cfg, progress)
+
+
+def _audit(trace: Trace, cfg: AuditConfig, progress: Callable[[str, int], None] | None) -> AuditResult:
     B = cfg.block_size
     align = cfg.align_tokens or B
     n = len(trace)

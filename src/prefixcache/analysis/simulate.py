@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from prefixcache.analysis.costs import CostBreakdown, CostModel, TokenTotals, price, pricing_profile
-from prefixcache.analysis.keychains import KeyChains
+from prefixcache.analysis.keychains import KeyChains, paused_gc
 from prefixcache.analysis.trace import Trace
 from prefixcache.cache import FakeClock, Namespace, PrefixCache, model_fingerprint, pack_tokens
 
@@ -184,6 +184,11 @@ def simulate(trace: Trace, cfg: SimConfig, *, progress: Callable[[int], None] | 
     Work per request is O(prompt blocks) in the cache (plus O(replicas x log blocks) probes for
     cache-aware routing), never O(cache size).
     """
+    with paused_gc():
+        return _simulate(trace, cfg, progress)
+
+
+def _simulate(trace: Trace, cfg: SimConfig, progress: Callable[[int], None] | None) -> SimResult:
     if cfg.routing not in ROUTINGS:
         raise ValueError(f"unknown routing {cfg.routing!r}; choose one of {', '.join(ROUTINGS)}")
     B = cfg.block_size

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from prefixcache.analysis.keychains import paused_gc
 from prefixcache.analysis.tokenize import (
     ByteTokenizer,
     HFTokenizer,
@@ -324,10 +325,11 @@ def load_trace(
     """
     b = _Builder(tokenizer)
     where = str(path)
-    for lineno, obj in iter_lines(path):
-        b.add(lineno, obj, where)
-        if progress is not None and lineno % 10_000 == 0:
-            progress(lineno)
+    with paused_gc():  # a million parsed lines are a million short-lived dicts: no cycles
+        for lineno, obj in iter_lines(path):
+            b.add(lineno, obj, where)
+            if progress is not None and lineno % 10_000 == 0:
+                progress(lineno)
     if not b.parts:
         raise TraceFormatError(f"{path}: no request lines; is this a prefixcache trace (JSONL, v1)?")
     return b.build()
