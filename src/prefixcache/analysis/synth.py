@@ -85,7 +85,7 @@ def parse_endpoint(text: str) -> EndpointSpec:
     return spec
 
 
-#: The default scenario: the seed's classic failure modes side by side.
+#: The default scenario: the classic prompt-caching failure modes side by side.
 DEFAULT_SCENARIO = (
     "chat:rate=4,system=1200,turns=3,tenant=acme",
     "support:rate=2,system=1600,bust=timestamp,tenant=acme",

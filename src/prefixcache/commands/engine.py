@@ -78,7 +78,7 @@ def demo(
     dtype: DtypeOpt = "float32",
     threads: ThreadsOpt = None,
 ) -> None:
-    """Run the seed's caching flows on the real model and print one table, a row per flow:
+    """Run the prompt-caching flows on the real model and print one table, a row per flow:
     warm, cold after a deploy, cache busting (top vs bottom), TTL vs traffic, keep-warm."""
     from rich.console import Console
     from rich.table import Table

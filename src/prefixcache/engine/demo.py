@@ -1,4 +1,4 @@
-"""``prefixcache demo``: the seed's flows on a real model, one row each.
+"""``prefixcache demo``: the caching flows on a real model, one row each.
 
 Every flow runs on a fresh Engine (its own cache and simulated clock) over one shared runner,
 so flows do not warm each other. Prompts are long enough for the default 512-token chunk to
