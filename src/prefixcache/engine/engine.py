@@ -87,6 +87,7 @@ class Engine:
             raise ValueError(f"prefill_chunk ({chunk}) must be a positive multiple of block_size ({block_size})")
         self.block_size = block_size
         self.prefill_chunk = chunk
+        self._scratch = kv.Scratch()  # hit KV is assembled here; used by the worker thread only
         self.clock = clock or (cache.clock if cache is not None else time.monotonic)
         self.cache: PrefixCache | None = None
         if enable_cache:
@@ -271,7 +272,8 @@ class Engine:
                 ns = cache.namespace(self.fingerprint, tenant=r["tenant"], salt=r["salt"])
                 m = cache.match(ids, ns, align_tokens=self.prefill_chunk, ttl_s=r["ttl_s"], ttl_plan=r["ttl_plan"])
                 hit = m.cached_tokens
-            past = kv.build_cache(self.runner, [b.payload for b in m.blocks]) if m and m.blocks else self.runner.new_cache()
+            past = (kv.build_cache(self.runner, [b.payload for b in m.blocks], self._scratch)
+                    if m and m.blocks else self.runner.new_cache())
             logits = None
             for a, b in chunk_schedule(hit, n, self.prefill_chunk):
                 if job.cancelled():
