@@ -23,7 +23,6 @@ import os
 import random
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from prefixcache.commands.cluster import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = [
@@ -103,26 +104,6 @@ class Run:
     @property
     def mean_ttft_s(self) -> float:
         return sum(self.ttft_s) / len(self.ttft_s) if self.ttft_s else float("nan")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"replica {url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise SystemExit(f"replica {url} not healthy after {timeout_s}s")
 
 
 def system_prompt(rng: random.Random, tenant: str, tag: str, words: int) -> str:
@@ -290,7 +271,7 @@ def start_replicas(
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
         urls.append(f"http://127.0.0.1:{port}")
     for url, p in zip(urls, procs, strict=True):
-        wait_ready(url, p)
+        wait_ready(url, p, 600)
     return urls, procs
 
 

@@ -30,7 +30,7 @@ def _check_policy(value: str) -> str:
     return value
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -101,7 +101,7 @@ def route(
     uvicorn.run(create_router_app(config), host=host, port=port, log_level=log_level.lower())
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -187,7 +187,7 @@ def cluster(
                 raise typer.BadParameter(
                     "redis-server not found: install it (apt-get install redis-server), pass --redis URL, or --no-redis"
                 )
-            rport = _free_port()
+            rport = free_port()
             procs.append(
                 subprocess.Popen(
                     [
@@ -209,7 +209,7 @@ def cluster(
             redis_url = f"redis://127.0.0.1:{rport}/0"
         urls: list[str] = []
         for i in range(replicas):
-            rp = _free_port()
+            rp = free_port()
             cmd = [
                 sys.executable,
                 "-m",
@@ -239,7 +239,7 @@ def cluster(
             procs.append(subprocess.Popen(cmd, env=env))
             urls.append(f"http://127.0.0.1:{rp}")
         for url, proc in zip(urls, procs[-replicas:], strict=True):
-            _wait_ready(url, proc, ready_timeout)
+            wait_ready(url, proc, ready_timeout)
         typer.echo(
             f"prefixcache cluster: {replicas} replicas {urls}, redis {redis_url if not no_redis else 'off'}; "
             f"router ({policy}) on http://{host}:{port}. Ctrl-C stops all."
