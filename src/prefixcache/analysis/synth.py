@@ -139,6 +139,7 @@ def _bust_value(kind: str, t_abs: float, counter: int, rng: np.random.Generator)
     return f"Request number {counter}\n"
 
 
+@paused_gc()  # a context manager used as a decorator: no cyclic GC passes while it runs
 def synthesize(
     out: str | Path,
     endpoints: list[EndpointSpec],
@@ -155,20 +156,6 @@ def synthesize(
     Give ``requests`` (the duration follows from the total rate) or ``duration_s``. Content is a
     function of (seed, spec), so two runs with the same arguments give the same bytes.
     """
-    with paused_gc():
-        return _synthesize(out, endpoints, requests, duration_s, seed, start_ts, tokenizer, progress)
-
-
-def _synthesize(
-    out: str | Path,
-    endpoints: list[EndpointSpec],
-    requests: int | None = None,
-    duration_s: float | None = None,
-    seed: int = 0,
-    start_ts: float = 1_764_000_000.0,
-    tokenizer: str = "bytes",
-    progress: Callable[[int], None] | None = None,
-) -> SynthResult:
     if not endpoints:
         raise ValueError("give at least one endpoint spec")
     total_rate = sum(e.rate for e in endpoints)
