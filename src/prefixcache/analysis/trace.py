@@ -39,12 +39,14 @@ import io
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from array import array
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from prefixcache.analysis.keychains import paused_gc
 from prefixcache.analysis.tokenize import (
@@ -122,22 +124,47 @@ class TraceWriter:
 
 
 # ---------------------------------------------------------------------------------- reading
+def _open_binary(p: Path) -> Any:
+    return gzip.open(p, "rb") if p.suffix == ".gz" else open(p, "rb", buffering=1 << 20)  # noqa: SIM115
+
+
+def _slow_parse(p: Path | str, lineno: int, line: bytes) -> Any:
+    """A line orjson rejected: blank (None), something only the stdlib reads (NaN, Infinity),
+    or a TraceFormatError naming the line."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(f"{p}:{lineno}: not UTF-8 ({exc.reason}); is this a JSONL trace?") from None
+    if not text.strip():
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{p}:{lineno}: not JSON ({exc.msg}); is this a JSONL trace?") from None
+
+
+def _check(p: Path | str, lineno: int, obj: Any) -> None:
+    if type(obj) is not dict:
+        raise TraceFormatError(f"{p}:{lineno}: not a JSON object; is this a JSONL trace?")
+    v = obj.get("v", FORMAT_VERSION)
+    if v != FORMAT_VERSION:
+        raise TraceFormatError(f"{p}:{lineno}: trace format v{v}; this version reads v{FORMAT_VERSION}")
+
+
 def iter_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, parsed object) for each non-blank line. Raises TraceFormatError."""
     p = Path(path)
-    opener: Callable[..., Any] = gzip.open if p.suffix == ".gz" else open
-    with opener(p, "rt", encoding="utf-8") as fh:
-        loads = json.loads
+    loads = orjson.loads
+    with _open_binary(p) as fh:
         for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
             try:
                 obj = loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceFormatError(f"{p}:{lineno}: not JSON ({exc.msg}); is this a JSONL trace?") from None
-            v = obj.get("v", FORMAT_VERSION)
-            if v != FORMAT_VERSION:
-                raise TraceFormatError(f"{p}:{lineno}: trace format v{v}; this version reads v{FORMAT_VERSION}")
+            except orjson.JSONDecodeError:
+                obj = _slow_parse(p, lineno, line)
+                if obj is None:
+                    continue
+            if type(obj) is not dict or obj.get("v", FORMAT_VERSION) != FORMAT_VERSION:
+                _check(p, lineno, obj)
             yield lineno, obj
 
 
@@ -183,19 +210,38 @@ class Trace:
         return self.tenants[int(self.tenant[i])]
 
 
+# array('I') packs a token list ~3x faster than numpy; its bytes are the uint32 array's bytes.
+_U32 = "I" if array("I").itemsize == 4 else "L"
+_NUMBER = (int, float)
+_NAN = float("nan")
+
+
 class _Builder:
-    """Accumulates request lines into a :class:`Trace`, interning segments and names."""
+    """Accumulates request lines into a :class:`Trace`, interning segments and names.
+
+    Segments are interned by their uint32 bytes (``seg_index``, in id order); the arrays are
+    made once, in :meth:`build`, as views of one buffer.
+    """
 
     def __init__(self, tokenizer_name: str | None) -> None:
         self.tokenizer_name = tokenizer_name
         self._tok: Tokenizer | None = None
-        self.segments: list[np.ndarray] = []
         self.seg_index: dict[bytes, int] = {}
+        self.seg_len: list[int] = []
         self.named: dict[str, int] = {}
         self.text_cache: dict[bytes, int] = {}
         self.key_ids: dict[str, int] = {}
-        self.names: dict[str, dict[str, int]] = {"tenant": {}, "endpoint": {}}
-        self.cols: dict[str, list[Any]] = {k: [] for k in ("ts", "tenant", "endpoint", "prompt", "out", "cached", "has", "ttft", "ttl")}
+        self.tenants: dict[str, int] = {}
+        self.endpoints: dict[str, int] = {}
+        self.c_ts: list[float] = []
+        self.c_tenant: list[int] = []
+        self.c_endpoint: list[int] = []
+        self.c_prompt: list[int] = []
+        self.c_out: list[int] = []
+        self.c_cached: list[int] = []
+        self.c_has: list[bool] = []
+        self.c_ttft: list[float] = []
+        self.c_ttl: list[float] = []
         self.parts: list[tuple[int, ...]] = []
         self.header: dict[str, Any] = {}
 
@@ -204,13 +250,32 @@ class _Builder:
             self._tok = load_tokenizer(self.tokenizer_name or self.header.get("tokenizer"))
         return self._tok
 
-    def intern(self, arr: np.ndarray) -> int:
-        data = arr.tobytes()
+    def intern_bytes(self, data: bytes) -> int:
         sid = self.seg_index.get(data)
         if sid is None:
-            sid = self.seg_index[data] = len(self.segments)
-            self.segments.append(arr)
+            sid = self.seg_index[data] = len(self.seg_len)
+            self.seg_len.append(len(data) >> 2)
         return sid
+
+    def intern(self, arr: np.ndarray) -> int:
+        return self.intern_bytes(np.ascontiguousarray(arr, dtype=TOKEN_DTYPE).tobytes())
+
+    def intern_run(self, tokens: Any, where: str, lineno: int) -> int:
+        """A JSON token run (a list of ints) -> segment id. (:meth:`read` inlines the list case.)"""
+        if type(tokens) is list:
+            try:
+                return self.intern_bytes(array(_U32, tokens).tobytes())
+            except (TypeError, OverflowError):
+                pass
+        return self.intern_odd(tokens, where, lineno)
+
+    def intern_odd(self, tokens: Any, where: str, lineno: int) -> int:
+        """A token run that is not a plain list of uint32 ints: numpy converts it, as it always
+        did (floats truncate; negative or too large ids raise)."""
+        arr = np.asarray(tokens, dtype=TOKEN_DTYPE)
+        if arr.ndim != 1:
+            raise TraceFormatError(f"{where}:{lineno}: a token run must be a list of token ids, not {tokens!r:.40}")
+        return self.intern(arr)
 
     def _text(self, kind: bytes, payload: Any, render: Callable[[], str]) -> int:
         h = hashlib.blake2b(kind + json.dumps(payload, sort_keys=True).encode(), digest_size=16).digest()
@@ -220,7 +285,7 @@ class _Builder:
             sid = self.text_cache[h] = self.intern(np.asarray(ids, dtype=TOKEN_DTYPE))
         return sid
 
-    def _keys_parts(self, obj: dict[str, Any], where: str) -> tuple[int, ...]:
+    def _keys_parts(self, obj: dict[str, Any], where: str) -> int:
         # Privacy mode: stand-in tokens. Block i holds [id(key i), 0, ...]: equal chains of ids
         # are exactly equal chains of keys, so the cache sees the same sharing structure.
         bs = int(obj.get("block_size", 16))
@@ -232,84 +297,145 @@ class _Builder:
         for i, k in enumerate(keys):
             arr[i * bs] = self.key_ids.setdefault(k, len(self.key_ids) + 1)
         arr[len(keys) * bs :] = 0xFFFFFFFF  # the partial tail: never keyed
-        return (self.intern(arr),)
+        return self.intern(arr)
 
-    def add(self, lineno: int, obj: dict[str, Any], where: str) -> None:
-        kind = obj.get("type", "request")
+    def _other(self, kind: Any, lineno: int, obj: dict[str, Any], where: str) -> None:
         if kind == "header":
             self.header = obj
-            return
-        if kind == "segment":
-            self.named[str(obj["id"])] = self.intern(np.asarray(obj["tokens"], dtype=TOKEN_DTYPE))
-            return
-        if kind != "request":
-            return
-        if "ts" not in obj:
-            raise TraceFormatError(f"{where}:{lineno}: a request line needs 'ts' (seconds)")
-        if "tokens" in obj:
-            parts: tuple[int, ...] = (self.intern(np.asarray(obj["tokens"], dtype=TOKEN_DTYPE)),)
-        elif "parts" in obj:
-            ps = []
-            for p in obj["parts"]:
-                if isinstance(p, str):
-                    if p not in self.named:
-                        raise TraceFormatError(f"{where}:{lineno}: segment {p!r} used before its definition line")
-                    ps.append(self.named[p])
-                else:
-                    ps.append(self.intern(np.asarray(p, dtype=TOKEN_DTYPE)))
-            parts = tuple(ps)
-        elif "prompt" in obj:
-            parts = (self._text(b"p", obj["prompt"], lambda: str(obj["prompt"])),)
-        elif "messages" in obj:
+        elif kind == "segment":
+            self.named[str(obj["id"])] = self.intern_run(obj["tokens"], where, lineno)
+
+    def _text_or_keys(self, lineno: int, obj: dict[str, Any], where: str) -> int:
+        if "prompt" in obj:
+            return self._text(b"p", obj["prompt"], lambda: str(obj["prompt"]))
+        if "messages" in obj:
             tok = self.tokenizer()
             render = getattr(tok, "render", None)
             msgs = obj["messages"]
-            parts = (self._text(b"m", msgs, (lambda: render(msgs)) if render else (lambda: render_messages(msgs))),)
-        elif "block_keys" in obj:
-            parts = self._keys_parts(obj, f"{where}:{lineno}")
-        else:
-            raise TraceFormatError(f"{where}:{lineno}: no prompt: give tokens, parts, prompt, messages or block_keys")
-        c = self.cols
-        c["ts"].append(float(obj["ts"]))
-        c["tenant"].append(self.names["tenant"].setdefault(str(obj.get("tenant") or "default"), len(self.names["tenant"])))
-        c["endpoint"].append(
-            self.names["endpoint"].setdefault(str(obj.get("endpoint") or "default"), len(self.names["endpoint"]))
-        )
-        n = sum(len(self.segments[j]) for j in parts)
-        c["prompt"].append(n)
-        c["out"].append(int(obj.get("output_tokens") or 0))
-        ct = obj.get("cached_tokens")
-        c["cached"].append(int(ct) if ct is not None else 0)
-        c["has"].append(ct is not None)
-        c["ttft"].append(float(obj["ttft_s"]) if obj.get("ttft_s") is not None else float("nan"))
-        c["ttl"].append(float(obj["ttl"]) if isinstance(obj.get("ttl"), int | float) else float("nan"))
-        self.parts.append(parts)
+            return self._text(b"m", msgs, (lambda: render(msgs)) if render else (lambda: render_messages(msgs)))
+        if "block_keys" in obj:
+            return self._keys_parts(obj, f"{where}:{lineno}")
+        raise TraceFormatError(f"{where}:{lineno}: no prompt: give tokens, parts, prompt, messages or block_keys")
+
+    def read(self, lines: Iterable[bytes], where: str, progress: Callable[[int], None] | None) -> None:
+        """Parse and add every line. The common request line (ts, tenant, endpoint, parts or
+        tokens, a few numbers) stays on this loop's straight path, with everything it touches
+        bound to locals; other lines and prompt kinds branch off to helpers."""
+        loads, decode_error = orjson.loads, orjson.JSONDecodeError
+        seg_index, seg_len, named = self.seg_index, self.seg_len, self.named
+        tenants, endpoints = self.tenants, self.endpoints
+        add_ts, add_tenant, add_endpoint = self.c_ts.append, self.c_tenant.append, self.c_endpoint.append
+        add_prompt, add_out, add_cached = self.c_prompt.append, self.c_out.append, self.c_cached.append
+        add_has, add_ttft, add_ttl, add_parts = self.c_has.append, self.c_ttft.append, self.c_ttl.append, self.parts.append
+        nan, number = _NAN, _NUMBER
+
+        for lineno, line in enumerate(lines, 1):
+            if progress is not None and lineno % 10_000 == 0:
+                progress(lineno)
+            try:
+                obj = loads(line)
+            except decode_error:
+                obj = _slow_parse(where, lineno, line)
+                if obj is None:
+                    continue
+            if type(obj) is not dict or obj.get("v", FORMAT_VERSION) != FORMAT_VERSION:
+                _check(where, lineno, obj)
+            if "type" in obj and obj["type"] != "request":
+                self._other(obj["type"], lineno, obj, where)
+                continue
+            if "ts" not in obj:
+                raise TraceFormatError(f"{where}:{lineno}: a request line needs 'ts' (seconds)")
+            ps = []
+            n = 0
+            if "tokens" in obj:
+                runs, refs = (obj["tokens"],), False
+            elif "parts" in obj:
+                runs, refs = obj["parts"], True
+            else:
+                runs, refs = (), False
+                ps.append(self._text_or_keys(lineno, obj, where))
+                n = seg_len[ps[0]]
+            for run in runs:
+                if type(run) is list:
+                    try:
+                        data = array(_U32, run).tobytes()
+                    except (TypeError, OverflowError):
+                        sid = self.intern_odd(run, where, lineno)  # floats and such: numpy decides
+                    else:
+                        sid = seg_index.get(data)
+                        if sid is None:
+                            sid = seg_index[data] = len(seg_len)
+                            seg_len.append(len(run))
+                elif refs and type(run) is str:
+                    sid = named.get(run)
+                    if sid is None:
+                        raise TraceFormatError(f"{where}:{lineno}: segment {run!r} used before its definition line")
+                else:
+                    sid = self.intern_odd(run, where, lineno)
+                ps.append(sid)
+                n += seg_len[sid]
+            add_parts(tuple(ps))
+            add_prompt(n)
+            add_ts(float(obj["ts"]))
+            name = str(obj.get("tenant") or "default")
+            i = tenants.get(name)
+            if i is None:
+                i = tenants[name] = len(tenants)
+            add_tenant(i)
+            name = str(obj.get("endpoint") or "default")
+            i = endpoints.get(name)
+            if i is None:
+                i = endpoints[name] = len(endpoints)
+            add_endpoint(i)
+            add_out(int(obj.get("output_tokens") or 0))
+            v = obj.get("cached_tokens")
+            if v is None:
+                add_cached(0)
+                add_has(False)
+            else:
+                add_cached(int(v))
+                add_has(True)
+            v = obj.get("ttft_s")
+            add_ttft(nan if v is None else float(v))
+            v = obj.get("ttl")
+            add_ttl(float(v) if isinstance(v, number) else nan)
+
+    def build_segments(self) -> list[np.ndarray]:
+        """The interned runs as uint32 arrays (writable views of one buffer), in id order."""
+        keys = list(self.seg_index)
+        self.seg_index = {}
+        if not keys:
+            return []
+        buf = np.frombuffer(bytearray().join(keys), dtype=TOKEN_DTYPE)
+        del keys
+        ends = np.cumsum(self.seg_len, dtype=np.int64).tolist()
+        starts = [0, *ends[:-1]]
+        return [buf[a:b] for a, b in zip(starts, ends, strict=True)]
 
     def build(self) -> Trace:
-        c = self.cols
-        ts = np.asarray(c["ts"], dtype=np.float64)
+        ts = np.asarray(self.c_ts, dtype=np.float64)
         order = np.argsort(ts, kind="stable")
         sorted_already = bool(np.all(order == np.arange(len(ts))))
 
-        def col(name: str, dtype: Any) -> np.ndarray:
-            a = np.asarray(c[name], dtype=dtype)
+        def col(values: list[Any], dtype: Any) -> np.ndarray:
+            a = np.asarray(values, dtype=dtype)
             return a if sorted_already else a[order]
 
-        parts = self.parts if sorted_already else [self.parts[i] for i in order]
+        parts = self.parts if sorted_already else [self.parts[i] for i in order.tolist()]
         return Trace(
-            ts=col("ts", np.float64),
-            tenant=col("tenant", np.int32),
-            endpoint=col("endpoint", np.int32),
+            ts=ts if sorted_already else ts[order],
+            tenant=col(self.c_tenant, np.int32),
+            endpoint=col(self.c_endpoint, np.int32),
             parts=parts,
-            segments=self.segments,
-            prompt_tokens=col("prompt", np.int64),
-            output_tokens=col("out", np.int64),
-            cached_tokens=col("cached", np.int64),
-            has_cached=col("has", bool),
-            ttft_s=col("ttft", np.float64),
-            ttl_s=col("ttl", np.float64),
-            tenants=list(self.names["tenant"]),
-            endpoints=list(self.names["endpoint"]),
+            segments=self.build_segments(),
+            prompt_tokens=col(self.c_prompt, np.int64),
+            output_tokens=col(self.c_out, np.int64),
+            cached_tokens=col(self.c_cached, np.int64),
+            has_cached=col(self.c_has, bool),
+            ttft_s=col(self.c_ttft, np.float64),
+            ttl_s=col(self.c_ttl, np.float64),
+            tenants=list(self.tenants),
+            endpoints=list(self.endpoints),
             tokenizer=self.tokenizer_name or self.header.get("tokenizer"),
             header=self.header,
         )
@@ -325,11 +451,9 @@ def load_trace(
     """
     b = _Builder(tokenizer)
     where = str(path)
-    with paused_gc():  # a million parsed lines are a million short-lived dicts: no cycles
-        for lineno, obj in iter_lines(path):
-            b.add(lineno, obj, where)
-            if progress is not None and lineno % 10_000 == 0:
-                progress(lineno)
+    # paused_gc: a million parsed lines are a million short-lived dicts, and no cycles
+    with paused_gc(), _open_binary(Path(path)) as fh:
+        b.read(fh, where, progress)
     if not b.parts:
         raise TraceFormatError(f"{path}: no request lines; is this a prefixcache trace (JSONL, v1)?")
     return b.build()
