@@ -219,15 +219,16 @@ _NAN = float("nan")
 class _Builder:
     """Accumulates request lines into a :class:`Trace`, interning segments and names.
 
-    Segments are interned by their uint32 bytes (``seg_index``, in id order); the arrays are
-    made once, in :meth:`build`, as views of one buffer.
+    Segments are interned by their uint32 bytes (``seg_index``) and stored in one buffer
+    (``seg_data``); the arrays are made once, in :meth:`build`, as views of it.
     """
 
     def __init__(self, tokenizer_name: str | None) -> None:
         self.tokenizer_name = tokenizer_name
         self._tok: Tokenizer | None = None
-        self.seg_index: dict[bytes, int] = {}
+        self.seg_index: dict[bytes, int] = {}  # a run's uint32 bytes -> its id
         self.seg_len: list[int] = []
+        self.seg_data = bytearray()  # every run's bytes, in id order
         self.named: dict[str, int] = {}
         self.text_cache: dict[bytes, int] = {}
         self.key_ids: dict[str, int] = {}
@@ -255,6 +256,7 @@ class _Builder:
         if sid is None:
             sid = self.seg_index[data] = len(self.seg_len)
             self.seg_len.append(len(data) >> 2)
+            self.seg_data += data
         return sid
 
     def intern(self, arr: np.ndarray) -> int:
@@ -322,7 +324,8 @@ class _Builder:
         tokens, a few numbers) stays on this loop's straight path, with everything it touches
         bound to locals; other lines and prompt kinds branch off to helpers."""
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
-        seg_index, seg_len, named = self.seg_index, self.seg_len, self.named
+        seg_index, seg_len, seg_data, named = self.seg_index, self.seg_len, self.seg_data, self.named
+        pack, u32, version = array, _U32, FORMAT_VERSION
         tenants, endpoints = self.tenants, self.endpoints
         add_ts, add_tenant, add_endpoint = self.c_ts.append, self.c_tenant.append, self.c_endpoint.append
         add_prompt, add_out, add_cached = self.c_prompt.append, self.c_out.append, self.c_cached.append
@@ -338,7 +341,7 @@ class _Builder:
                 obj = _slow_parse(where, lineno, line)
                 if obj is None:
                     continue
-            if type(obj) is not dict or obj.get("v", FORMAT_VERSION) != FORMAT_VERSION:
+            if type(obj) is not dict or obj.get("v", version) != version:
                 _check(where, lineno, obj)
             if "type" in obj and obj["type"] != "request":
                 self._other(obj["type"], lineno, obj, where)
@@ -358,14 +361,15 @@ class _Builder:
             for run in runs:
                 if type(run) is list:
                     try:
-                        data = array(_U32, run).tobytes()
+                        data = pack(u32, run).tobytes()
                     except (TypeError, OverflowError):
                         sid = self.intern_odd(run, where, lineno)  # floats and such: numpy decides
                     else:
                         sid = seg_index.get(data)
-                        if sid is None:
+                        if sid is None:  # (intern_bytes, inlined)
                             sid = seg_index[data] = len(seg_len)
                             seg_len.append(len(run))
+                            seg_data += data
                 elif refs and type(run) is str:
                     sid = named.get(run)
                     if sid is None:
@@ -402,12 +406,10 @@ class _Builder:
 
     def build_segments(self) -> list[np.ndarray]:
         """The interned runs as uint32 arrays (writable views of one buffer), in id order."""
-        keys = list(self.seg_index)
         self.seg_index = {}
-        if not keys:
+        if not self.seg_len:
             return []
-        buf = np.frombuffer(bytearray().join(keys), dtype=TOKEN_DTYPE)
-        del keys
+        buf = np.frombuffer(self.seg_data, dtype=TOKEN_DTYPE)
         ends = np.cumsum(self.seg_len, dtype=np.int64).tolist()
         starts = [0, *ends[:-1]]
         return [buf[a:b] for a, b in zip(starts, ends, strict=True)]
