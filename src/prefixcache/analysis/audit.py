@@ -20,9 +20,9 @@ plus O(log blocks) lookups: never proportional to the cache or trace size.
 from __future__ import annotations
 
 import logging
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,8 @@ from prefixcache.analysis.trace import Trace, load_tokenizer
 from prefixcache.cache import Namespace, model_fingerprint
 
 log = logging.getLogger(__name__)
+
+_INDEX_EVERY = 8  # the audit indexes a run's keys at every 8th depth (and its first key)
 
 
 @dataclass(slots=True)
@@ -116,79 +118,8 @@ def audit(trace: Trace, cfg: AuditConfig, *, progress: Callable[[str, int], None
 
 def _audit(trace: Trace, cfg: AuditConfig, progress: Callable[[str, int], None] | None) -> AuditResult:
     B = cfg.block_size
-    align = cfg.align_tokens or B
-    n = len(trace)
-    roots = [Namespace.create(cfg.fingerprint, tenant=t, salt=f"tenant:{t}").root for t in trace.tenants]
-    chains = KeyChains(trace.segments, B)
-    last_use: list[dict[bytes, float]] = [{} for _ in trace.tenants]
-    first_in_ep: list[dict[bytes, int]] = [{} for _ in trace.endpoints]
-    ep_first_req = [-1] * len(trace.endpoints)
-    achievable = np.zeros(n, dtype=np.int64)
-    within_ttl = np.zeros(n, dtype=np.int64)
-    ep_depth = np.zeros(n, dtype=np.int64)
-    diverge = np.full(n, -1, dtype=np.int64)
-    ref = np.full(n, -1, dtype=np.int64)
-    gap = np.full(n, np.nan)
     ttl = cfg.ttl_s
-    # Versions: an endpoint's stable depth is fixed from its first requests, then each request's
-    # key at that depth names its prefix version.
-    probe_keys: list[list[tuple[int, list[bytes]]]] = [[] for _ in trace.endpoints]
-    stable: list[int | None] = [None] * len(trace.endpoints)
-    versions: list[dict[bytes, dict[str, Any]]] = [{} for _ in trace.endpoints]
-
-    def add_version(e: int, i: int, keys: list[bytes]) -> None:
-        d = stable[e]
-        if not d or len(keys) < d:
-            return
-        v = versions[e].get(keys[d - 1])
-        t = float(trace.ts[i])
-        if v is None:
-            versions[e][keys[d - 1]] = {"first_ts": t, "last_ts": t, "requests": 1}
-        else:
-            v["last_ts"] = t
-            v["requests"] += 1
-
-    def fix_stable(e: int) -> None:
-        depths = [int(ep_depth[i]) for i, _ in probe_keys[e] if ep_depth[i] > 0]
-        stable[e] = int(np.percentile(depths, cfg.stable_quantile, method="lower")) if depths else 0
-        for i, keys in probe_keys[e]:
-            add_version(e, i, keys)
-        probe_keys[e] = []
-
-    for i in range(n):
-        t = float(trace.ts[i])
-        ten, e = int(trace.tenant[i]), int(trace.endpoint[i])
-        keys = chains.keys(roots[ten], trace.parts[i])
-        cap = (max(int(trace.prompt_tokens[i]) - 1, 0) // align) * align // B
-        last = last_use[ten]
-        m = _depth(keys, last)
-        if m:
-            gap[i] = t - last[keys[m - 1]]
-            mt = _depth_since(keys[:m], last, t - ttl)
-            within_ttl[i] = (min(mt, cap) * B // align) * align
-        achievable[i] = (min(m, cap) * B // align) * align
-        last.update(zip(keys, repeat(t)))
-        first = first_in_ep[e]
-        me = _depth(keys, first)
-        ep_depth[i] = me
-        r = first[keys[me - 1]] if me else ep_first_req[e]
-        if r >= 0:
-            ref[i] = r
-            diverge[i] = _first_diff(trace.tokens(i), trace.tokens(r), me * B)
-        else:
-            ep_first_req[e] = i
-        first.update(zip(keys[me:], repeat(i)))
-        if stable[e] is None:
-            probe_keys[e].append((i, keys))
-            if len(probe_keys[e]) >= 200:
-                fix_stable(e)
-        else:
-            add_version(e, i, keys)
-        if progress is not None and i % 5000 == 0:
-            progress("scan", i)
-    for e in range(len(trace.endpoints)):
-        if stable[e] is None:
-            fix_stable(e)
+    achievable, within_ttl, diverge, ref, gap, stable, versions = _scan(trace, cfg, progress)
 
     if bool(trace.has_cached.all()) or not cfg.replay:
         achieved, source = trace.cached_tokens.astype(np.int64), "trace cached_tokens"
@@ -225,6 +156,238 @@ def _audit(trace: Trace, cfg: AuditConfig, progress: Callable[[str, int], None] 
         achieved_source=source, hit_rate=float(achieved.sum() / q) if q else 0.0,
         achievable_hit_rate=float(achievable.sum() / q) if q else 0.0,
     )
+
+
+def _scan(
+    trace: Trace, cfg: AuditConfig, progress: Callable[[str, int], None] | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[int | None], list[dict[bytes, dict[str, Any]]]]:
+    """The per-request pass: achievable and within-TTL depths, reuse gaps, the most similar
+    earlier request of the endpoint and the first token that differs from it, prefix versions."""
+    B = cfg.block_size
+    align = cfg.align_tokens or B
+    n = len(trace)
+    ttl = cfg.ttl_s
+    roots = [Namespace.create(cfg.fingerprint, tenant=t, salt=f"tenant:{t}").root for t in trace.tenants]
+    # Fingerprints, not SHA-256: these keys only ever meet each other (see keychains).
+    chains = KeyChains(trace.segments, B, hasher="fingerprint")
+    ts = trace.ts.tolist()
+    tenant = trace.tenant.tolist()
+    endpoint = trace.endpoint.tolist()
+    ptoks = trace.prompt_tokens.tolist()
+    parts = trace.parts
+    seg_len = [len(s) for s in trace.segments]
+    bits = 8 * trace.segments[0].itemsize if trace.segments else 32
+    # Every key seen, without writing every key of every request. The keys a request adds form a
+    # run (``run_keys``; keys carry their namespace, so one structure serves every tenant), hung
+    # under the run and position of the request's deepest shared key (``run_parent``). ``where``
+    # indexes only a run's first key and its keys at depths S-1, 2S-1, ... (run << 32 | position):
+    # a binary search over those depths brackets the shared prefix within S blocks, and a walk
+    # along the runs settles it (a key that is not a run's first continues its parent's run).
+    # A run's last-use times are a staircase (``run_ends`` / ``run_times``: piece p covers
+    # positions [ends[p-1], ends[p]); times shrink along a chain), and a request rewrites only the
+    # staircases of the few runs its shared prefix passes through.
+    S = _INDEX_EVERY
+    where: dict[bytes, int] = {}
+    run_keys: list[list[bytes]] = []
+    run_parent: list[int] = []  # run << 32 | position of the parent key, -1 at depth 0
+    run_ends: list[list[int]] = []
+    run_times: list[list[float]] = []
+    # Which endpoints know which keys, also by run: (run, endpoint) -> a staircase (ends, requests),
+    # the first request of the endpoint at run positions [ends[p-1], ends[p]); its last end is how
+    # far into the run the endpoint has been (a prefix: chains).
+    n_ep = len(trace.endpoints)
+    ep_stairs: dict[int, tuple[list[int], list[int]]] = {}
+    ep_first_req = [-1] * len(trace.endpoints)
+    achievable = [0] * n
+    within_ttl = [0] * n
+    ep_depth = [0] * n
+    diverge = [-1] * n
+    ref = [-1] * n
+    nan = float("nan")
+    gap = [nan] * n
+    # Versions: an endpoint's stable depth is fixed from its first requests, then each request's
+    # key at that depth names its prefix version.
+    probe_keys: list[list[tuple[int, list[bytes]]]] = [[] for _ in trace.endpoints]
+    stable: list[int | None] = [None] * len(trace.endpoints)
+    versions: list[dict[bytes, dict[str, Any]]] = [{} for _ in trace.endpoints]
+
+    def add_version(e: int, i: int, keys: list[bytes]) -> None:
+        d = stable[e]
+        if not d or len(keys) < d:
+            return
+        v = versions[e].get(keys[d - 1])
+        t = ts[i]
+        if v is None:
+            versions[e][keys[d - 1]] = {"first_ts": t, "last_ts": t, "requests": 1}
+        else:
+            v["last_ts"] = t
+            v["requests"] += 1
+
+    def fix_stable(e: int) -> None:
+        depths = [ep_depth[i] for i, _ in probe_keys[e] if ep_depth[i] > 0]
+        stable[e] = int(np.percentile(depths, cfg.stable_quantile, method="lower")) if depths else 0
+        for i, keys in probe_keys[e]:
+            add_version(e, i, keys)
+        probe_keys[e] = []
+
+    keys_of = chains.iter_keys(zip(map(roots.__getitem__, tenant), parts, strict=True))
+    for i, keys in enumerate(keys_of):
+        t = ts[i]
+        e = endpoint[i]
+        nk = len(keys)
+        cap = (max(ptoks[i] - 1, 0) // align) * align // B
+        # m: longest prefix any earlier request of the tenant had (prefix-closed): a binary search
+        # over the indexed depths, then a walk of at most S blocks.
+        lo, hi = 0, nk // S  # how many of the indexed depths S-1, 2S-1, ... are present
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            if keys[mid * S - 1] in where:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo:
+            j = lo * S - 1
+            code = where[keys[j]]
+            ru, idx = code >> 32, code & 0xFFFFFFFF
+            j += 1
+        else:
+            j = 0
+            ru = idx = -1
+        while j < nk:
+            k = keys[j]
+            if ru >= 0:
+                rk = run_keys[ru]
+                if idx + 1 < len(rk) and rk[idx + 1] == k:
+                    idx += 1
+                    j += 1
+                    continue
+            code = where.get(k)
+            if code is None or code & 0xFFFFFFFF:
+                break
+            ru, idx = code >> 32, 0
+            j += 1
+        m = j
+        path = []  # (run, position) of the shared prefix's runs, deepest first
+        if m:
+            # Walk the shared prefix's runs from its deepest key: the gap since its last use, the
+            # part of it used within the TTL, and its last use set to now.
+            since = t - ttl
+            mt = -1
+            j = m - 1
+            while j >= 0:
+                path.append((ru, idx))
+                ends = run_ends[ru]
+                tms = run_times[ru]
+                if j == m - 1:
+                    gap[i] = t - tms[bisect_right(ends, idx)]
+                if mt < 0 and tms[0] > since:
+                    p = bisect_right(ends, idx)
+                    if tms[p] > since:
+                        mt = j + 1
+                    else:
+                        p = 0
+                        while tms[p + 1] > since:
+                            p += 1
+                        mt = j - idx + ends[p]
+                c = bisect_right(ends, idx + 1)
+                del ends[:c]
+                del tms[:c]
+                ends.insert(0, idx + 1)
+                tms.insert(0, t)
+                j -= idx + 1
+                code = run_parent[ru]
+                ru, idx = code >> 32, code & 0xFFFFFFFF
+            within_ttl[i] = (min(max(mt, 0), cap) * B // align) * align
+            achievable[i] = (min(m, cap) * B // align) * align
+        # me: the longest prefix an earlier request of the endpoint had; r: the first of them to
+        # have it (the first request of the endpoint when none shares a block).
+        me = 0
+        r = ep_first_req[e]
+        k = len(path)
+        while k:
+            k -= 1
+            ru, idx = path[k]
+            st = ep_stairs.get(ru * n_ep + e)
+            if st is None:
+                k += 1
+                break
+            reach = st[0][-1]
+            if reach > idx:
+                me += idx + 1
+                r = st[1][bisect_right(st[0], idx)]
+                continue
+            me += reach
+            r = st[1][-1]
+            st[0].append(idx + 1)
+            st[1].append(i)
+            break
+        while k:  # the rest of the path is new to the endpoint
+            k -= 1
+            ru, idx = path[k]
+            ep_stairs[ru * n_ep + e] = ([idx + 1], [i])
+        if m < nk:
+            nr = len(run_keys)
+            ep_stairs[nr * n_ep + e] = ([nk - m], [i])
+            run_parent.append(path[0][0] << 32 | path[0][1] if m else -1)
+            run_keys.append(keys[m:])
+            run_ends.append([nk - m])
+            run_times.append([t])
+            where[keys[m]] = nr << 32
+            for j in range(m + S - 1 - m % S if m % S != S - 1 else m, nk, S):
+                where[keys[j]] = nr << 32 | (j - m)
+        ep_depth[i] = me
+        if r >= 0:
+            ref[i] = r
+            diverge[i] = _diverge(trace, seg_len, i, r, me * B, min(ptoks[i], ptoks[r]), B, bits)
+        else:
+            ep_first_req[e] = i
+        if stable[e] is None:
+            probe_keys[e].append((i, keys))
+            if len(probe_keys[e]) >= 200:
+                fix_stable(e)
+        else:
+            add_version(e, i, keys)
+        if progress is not None and i % 5000 == 0:
+            progress("scan", i)
+    for e in range(len(trace.endpoints)):
+        if stable[e] is None:
+            fix_stable(e)
+    return (
+        np.array(achievable, dtype=np.int64), np.array(within_ttl, dtype=np.int64), np.array(diverge, dtype=np.int64),
+        np.array(ref, dtype=np.int64), np.array(gap, dtype=np.float64), stable, versions,
+    )
+
+
+def _window(trace: Trace, seg_len: list[int], i: int, lo: int, hi: int) -> bytes:
+    """Request ``i``'s tokens ``[lo, hi)`` as packed bytes, without assembling its prompt."""
+    out = []
+    off = 0
+    segments = trace.segments
+    for s in trace.parts[i]:
+        end = off + seg_len[s]
+        if end > lo:
+            out.append(segments[s][max(lo - off, 0) : hi - off].tobytes())
+            if end >= hi:
+                break
+        off = end
+    return b"".join(out)
+
+
+def _diverge(trace: Trace, seg_len: list[int], i: int, r: int, start: int, n: int, B: int, bits: int) -> int:
+    """``_first_diff(trace.tokens(i), trace.tokens(r), start)`` for requests that share exactly
+    ``start // B`` blocks: their first difference is within the next block (else that block would
+    be shared too) or at ``n``, the shorter length, so only that window is compared. ``bits``:
+    bits a token."""
+    hi = min(start + B, n)
+    if hi > start:
+        a = _window(trace, seg_len, i, start, hi)
+        b = _window(trace, seg_len, r, start, hi)
+        if a != b:
+            x = int.from_bytes(a, "little") ^ int.from_bytes(b, "little")
+            return start + ((x & -x).bit_length() - 1) // bits
+    if hi == n:
+        return n
+    return _first_diff(trace.tokens(i), trace.tokens(r), start)  # pragma: no cover - a key collision
 
 
 def _first_diff(a: np.ndarray, b: np.ndarray, start: int) -> int:
