@@ -216,6 +216,18 @@ _NUMBER = (int, float)
 _NAN = float("nan")
 
 
+def _name_id(ids: dict[str, int], raw_ids: dict[str | None, int], raw: Any) -> int:
+    """A tenant or endpoint field's id (absent, null or empty: "default"); remembers str and
+    null values in ``raw_ids`` so the next line with the same value is one dict lookup."""
+    name = str(raw or "default")
+    i = ids.get(name)
+    if i is None:
+        i = ids[name] = len(ids)
+    if raw is None or type(raw) is str:
+        raw_ids[raw] = i
+    return i
+
+
 class _Builder:
     """Accumulates request lines into a :class:`Trace`, interning segments and names.
 
@@ -327,6 +339,8 @@ class _Builder:
         seg_index, seg_len, seg_data, named = self.seg_index, self.seg_len, self.seg_data, self.named
         pack, u32, version = array, _U32, FORMAT_VERSION
         tenants, endpoints = self.tenants, self.endpoints
+        tenant_of: dict[str | None, int] = {}  # the JSON value (str or null) -> its name's id
+        endpoint_of: dict[str | None, int] = {}
         add_ts, add_tenant, add_endpoint = self.c_ts.append, self.c_tenant.append, self.c_endpoint.append
         add_prompt, add_out, add_cached = self.c_prompt.append, self.c_out.append, self.c_cached.append
         add_has, add_ttft, add_ttl, add_parts = self.c_has.append, self.c_ttft.append, self.c_ttl.append, self.parts.append
@@ -381,16 +395,16 @@ class _Builder:
             add_parts(tuple(ps))
             add_prompt(n)
             add_ts(float(obj["ts"]))
-            name = str(obj.get("tenant") or "default")
-            i = tenants.get(name)
-            if i is None:
-                i = tenants[name] = len(tenants)
-            add_tenant(i)
-            name = str(obj.get("endpoint") or "default")
-            i = endpoints.get(name)
-            if i is None:
-                i = endpoints[name] = len(endpoints)
-            add_endpoint(i)
+            raw = obj.get("tenant")
+            try:
+                add_tenant(tenant_of[raw])
+            except (KeyError, TypeError):
+                add_tenant(_name_id(tenants, tenant_of, raw))
+            raw = obj.get("endpoint")
+            try:
+                add_endpoint(endpoint_of[raw])
+            except (KeyError, TypeError):
+                add_endpoint(_name_id(endpoints, endpoint_of, raw))
             add_out(int(obj.get("output_tokens") or 0))
             v = obj.get("cached_tokens")
             if v is None:
