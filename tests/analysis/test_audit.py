@@ -88,3 +88,43 @@ def test_audit_json_shape(scenario_trace: Path) -> None:
     kinds = {e["endpoint"]: [b["kind"] for b in e["busting"]] for e in d["endpoints"]}
     kinds.pop("nightly", None)  # rate 0.002/s: may have no request in 350 s
     assert kinds == {"chat": [], "support": ["timestamp"], "search": ["uuid"], "agent": []}
+
+
+def _same(a, b) -> None:
+    import numpy as np
+
+    assert a.as_dict() == b.as_dict()
+    for f in ("achieved", "achievable", "diverge", "gap_s"):
+        assert np.array_equal(getattr(a, f), getattr(b, f), equal_nan=True), f
+
+
+def test_replay_in_a_forked_child_matches_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+    import multiprocessing as mp
+
+    audit_mod = importlib.import_module("prefixcache.analysis.audit")  # the package exports the function
+
+    if "fork" not in mp.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    trace = load_trace(fixed_gap_trace(tmp_path / "g.jsonl"))
+    seen: list[tuple[str, int]] = []
+    inproc = audit(trace, AuditConfig(ttl_s=300))
+    monkeypatch.setattr(audit_mod, "_FORK_MIN_REQUESTS", 0)
+    forked = audit(trace, AuditConfig(ttl_s=300), progress=lambda stage, k: seen.append((stage, k)))
+    _same(inproc, forked)
+    assert forked.achieved.sum() > 0 and ("scan", 0) in seen and ("replay", len(trace)) in seen
+
+    def broken(*_a: object) -> None:
+        raise SystemExit(3)
+
+    monkeypatch.setattr(audit_mod, "_replay_child_main", broken)  # the child dies: replay in-process
+    _same(inproc, audit(trace, AuditConfig(ttl_s=300)))
+
+
+def test_scan_matches_across_block_sizes_and_alignment(scenario_trace: Path) -> None:
+    """Smaller blocks and a prefill alignment exercise more runs, partial blocks and the TTL walk."""
+    trace = load_trace(scenario_trace)
+    for cfg in (AuditConfig(replay=False, block_size=4, ttl_s=30), AuditConfig(replay=False, align_tokens=64, ttl_s=5)):
+        res = audit(trace, cfg)
+        assert (res.achievable <= res.prompt_tokens).all() and (res.diverge <= res.prompt_tokens).all()
+        assert (res.achievable % (cfg.align_tokens or cfg.block_size) == 0).all()

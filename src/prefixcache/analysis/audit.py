@@ -20,6 +20,7 @@ plus O(log blocks) lookups: never proportional to the cache or trace size.
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -117,20 +118,24 @@ def audit(trace: Trace, cfg: AuditConfig, *, progress: Callable[[str, int], None
 
 
 def _audit(trace: Trace, cfg: AuditConfig, progress: Callable[[str, int], None] | None) -> AuditResult:
-    B = cfg.block_size
     ttl = cfg.ttl_s
-    achievable, within_ttl, diverge, ref, gap, stable, versions = _scan(trace, cfg, progress)
-
-    if bool(trace.has_cached.all()) or not cfg.replay:
-        achieved, source = trace.cached_tokens.astype(np.int64), "trace cached_tokens"
-    else:
-        sim = simulate(
-            trace,
-            SimConfig(ttl_s=ttl, capacity_bytes=1 << 62, block_size=B, align_tokens=cfg.align_tokens,
-                      replicas=1, pricing=()),
-            progress=(lambda k: progress("replay", k)) if progress else None,
-        )
-        achieved, source = sim.cached, f"replay through PrefixCache (TTL {ttl:g} s, unbounded capacity)"
+    replay = cfg.replay and not bool(trace.has_cached.all())
+    # The replay runs beside the scan, in a forked child, when the trace is big enough to pay for it.
+    child = _ReplayChild.start(trace, cfg) if replay and len(trace) >= _FORK_MIN_REQUESTS else None
+    try:
+        achievable, within_ttl, diverge, ref, gap, stable, versions = _scan(trace, cfg, progress)
+        if not replay:
+            achieved, source = trace.cached_tokens.astype(np.int64), "trace cached_tokens"
+        else:
+            achieved = child.result() if child is not None else None
+            if achieved is None:
+                achieved = _replay(trace, cfg, progress)
+            elif progress is not None:
+                progress("replay", len(trace))
+            source = f"replay through PrefixCache (TTL {ttl:g} s, unbounded capacity)"
+    finally:
+        if child is not None:
+            child.close()
 
     pricing = pricing_profile(cfg.pricing)
     tok_cache: list[Any] = []
@@ -156,6 +161,70 @@ def _audit(trace: Trace, cfg: AuditConfig, progress: Callable[[str, int], None] 
         achieved_source=source, hit_rate=float(achieved.sum() / q) if q else 0.0,
         achievable_hit_rate=float(achievable.sum() / q) if q else 0.0,
     )
+
+
+def _replay_config(cfg: AuditConfig) -> SimConfig:
+    return SimConfig(ttl_s=cfg.ttl_s, capacity_bytes=1 << 62, block_size=cfg.block_size,
+                     align_tokens=cfg.align_tokens, replicas=1, pricing=())
+
+
+def _replay(trace: Trace, cfg: AuditConfig, progress: Callable[[str, int], None] | None) -> np.ndarray:
+    """Cached tokens per request from replaying ``trace`` through the real PrefixCache."""
+    on = (lambda k: progress("replay", k)) if progress is not None else None
+    return simulate(trace, _replay_config(cfg), progress=on).cached.astype(np.int64, copy=False)
+
+
+_FORK_MIN_REQUESTS = 20_000  # below this a fork costs more than running the replay after the scan
+
+
+class _ReplayChild:
+    """The replay in a forked child process; it sends back only the ``cached`` int64 array."""
+
+    def __init__(self, proc: Any, conn: Any, n: int) -> None:
+        self.proc, self.conn, self.n = proc, conn, n
+
+    @classmethod
+    def start(cls, trace: Trace, cfg: AuditConfig) -> _ReplayChild | None:
+        """None where fork is unavailable (or fails): the caller replays in-process."""
+        if "fork" not in mp.get_all_start_methods():
+            return None
+        ctx = mp.get_context("fork")
+        try:
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_replay_child_main, args=(trace, cfg, send), daemon=True)
+            proc.start()
+        except OSError as exc:  # pragma: no cover - out of processes or memory
+            log.warning("audit: cannot fork the replay (%s); replaying after the scan", exc)
+            return None
+        send.close()
+        return cls(proc, recv, len(trace))
+
+    def result(self) -> np.ndarray | None:
+        """The child's array, or None (logged) if it failed."""
+        try:
+            data = self.conn.recv_bytes()
+        except (EOFError, OSError):
+            data = b""
+        self.proc.join()
+        if self.proc.exitcode != 0 or len(data) != 8 * self.n:
+            log.warning("audit: the replay child failed (exit %s); replaying in-process", self.proc.exitcode)
+            return None
+        return np.frombuffer(data, dtype=np.int64).copy()
+
+    def close(self) -> None:
+        self.conn.close()
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join()
+
+
+def _replay_child_main(trace: Trace, cfg: AuditConfig, conn: Any) -> None:
+    try:
+        with paused_gc():
+            cached = _replay(trace, cfg, None)
+        conn.send_bytes(np.ascontiguousarray(cached, dtype=np.int64).tobytes())
+    finally:
+        conn.close()
 
 
 def _scan(
