@@ -1,20 +1,24 @@
 """Why a trace's hit rate is what it is: busting spans, prefix stability, TTL versus traffic.
 
-One pass over the trace computes, per request, its chained block keys (shared segments are
-hashed once: :class:`KeyChains` resumes a chain from a cached state) and three prefix depths,
-each by binary search over the keys (a set of chains is prefix-closed, so "block j is present"
-is monotone in j):
+One pass over the trace computes, per request, its chained block keys (fingerprints, batched:
+:meth:`KeyChains.iter_keys`; shared segments are hashed once) and three prefix depths (a set of
+chains is prefix-closed, so "block j is present" is monotone in j):
 
 * achievable: the longest prefix any earlier request of the same tenant had (unbounded cache,
   no TTL);
 * within TTL: the part of that prefix used within the last TTL seconds (what expiry leaves);
 * endpoint divergence: the longest prefix shared with an earlier request of the same endpoint,
-  refined to the first differing token against that request.
+  refined to the first differing token against that request (which lies in the next block).
+
+The keys a request adds are kept as one run, under the run and position of its deepest shared
+key; last-use times and each endpoint's first requests are staircases per run, and only a sparse
+index of keys is hashed (see ``_scan``). Work per request is O(new blocks) plus O(log blocks)
+lookups and O(runs on its shared prefix): never proportional to the cache or trace size.
 
 The achieved hit rate comes from the trace's ``cached_tokens`` when every line has it, else from
 replaying the trace through the real PrefixCache (:func:`~prefixcache.analysis.simulate.simulate`,
-unbounded capacity, the given TTL). Work per request is O(blocks) hashing for unshared content
-plus O(log blocks) lookups: never proportional to the cache or trace size.
+unbounded capacity, the given TTL); from 20,000 requests on, that replay runs in a forked child
+process while the scan runs (it sends back only the cached-token array), where fork exists.
 """
 
 from __future__ import annotations
@@ -243,6 +247,7 @@ def _scan(
     tenant = trace.tenant.tolist()
     endpoint = trace.endpoint.tolist()
     ptoks = trace.prompt_tokens.tolist()
+    caps = ((np.maximum(trace.prompt_tokens - 1, 0) // align) * align // B).tolist()  # blocks a hit may cover
     parts = trace.parts
     seg_len = [len(s) for s in trace.segments]
     bits = 8 * trace.segments[0].itemsize if trace.segments else 32
@@ -304,7 +309,7 @@ def _scan(
         t = ts[i]
         e = endpoint[i]
         nk = len(keys)
-        cap = (max(ptoks[i] - 1, 0) // align) * align // B
+        cap = caps[i]
         # m: longest prefix any earlier request of the tenant had (prefix-closed): a binary search
         # over the indexed depths, then a walk of at most S blocks.
         lo, hi = 0, nk // S  # how many of the indexed depths S-1, 2S-1, ... are present
@@ -410,12 +415,18 @@ def _scan(
             diverge[i] = _diverge(trace, seg_len, i, r, me * B, min(ptoks[i], ptoks[r]), B, bits)
         else:
             ep_first_req[e] = i
-        if stable[e] is None:
+        d = stable[e]
+        if d is None:
             probe_keys[e].append((i, keys))
             if len(probe_keys[e]) >= 200:
                 fix_stable(e)
-        else:
-            add_version(e, i, keys)
+        elif d and nk >= d:  # add_version, inline
+            v = versions[e].get(keys[d - 1])
+            if v is None:
+                versions[e][keys[d - 1]] = {"first_ts": t, "last_ts": t, "requests": 1}
+            else:
+                v["last_ts"] = t
+                v["requests"] += 1
         if progress is not None and i % 5000 == 0:
             progress("scan", i)
     for e in range(len(trace.endpoints)):
@@ -427,19 +438,19 @@ def _scan(
     )
 
 
-def _window(trace: Trace, seg_len: list[int], i: int, lo: int, hi: int) -> bytes:
-    """Request ``i``'s tokens ``[lo, hi)`` as packed bytes, without assembling its prompt."""
-    out = []
+def _window(segments: list[np.ndarray], seg_len: list[int], parts: tuple[int, ...], lo: int, hi: int) -> bytes:
+    """Tokens ``[lo, hi)`` of the prompt ``parts`` as packed bytes, without assembling the prompt."""
     off = 0
-    segments = trace.segments
-    for s in trace.parts[i]:
+    out = None
+    for s in parts:
         end = off + seg_len[s]
         if end > lo:
-            out.append(segments[s][max(lo - off, 0) : hi - off].tobytes())
+            piece = segments[s][max(lo - off, 0) : hi - off].tobytes()
             if end >= hi:
-                break
+                return piece if out is None else b"".join((*out, piece))
+            out = [piece] if out is None else [*out, piece]
         off = end
-    return b"".join(out)
+    return b"".join(out) if out else b""
 
 
 def _diverge(trace: Trace, seg_len: list[int], i: int, r: int, start: int, n: int, B: int, bits: int) -> int:
@@ -449,8 +460,8 @@ def _diverge(trace: Trace, seg_len: list[int], i: int, r: int, start: int, n: in
     bits a token."""
     hi = min(start + B, n)
     if hi > start:
-        a = _window(trace, seg_len, i, start, hi)
-        b = _window(trace, seg_len, r, start, hi)
+        a = _window(trace.segments, seg_len, trace.parts[i], start, hi)
+        b = _window(trace.segments, seg_len, trace.parts[r], start, hi)
         if a != b:
             x = int.from_bytes(a, "little") ^ int.from_bytes(b, "little")
             return start + ((x & -x).bit_length() - 1) // bits

@@ -58,7 +58,7 @@ _P = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)  # odd per-lane multipliers
 _P_INV = tuple(pow(p, -1, 1 << 64) for p in _P)
 _MIX_ADD, _MIX_MUL = np.uint64(0x632BE59BD9B4E019), np.uint64(0xFF51AFD7ED558CCD)
 _S33 = np.uint64(33)
-_BATCH_TOKENS = 1 << 20  # distinct segment tokens per batch (bounds the batch's temporaries)
+_BATCH_TOKENS = 1 << 16  # distinct segment tokens per batch: its arrays stay in cache (1 << 20 was ~40% slower)
 
 # Trie node: [children {segment id: node}, keys, offset in tokens, lane 1, lane 2] (fingerprints)
 # or [children, keys, leftover tokens short of a block] (sha256).
