@@ -249,8 +249,7 @@ def _scan(
     ptoks = trace.prompt_tokens.tolist()
     caps = ((np.maximum(trace.prompt_tokens - 1, 0) // align) * align // B).tolist()  # blocks a hit may cover
     parts = trace.parts
-    seg_len = [len(s) for s in trace.segments]
-    bits = 8 * trace.segments[0].itemsize if trace.segments else 32
+    windows = _Windows(trace)
     # Every key seen, without writing every key of every request. The keys a request adds form a
     # run (``run_keys``; keys carry their namespace, so one structure serves every tenant), hung
     # under the run and position of the request's deepest shared key (``run_parent``). ``where``
@@ -412,7 +411,7 @@ def _scan(
         ep_depth[i] = me
         if r >= 0:
             ref[i] = r
-            diverge[i] = _diverge(trace, seg_len, i, r, me * B, min(ptoks[i], ptoks[r]), B, bits)
+            diverge[i] = windows.diverge(i, r, me * B, min(ptoks[i], ptoks[r]), B)
         else:
             ep_first_req[e] = i
         d = stable[e]
@@ -438,36 +437,58 @@ def _scan(
     )
 
 
-def _window(segments: list[np.ndarray], seg_len: list[int], parts: tuple[int, ...], lo: int, hi: int) -> bytes:
-    """Tokens ``[lo, hi)`` of the prompt ``parts`` as packed bytes, without assembling the prompt."""
-    off = 0
-    out = None
-    for s in parts:
-        end = off + seg_len[s]
-        if end > lo:
-            piece = segments[s][max(lo - off, 0) : hi - off].tobytes()
-            if end >= hi:
-                return piece if out is None else b"".join((*out, piece))
-            out = [piece] if out is None else [*out, piece]
-        off = end
-    return b"".join(out) if out else b""
+class _Windows:
+    """Windows of prompts' packed tokens, sliced from segments kept as bytes (a bounded cache,
+    emptied when full: slicing bytes costs a fraction of slicing an array and packing it)."""
 
+    def __init__(self, trace: Trace, budget: int = 1 << 28) -> None:
+        self.trace = trace
+        self.segments = trace.segments
+        self.seg_len = [len(x) for x in trace.segments]
+        self.size = trace.segments[0].itemsize if trace.segments else 4
+        self.cache: dict[int, bytes] = {}
+        self.cached = 0
+        self.budget = budget
 
-def _diverge(trace: Trace, seg_len: list[int], i: int, r: int, start: int, n: int, B: int, bits: int) -> int:
-    """``_first_diff(trace.tokens(i), trace.tokens(r), start)`` for requests that share exactly
-    ``start // B`` blocks: their first difference is within the next block (else that block would
-    be shared too) or at ``n``, the shorter length, so only that window is compared. ``bits``:
-    bits a token."""
-    hi = min(start + B, n)
-    if hi > start:
-        a = _window(trace.segments, seg_len, trace.parts[i], start, hi)
-        b = _window(trace.segments, seg_len, trace.parts[r], start, hi)
-        if a != b:
-            x = int.from_bytes(a, "little") ^ int.from_bytes(b, "little")
-            return start + ((x & -x).bit_length() - 1) // bits
-    if hi == n:
-        return n
-    return _first_diff(trace.tokens(i), trace.tokens(r), start)  # pragma: no cover - a key collision
+    def window(self, parts: tuple[int, ...], lo: int, hi: int) -> bytes:
+        """Tokens ``[lo, hi)`` of the prompt ``parts``, packed, without assembling the prompt."""
+        off = 0
+        out = b""
+        w = self.size
+        cache = self.cache
+        for s in parts:
+            end = off + self.seg_len[s]
+            if end > lo:
+                data = cache.get(s)
+                if data is None:
+                    data = self.segments[s].tobytes()
+                    if self.cached + len(data) > self.budget:
+                        cache.clear()
+                        self.cached = 0
+                    cache[s] = data
+                    self.cached += len(data)
+                piece = data[max(lo - off, 0) * w : (hi - off) * w]
+                if end >= hi:
+                    return out + piece if out else piece
+                out += piece
+            off = end
+        return out
+
+    def diverge(self, i: int, r: int, start: int, n: int, B: int) -> int:
+        """``_first_diff(trace.tokens(i), trace.tokens(r), start)`` for requests that share exactly
+        ``start // B`` blocks: their first difference is within the next block (else that block
+        would be shared too) or at ``n``, the shorter length, so only that window is compared."""
+        hi = min(start + B, n)
+        if hi > start:
+            parts = self.trace.parts
+            a = self.window(parts[i], start, hi)
+            b = self.window(parts[r], start, hi)
+            if a != b:
+                x = int.from_bytes(a, "little") ^ int.from_bytes(b, "little")
+                return start + ((x & -x).bit_length() - 1) // (8 * self.size)
+        if hi == n:
+            return n
+        return _first_diff(self.trace.tokens(i), self.trace.tokens(r), start)  # pragma: no cover - a key collision
 
 
 def _first_diff(a: np.ndarray, b: np.ndarray, start: int) -> int:
