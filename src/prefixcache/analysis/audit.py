@@ -197,7 +197,7 @@ class _ReplayChild:
             recv, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_replay_child_main, args=(trace, cfg, send), daemon=True)
             proc.start()
-        except OSError as exc:  # pragma: no cover - out of processes or memory
+        except (OSError, AssertionError) as exc:  # pragma: no cover - out of processes; or inside a daemon process
             log.warning("audit: cannot fork the replay (%s); replaying after the scan", exc)
             return None
         send.close()
