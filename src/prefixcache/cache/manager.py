@@ -20,7 +20,7 @@ from prefixcache.cache.clock import Clock, monotonic
 from prefixcache.cache.keys import BlockHash, Hasher, Namespace, block_keys, pack_tokens, sha256_hasher
 from prefixcache.cache.policy import TtlPlan, TtlPolicy
 from prefixcache.cache.stats import CacheStats, Outcome, RequestUsage, TenantCounters
-from prefixcache.cache.store import Block, BlockStore
+from prefixcache.cache.store import Block, BlockStore, Run
 
 #: block index -> (payload, nbytes); called only for blocks actually stored.
 PayloadFn = Callable[[int], tuple[Any, int]]
@@ -49,27 +49,39 @@ class Match:
     namespace: Namespace
     prompt_tokens: int
     keys: list[BlockHash]  # every full block of the prompt
-    blocks: list[Block]  # the cached prefix, in order
     ttls: list[float]  # the TTL each full block is stored or refreshed with
     packed: bytes = field(repr=False)
     block_size: int = 16
     outcome: Outcome = Outcome.MISS
-    written: list[Block] = field(default_factory=list)
+    cached_blocks: int = 0  # the cached prefix: keys[:cached_blocks]
+    written_keys: list[BlockHash] = field(default_factory=list)  # blocks this request stored
     skipped_blocks: int = 0
     released: bool = False
-    _held: Block | None = field(default=None, repr=False)  # the deepest block, referenced
+    _cache: PrefixCache | None = field(default=None, repr=False)
+    _held: Run | None = field(default=None, repr=False)  # the run whose tail (our deepest block) we hold
     _depth: int = 0  # blocks of the prompt covered by _held's chain
 
     @property
     def cached_tokens(self) -> int:
-        return len(self.blocks) * self.block_size
+        return self.cached_blocks * self.block_size
+
+    @property
+    def blocks(self) -> list[Block]:
+        """Snapshots of the cached prefix's blocks, in order (payloads included). Read them
+        before :meth:`PrefixCache.release`: until then the prefix cannot be evicted."""
+        return [] if self._cache is None or not self.cached_blocks else self._cache.snapshots(self.keys[: self.cached_blocks])
+
+    @property
+    def written(self) -> list[Block]:
+        """Snapshots of the blocks this request stored (those still cached)."""
+        return [] if self._cache is None else self._cache.snapshots(self.written_keys, missing_ok=True)
 
     @property
     def usage(self) -> RequestUsage:
         return RequestUsage(
             prompt_tokens=self.prompt_tokens,
-            cached_tokens=self.cached_tokens,
-            cache_write_tokens=len(self.written) * self.block_size,
+            cached_tokens=self.cached_blocks * self.block_size,
+            cache_write_tokens=len(self.written_keys) * self.block_size,
         )
 
 
@@ -107,7 +119,6 @@ class PrefixCache:
         self._written_tokens: dict[str, int] = {}
         self._tier_hits = 0
         self._pins: dict[tuple[bytes, BlockHash], list[BlockHash]] = {}
-        self.store.add_listener(self._on_store_event)
 
     @property
     def default_ttl_s(self) -> float:
@@ -158,77 +169,78 @@ class PrefixCache:
         store = self.store
         with self._lock:
             store.sweep()
-            hits = self._lookup(keys, packed, max_blocks)
+            n_hit, last = self._lookup(keys, packed, max_blocks)
             # Only a leaf can be due (ancestors' freshness is their subtree's), so one check.
-            if hits and store.is_due(hits[-1], self.clock()):
-                hits.pop()
-            if len(hits) < max_blocks and self.tiers:
-                hits.extend(self._promote(keys, packed, len(hits), max_blocks, ns, ttls))
-            usable = (len(hits) * B // align) * align // B
-            hits = hits[:usable]
-            m = Match(namespace=ns, prompt_tokens=n, keys=keys, blocks=hits, ttls=ttls, packed=packed, block_size=B)
-            if hits:
-                self._hold(m, hits, ttls)
-                m._depth = len(hits)
-            if not hits:
-                m.outcome = Outcome.MISS
-            elif usable == max_blocks:
-                m.outcome = Outcome.HIT
-            else:
-                m.outcome = Outcome.PARTIAL
+            if n_hit and last is not None and store.is_due(last, n_hit - 1 - last.depth, self.clock()):
+                n_hit -= 1
+            if n_hit < max_blocks and self.tiers:
+                n_hit += self._promote(keys, packed, n_hit, max_blocks, ns, ttls)
+            usable = (n_hit * B // align) * align // B
+            m = Match(namespace=ns, prompt_tokens=n, keys=keys, ttls=ttls, packed=packed, block_size=B,
+                      cached_blocks=usable, _cache=self)
+            if usable:
+                self._hold(m, 0, usable, ttls)
+                m._depth = usable
+                m.outcome = Outcome.HIT if usable == max_blocks else Outcome.PARTIAL
             usage = RequestUsage(prompt_tokens=n, cached_tokens=usable * B)
             self._totals.add(usage, m.outcome)
-            self._tenants.setdefault(ns.tenant, TenantCounters()).add(usage, m.outcome)
+            tc = self._tenants.get(ns.tenant)
+            if tc is None:
+                tc = self._tenants[ns.tenant] = TenantCounters()
+            tc.add(usage, m.outcome)
         return m
 
-    def _lookup(self, keys: list[BlockHash], packed: bytes, max_blocks: int) -> list[Block]:
-        """The cached blocks of the longest run of leading ``keys``, verified.
+    def _lookup(self, keys: list[BlockHash], packed: bytes, max_blocks: int) -> tuple[int, Run | None]:
+        """How many leading ``keys`` are cached, verified, and the run holding the last of them.
 
         Tokens (and parents) are compared so that even a hash collision cannot serve another
-        prompt's state. Done in bulk, in C, for the common case; block by block only to find
-        where a collision cuts the run.
+        prompt's state. A run is compared in bulk (one list and one bytes comparison, in C).
         """
-        store = self.store
-        step = 4 * self.block_size
-        found = list(map(store._blocks.get, keys[:max_blocks]))
-        if None in found:
-            del found[found.index(None) :]
-        if not found:
-            return found
-        n = len(found)
-        if (
-            b"".join([b.tokens for b in found]) == packed[: n * step]
-            and found[0].parent is None
-            and [b.parent for b in found[1:]] == keys[: n - 1]
-        ):
-            return found
+        match_run = self.store.match_run
+        n = 0
         parent: BlockHash | None = None
-        for i, block in enumerate(found):
-            if block.tokens != packed[i * step : (i + 1) * step] or block.parent != parent:
-                store.counters.collisions += 1
-                return found[:i]
-            parent = block.key
-        return found  # pragma: no cover - the bulk check failed, so some block differs
+        last = None
+        while n < max_blocks:
+            run, c, collided = match_run(keys, packed, n, max_blocks, parent)
+            if c:
+                n += c
+                parent = keys[n - 1]
+                last = run
+            if collided or not c:
+                break
+        return n, last
 
-    def _hold(self, m: Match, chain: list[Block], ttls: list[float]) -> None:
-        """Make ``chain[-1]`` the one block ``m`` holds, refreshed; raise TTL classes on the way.
+    def _hold(self, m: Match, start: int, stop: int, ttls: list[float]) -> None:
+        """Make block ``stop - 1`` (of the chain ``keys[start:stop]``) the one block ``m`` holds,
+        refreshed; raise TTL classes on the way (``ttls`` are the chain's asked TTLs, from 0).
 
         Holding the deepest block protects the whole chain (ancestors have a child, so they
         are never evicted or expired), and refreshing it refreshes them: O(1) per request
         instead of O(prefix), except where a longer TTL class is asked for.
         """
         store = self.store
-        tail = chain[-1]
+        keys = m.keys
+        tail = store.tail_at(keys[stop - 1], stop - 1)
         store.acquire(tail)
         if m._held is not None:
             store.release(m._held)
         m._held = tail
         # A block keeps the longest TTL it was asked for; ttls never grow along a chain.
-        if max(ttls[: len(chain)]) > min([b.ttl_s for b in chain]):  # rare: a longer class asked
-            for block, ttl in zip(chain, ttls, strict=False):
-                if ttl > block.ttl_s:
-                    store.raise_ttl(block, ttl)
-        store.touch(tail, ttls[len(chain) - 1])
+        # ttls[start] is the longest asked (asked TTLs never grow along a chain).
+        if ttls[start] > tail.ttl_s or ttls[start] > min([r.ttl_s for r, _, _ in store.chain(keys, start, stop)]):
+            for i in range(start, stop):
+                run = store._index[keys[i]]
+                if ttls[i] > run.ttl_s:
+                    # The asked TTLs fall along the chain: raise this block and the ones after it
+                    # in its run that are asked the same, as one run.
+                    e = i
+                    while e + 1 < stop and run.depth + len(run.keys) > e + 1 and ttls[e + 1] == ttls[i]:
+                        e += 1
+                    piece = store.tail_at(keys[e], e)
+                    if piece.depth < i:
+                        store.split(piece, i - 1 - piece.depth)
+                    store.raise_ttl(piece, ttls[i])
+        store.touch(tail, ttls[stop - 1])
 
     def commit(
         self, m: Match, payload_fn: PayloadFn, *, upto_tokens: int | None = None, uniform_nbytes: int | None = None
@@ -246,47 +258,52 @@ class PrefixCache:
         B = self.block_size
         step = 4 * B
         ns = m.namespace
-        keys = m.keys if upto_tokens is None else m.keys[: max(upto_tokens, 0) // B]
+        keys = m.keys
+        stop = len(keys) if upto_tokens is None else min(len(keys), max(upto_tokens, 0) // B)
+        store = self.store
         with self._lock:
             start = m._depth
             parent: BlockHash | None = keys[start - 1] if start else None
-            written: list[Block] = []
-            chain: list[Block] = []
+            written = 0
             i = start
-            while i < len(keys):
-                block = self.store.get(keys[i])
-                if block is not None:
-                    if block.tokens != m.packed[i * step : (i + 1) * step] or block.parent != parent:
-                        self.store.counters.collisions += 1
-                        break  # a collision: the chain cannot continue under this key
-                    chain.append(block)
-                    parent = keys[i]
-                    i += 1
+            while i < stop:
+                run, c, collided = store.match_run(keys, m.packed, i, stop, parent)
+                if run is not None:
+                    # Present already (another request stored it meanwhile, or it lies beyond an
+                    # alignment cut): kept and acquired, not rewritten.
+                    i += c
+                    if c:
+                        parent = keys[i - 1]
+                    if collided:
+                        break  # the chain cannot continue under this key
                     continue
                 # A run of new blocks, inserted in one call (same effect as one insert each).
-                new, no_room = self.store.insert_chain(
+                new, no_room, _ = store.insert_chain(
                     keys, parent, m.packed, i, step, payload_fn, namespace=ns.root, tenant=ns.tenant, ttls=m.ttls,
-                    uniform_nbytes=uniform_nbytes,
+                    uniform_nbytes=uniform_nbytes, stop=stop,
                 )
-                written.extend(new)
-                chain.extend(new)
-                i += len(new)
+                if new:
+                    m.written_keys.extend(keys[i : i + new])
+                    written += new
+                i += new
                 if no_room or not new:
-                    m.skipped_blocks = len(keys) - i
+                    m.skipped_blocks = stop - i
                     break
                 parent = keys[i - 1]
-            if chain:
-                self._hold(m, chain, m.ttls[start : start + len(chain)])
-                m._depth = start + len(chain)
-            m.written.extend(written)
-            tokens_written = len(written) * B
+            if i > start:
+                self._hold(m, start, i, m.ttls)
+                m._depth = i
+            tokens_written = written * B
             self._totals.written_tokens += tokens_written
             self._tenants.setdefault(ns.tenant, TenantCounters()).written_tokens += tokens_written
-            for tier in self.tiers:
-                if tier.write_through:
-                    for block in written:
-                        tier.put(block)
-        return CommitResult(len(written), tokens_written, m.skipped_blocks)
+            if written and self.tiers:
+                blocks = None
+                for tier in self.tiers:
+                    if tier.write_through:
+                        blocks = blocks or self.snapshots(m.written_keys[-written:])
+                        for block in blocks:
+                            tier.put(block)
+        return CommitResult(written, tokens_written, m.skipped_blocks)
 
     def release(self, m: Match) -> None:
         """Drop every reference ``m`` holds. Idempotent; call it in a finally."""
@@ -304,32 +321,28 @@ class PrefixCache:
         pinned token count (0 when nothing is cached yet: prefill it first)."""
         keys = self.block_keys(tokens, ns)
         packed = pack_tokens(tokens)
-        step = 4 * self.block_size
+        store = self.store
         with self._lock:
-            chain: list[Block] = []
-            parent: BlockHash | None = None
-            for i, key in enumerate(keys):
-                block = self.store.lookup(key, packed[i * step : (i + 1) * step], parent)
-                if block is None:
-                    break
-                chain.append(block)
-                parent = key
-            if not chain:
+            n, last = self._lookup(keys, packed, len(keys))
+            if n and last is not None and store.is_due(last, n - 1 - last.depth, self.clock()):
+                n -= 1
+            if not n:
                 return 0
-            pin_id = (ns.root, chain[-1].key)
+            pin_id = (ns.root, keys[n - 1])
             if pin_id in self._pins:
-                return len(chain) * self.block_size
-            done: list[Block] = []
+                return n * self.block_size
+            runs = [store.isolate(keys[i], i) for i in range(n)]  # a pinned block is a run of its own
+            done: list[Run] = []
             try:
-                for block in chain:
-                    self.store.pin(block)
-                    done.append(block)
+                for run in runs:
+                    store.pin(run)
+                    done.append(run)
             except BaseException:
-                for block in reversed(done):
-                    self.store.unpin(block)
+                for run in reversed(done):
+                    store.unpin(run)
                 raise
-            self._pins[pin_id] = [b.key for b in chain]
-            return len(chain) * self.block_size
+            self._pins[pin_id] = keys[:n]
+            return n * self.block_size
 
     def unpin(self, tokens: Sequence[int], ns: Namespace) -> int:
         """Undo :meth:`pin` for every pinned prefix of ``tokens``. Returns tokens unpinned."""
@@ -339,9 +352,9 @@ class PrefixCache:
             for pin_id in [p for p in self._pins if p[0] == ns.root and p[1] in keys]:
                 chain = self._pins.pop(pin_id)
                 for key in reversed(chain):
-                    block = self.store.get(key)
-                    if block is not None:
-                        self.store.unpin(block)
+                    run = self.store._index.get(key)
+                    if run is not None:
+                        self.store.unpin(run)
                 unpinned = max(unpinned, len(chain) * self.block_size)
         return unpinned
 
@@ -352,7 +365,7 @@ class PrefixCache:
     def flush(self, ns: Namespace) -> int:
         """Remove every unreferenced, unpinned block of this namespace. Returns blocks removed."""
         with self._lock:
-            return self.store.remove_where(lambda b: b.namespace == ns.root, reason="flush")
+            return self.store.remove_where(lambda r: r.namespace == ns.root, reason="flush")
 
     def sweep(self) -> int:
         with self._lock:
@@ -360,7 +373,17 @@ class PrefixCache:
 
     def add_tier(self, tier: Tier) -> None:
         with self._lock:
+            if not tier.write_through and not any(not t.write_through for t in self.tiers):
+                self.store.add_listener(self._on_store_event)  # write-back tiers take evicted blocks
             self.tiers.append(tier)
+
+    def snapshots(self, keys: Sequence[BlockHash], *, missing_ok: bool = False) -> list[Block]:
+        """Snapshots of the stored blocks ``keys`` (a chain from depth 0, or any keys with
+        ``missing_ok``, which skips those no longer stored)."""
+        with self._lock:
+            if missing_ok:
+                return [b for b in map(self.store.get, keys) if b is not None]
+            return [run.block(j + t) for run, j, c in self.store.chain(list(keys), 0, len(keys)) for t in range(c)]
 
     def stats(self, tenant: str | None = None) -> CacheStats:
         with self._lock:
@@ -390,16 +413,15 @@ class PrefixCache:
             self.store.check_integrity()
             for (_, _), chain in self._pins.items():
                 for key in chain:
-                    block = self.store.get(key)
-                    assert block is not None and block.pin_count > 0, "a pinned prefix lost a block"
+                    run = self.store._index.get(key)
+                    assert run is not None and run.pin_count > 0, "a pinned prefix lost a block"
 
     # ------------------------------------------------------------------ tiers
     def _promote(
         self, keys: list[BlockHash], packed: bytes, start: int, stop: int, ns: Namespace, ttls: list[float]
-    ) -> list[Block]:
-        """Bring the run of blocks ``start..stop`` up from the tiers into memory."""
+    ) -> int:
+        """Bring the run of blocks ``start..stop`` up from the tiers into memory. Returns how many."""
         step = 4 * self.block_size
-        promoted: list[Block] = []
         i = start
         for tier in self.tiers:
             if i >= stop:
@@ -407,17 +429,15 @@ class PrefixCache:
             base = i
             tokens = [packed[j * step : (j + 1) * step] for j in range(base, stop)]
             for payload, nbytes in tier.get_many(keys[base:stop], tokens):
-                parent = keys[i - 1] if i else None
-                block = self.store.insert(
-                    keys[i], parent, tokens[i - base], payload, nbytes,
-                    namespace=ns.root, tenant=ns.tenant, ttl_s=ttls[i],
+                n, _, _ = self.store.insert_chain(
+                    keys, keys[i - 1] if i else None, packed, i, step, lambda _j, p=payload, nb=nbytes: (p, nb),
+                    namespace=ns.root, tenant=ns.tenant, ttls=ttls, stop=i + 1,
                 )
-                if block is None:
+                if not n:
                     break
-                promoted.append(block)
                 i += 1
-        self._tier_hits += len(promoted)
-        return promoted
+        self._tier_hits += i - start
+        return i - start
 
     def _on_store_event(self, event: str, block: Block) -> None:
         if event == "evict" and block.evicted_reason == "capacity":

@@ -1,19 +1,34 @@
-"""BlockStore: cached blocks, reference counts, a byte budget, TTLs, LRU eviction and pins.
+"""BlockStore: cached blocks in runs, reference counts, a byte budget, TTLs, LRU eviction and pins.
 
 The store knows blocks, never requests. Only *leaves* (blocks with no cached child) are ever
 evicted or expired, so a chain is trimmed from its tail and never orphaned in the middle. That
-rule also makes every per-request operation O(1) instead of O(prefix length):
+rule makes every per-request operation O(1) in the prefix length:
 
 * A request holds one reference, on the deepest block of its prefix: every ancestor has a
   child, so none of them can be evicted or expired while the request runs.
 * A hit refreshes only that deepest block. An ancestor's freshness is the freshest of its
-  subtree: when a block's last child goes, the block inherits the child's last use and expiry.
+  subtree: when a block's last child goes, the block inherits the child's last use (and so its
+  expiry, which is always ``last_used + ttl_s``).
 * ``_lru``: the evictable leaves (unreferenced, unpinned, childless), least recently used first.
-  A block that becomes a leaf because its child was evicted from the front inherits the
-  child's time, which is the oldest, so it enters at the front: the order stays exact.
+  A block that becomes a leaf because its child was evicted from the front inherits the child's
+  time, which is the oldest, so it enters at the front.
 * ``_expiry``: one ordered dict per TTL class (300 s, 3600 s, ...) of the same leaves, in order
   of expiry, so a sweep pops only what is due. Lookups also check expiry, so a block that a
   sweep has not reached yet is never served.
+
+**Runs.** Blocks are stored in *runs*: chains of blocks inserted together in which every block
+but the last has exactly one child (the next), no reference, the run's TTL class and pin count,
+and a last use no later than the last block's. Such inner blocks are indistinguishable until they
+become leaves, and then they inherit the run's time, so a run behaves exactly as its blocks one
+by one would, at a fraction of the cost: inserting a prompt's new tail is one object, and
+evicting or expiring a run's blocks is one step however many go. A run is split, O(run length)
+in C, wherever a block must differ from its run: a new branch, a held block, a longer TTL class,
+a pin (a pinned prefix is kept as one-block runs). Runs never merge. A run keeps its *tail* when
+it splits (the head moves to a new run), so a reference to the run holding a block at its tail
+stays valid.
+
+Callers see :class:`Block` snapshots (``get``, iteration, listener events); the store's mutating
+methods are for :class:`~prefixcache.cache.manager.PrefixCache`, which holds a lock.
 """
 
 from __future__ import annotations
@@ -22,6 +37,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from prefixcache.cache.clock import Clock, monotonic
@@ -43,7 +59,7 @@ class CacheFullError(RuntimeError):
 
 @dataclass(slots=True, eq=False)
 class Block:
-    """One full block of cached prompt state. ``payload`` is opaque to the cache."""
+    """A snapshot of one cached block. ``payload`` is opaque to the cache."""
 
     key: BlockHash
     parent: BlockHash | None  # None for a prompt's first block
@@ -59,7 +75,6 @@ class Block:
     ref_count: int = 0
     pin_count: int = 0
     n_children: int = 0
-    hits: int = 0
     evicted_reason: str | None = None
 
     @property
@@ -71,11 +86,87 @@ class Block:
         return self.ref_count == 0 and self.pin_count == 0
 
 
+class Run:
+    """A chain of blocks (see the module docstring). ``keys[i]`` holds
+    ``packed[i*step:(i+1)*step]``, ``payloads[i]`` and ``sizes[i]`` bytes, at depth ``depth + i``.
+    ``ref_count``, ``last_used`` and ``n_children`` are the last block's; ``ttl_s``, ``pin_count``,
+    ``namespace`` and ``tenant`` are every block's."""
+
+    __slots__ = (
+        "keys", "packed", "payloads", "sizes", "nbytes", "unit", "step", "depth", "parent",
+        "namespace", "tenant", "ttl_s", "last_used", "ref_count", "pin_count", "n_children",
+    )
+
+    def __init__(
+        self, keys: list[BlockHash], packed: bytes, payloads: list[Any], sizes: list[int], unit: int,
+        depth: int, parent: BlockHash | None, namespace: bytes, tenant: str, ttl_s: float, last_used: float,
+    ) -> None:
+        self.keys = keys
+        self.packed = packed
+        self.payloads = payloads
+        self.sizes = sizes
+        self.nbytes = unit * len(keys) if unit else sum(sizes)
+        self.unit = unit  # every block's size when they are all equal, else 0
+        self.step = len(packed) // len(keys)
+        self.depth = depth
+        self.parent = parent
+        self.namespace = namespace
+        self.tenant = tenant
+        self.ttl_s = ttl_s
+        self.last_used = last_used
+        self.ref_count = 0
+        self.pin_count = 0
+        self.n_children = 0
+
+    @property
+    def expires_at(self) -> float:
+        return self.last_used + self.ttl_s
+
+    @property
+    def tail(self) -> BlockHash:
+        return self.keys[-1]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __repr__(self) -> str:
+        return f"Run(depth={self.depth}, blocks={len(self.keys)}, tail={self.keys[-1].hex()[:12]})"
+
+    def block(self, j: int, reason: str | None = None) -> Block:
+        """A snapshot of block ``j``."""
+        last = j == len(self.keys) - 1
+        return Block(
+            key=self.keys[j],
+            parent=self.keys[j - 1] if j else self.parent,
+            tokens=self.packed[j * self.step : (j + 1) * self.step],
+            payload=self.payloads[j],
+            nbytes=self.sizes[j],
+            namespace=self.namespace,
+            tenant=self.tenant,
+            depth=self.depth + j,
+            ttl_s=self.ttl_s,
+            expires_at=self.last_used + self.ttl_s,
+            last_used=self.last_used,
+            ref_count=self.ref_count if last else 0,
+            pin_count=self.pin_count,
+            n_children=self.n_children if last else 1,
+            evicted_reason=reason,
+        )
+
+
 @dataclass(slots=True)
 class StoreCounters:
     evictions: dict[str, int] = field(default_factory=lambda: {"capacity": 0, "ttl": 0, "flush": 0})
     collisions: int = 0  # a key matched but its tokens did not
     rejected: int = 0  # inserts refused for lack of room
+
+
+def _first(od: OrderedDict[Run, None], skip: Run | None = None) -> Run | None:
+    """The front entry of ``od`` other than ``skip``."""
+    for r in od:
+        if r is not skip:
+            return r
+    return None
 
 
 class BlockStore:
@@ -95,9 +186,9 @@ class BlockStore:
         self.capacity_bytes = int(capacity_bytes)
         self.pinned_capacity_bytes = int(pinned_capacity_bytes)
         self.clock = clock
-        self._blocks: dict[BlockHash, Block] = {}
-        self._lru: OrderedDict[BlockHash, Block] = OrderedDict()
-        self._expiry: dict[float, OrderedDict[BlockHash, Block]] = {}
+        self._index: dict[BlockHash, Run] = {}  # every block's key -> its run
+        self._lru: OrderedDict[Run, None] = OrderedDict()  # runs whose tail is an evictable leaf
+        self._expiry: dict[float, OrderedDict[Run, None]] = {}
         self._listeners: list[Listener] = []
         self.bytes = 0  # unpinned blocks
         self.pinned_bytes = 0
@@ -108,95 +199,142 @@ class BlockStore:
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._index)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._blocks
+        return key in self._index
 
     def __iter__(self) -> Iterator[Block]:
-        return iter(list(self._blocks.values()))
+        """Snapshots of every block (O(n): for tests, admin and debugging)."""
+        runs = {id(r): r for r in self._index.values()}
+        return iter([r.block(j) for r in runs.values() for j in range(len(r.keys))])
+
+    def runs(self) -> list[Run]:
+        return list({id(r): r for r in self._index.values()}.values())
 
     def get(self, key: BlockHash) -> Block | None:
-        return self._blocks.get(key)
+        """A snapshot of the block stored under ``key``, or None."""
+        run = self._index.get(key)
+        return None if run is None else run.block(run.keys.index(key))
 
     def lookup(self, key: BlockHash, tokens: bytes, parent: BlockHash | None) -> Block | None:
-        """The live block stored under ``key`` if it holds exactly ``tokens`` after ``parent``.
-
-        A key whose tokens or parent differ is a hash collision: counted, never served.
-        Does not touch the block.
-        """
-        block = self._blocks.get(key)
-        if block is None:
+        """A snapshot of the live block stored under ``key`` if it holds exactly ``tokens`` after
+        ``parent``. A key whose tokens or parent differ is a hash collision: counted, never
+        served. Does not touch the block."""
+        run = self._index.get(key)
+        if run is None:
             return None
-        if block.tokens != tokens or block.parent != parent:
-            self.counters.collisions += 1
+        j = run.keys.index(key)
+        if not self._verify(run, j, tokens, parent):
             return None
-        if block.key in self._lru and block.expires_at <= self.clock():
+        if j == len(run.keys) - 1 and run in self._lru and run.last_used + run.ttl_s <= self.clock():
             return None  # due; the next sweep removes it
-        return block
+        return run.block(j)
 
-    def is_due(self, block: Block, now: float) -> bool:
-        """True when ``block`` is an expired leaf that a sweep has not removed yet."""
-        return block.expires_at <= now and block.key in self._lru
+    def probe(self, key: BlockHash, tokens: bytes, parent: BlockHash | None, depth: int) -> bool:
+        """:meth:`lookup` for a block expected at ``depth``, answering only whether it is live."""
+        run = self._index.get(key)
+        if run is None:
+            return False
+        j = depth - run.depth
+        if not (0 <= j < len(run.keys) and run.keys[j] == key):
+            j = run.keys.index(key)
+        if not self._verify(run, j, tokens, parent):
+            return False
+        return not (j == len(run.keys) - 1 and run in self._lru and run.last_used + run.ttl_s <= self.clock())
+
+    def _verify(self, run: Run, j: int, tokens: bytes, parent: BlockHash | None) -> bool:
+        s = run.step
+        if run.packed[j * s : (j + 1) * s] != tokens or (run.keys[j - 1] if j else run.parent) != parent:
+            self.counters.collisions += 1
+            return False
+        return True
+
+    def chain(self, keys: list[BlockHash], start: int, stop: int) -> list[tuple[Run, int, int]]:
+        """The runs holding ``keys[start:stop]``, a stored chain: (run, first index, count) each."""
+        out = []
+        index = self._index
+        i = start
+        while i < stop:
+            run = index[keys[i]]
+            j = i - run.depth
+            c = min(len(run.keys) - j, stop - i)
+            out.append((run, j, c))
+            i += c
+        return out
+
+    def match_run(
+        self, keys: list[BlockHash], packed: bytes, i: int, stop: int, parent: BlockHash | None
+    ) -> tuple[Run | None, int, bool]:
+        """How many of ``keys[i:stop]`` one run holds, verified, from block ``i`` (whose parent
+        must be ``parent``): (the run, count, collided). ``collided``: a block stored under one of
+        the keys holds other tokens, another parent or another depth (counted once; the chain
+        ends before it). Count 0 without a collision: ``keys[i]`` is not stored."""
+        run = self._index.get(keys[i])
+        if run is None:
+            return None, 0, False
+        rk = run.keys
+        j = i - run.depth
+        n = len(rk)
+        if not (0 <= j < n and rk[j] == keys[i]) or (rk[j - 1] if j else run.parent) != parent:
+            self.counters.collisions += 1
+            return run, 0, True
+        c = min(n - j, stop - i)
+        if rk[j : j + c] != keys[i : i + c]:
+            t = 1
+            while t < c and rk[j + t] == keys[i + t]:
+                t += 1
+            c = t
+        s = run.step
+        if run.packed[j * s : (j + c) * s] != packed[i * s : (i + c) * s]:
+            t = 0
+            while run.packed[(j + t) * s : (j + t + 1) * s] == packed[(i + t) * s : (i + t + 1) * s]:
+                t += 1
+            self.counters.collisions += 1
+            return run, t, True
+        return run, c, False
+
+    def is_due(self, run: Run, j: int, now: float) -> bool:
+        """True when block ``j`` of ``run`` is an expired leaf that a sweep has not removed yet."""
+        return j == len(run.keys) - 1 and run in self._lru and run.last_used + run.ttl_s <= now
 
     def add_listener(self, fn: Listener) -> None:
         self._listeners.append(fn)
 
     # ------------------------------------------------------------------ mutation
-    def insert(
-        self,
-        key: BlockHash,
-        parent: BlockHash | None,
-        tokens: bytes,
-        payload: Any,
-        nbytes: int,
-        *,
-        namespace: bytes,
-        tenant: str,
-        ttl_s: float,
-    ) -> Block | None:
-        """Store a new unreferenced block, evicting LRU leaves to make room.
+    def split(self, run: Run, j: int) -> Run:
+        """Make block ``j`` of ``run`` a tail: blocks ``..j`` move to a new run (returned), the
+        rest stay in ``run``. No-op (returns ``run``) when ``j`` is already its tail."""
+        n = len(run.keys)
+        if j >= n - 1:
+            return run
+        s = run.step
+        c = j + 1
+        head = Run(run.keys[:c], run.packed[: c * s], run.payloads[:c], run.sizes[:c], run.unit, run.depth,
+                   run.parent, run.namespace, run.tenant, run.ttl_s, run.last_used)
+        head.pin_count = run.pin_count
+        head.n_children = 1
+        del run.keys[:c]
+        run.packed = run.packed[c * s :]
+        del run.payloads[:c]
+        del run.sizes[:c]
+        run.nbytes -= head.nbytes
+        run.depth += c
+        run.parent = head.keys[-1]
+        self._index.update(zip(head.keys, repeat(head)))
+        return head
 
-        Returns None (and stores nothing) when the key exists, the parent is missing, or there
-        is no room even after evicting everything evictable. The caller usually acquires the
-        returned block at once.
-        """
-        if key in self._blocks:
-            return None
-        parent_block = None
-        if parent is not None:
-            parent_block = self._blocks.get(parent)
-            if parent_block is None:
-                return None
-        if nbytes > self.capacity_bytes or not self._make_room(nbytes, protect=parent_block):
-            self.counters.rejected += 1
-            return None
-        now = self.clock()
-        block = Block(
-            key=key,
-            parent=parent,
-            tokens=tokens,
-            payload=payload,
-            nbytes=int(nbytes),
-            namespace=namespace,
-            tenant=tenant,
-            depth=0 if parent_block is None else parent_block.depth + 1,
-            ttl_s=float(ttl_s),
-            expires_at=now + ttl_s,
-            last_used=now,
-        )
-        self._blocks[key] = block
-        if parent_block is not None:
-            if parent_block.n_children == 0 and parent_block.key in self._lru:
-                self._leave(parent_block)  # no longer a leaf
-            parent_block.n_children += 1
-        self.bytes += block.nbytes
-        self.tenant_blocks[tenant] = self.tenant_blocks.get(tenant, 0) + 1
-        self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + block.nbytes
-        self._enter(block)
-        for fn in self._listeners:
-            fn("insert", block)
-        return block
+    def tail_at(self, key: BlockHash, depth: int) -> Run:
+        """The run of the block ``key`` (at ``depth``), split so that the block is its tail."""
+        run = self._index[key]
+        return self.split(run, depth - run.depth)
+
+    def isolate(self, key: BlockHash, depth: int) -> Run:
+        """The block ``key`` (at ``depth``) as a run of its own."""
+        run = self.tail_at(key, depth)
+        if len(run.keys) > 1:
+            self.split(run, len(run.keys) - 2)
+        return run
 
     def insert_chain(
         self,
@@ -205,154 +343,219 @@ class BlockStore:
         packed: bytes,
         first: int,
         step: int,
-        payload_fn: Callable[[int], tuple[Any, int]],
+        payload_fn: Callable[[int], tuple[Any, int]] | None,
         *,
         namespace: bytes,
         tenant: str,
         ttls: list[float],
         uniform_nbytes: int | None = None,
-    ) -> tuple[list[Block], bool]:
-        """Insert a chain of new blocks: ``keys[j]`` holds ``packed[j*step:(j+1)*step]`` and
-        its payload ``payload_fn(j)``, for j from ``first``, each the child of the previous.
+        stop: int | None = None,
+    ) -> tuple[int, bool, Run | None]:
+        """Insert a chain of new blocks: ``keys[j]`` (at depth ``j``) holds
+        ``packed[j*step:(j+1)*step]`` and its payload ``payload_fn(j)``, for j from ``first`` up
+        to ``stop`` (default: the end), each the child of the previous, the first a child of
+        ``parent`` (``keys[first - 1]``). Stops before a key that is already stored.
 
-        Exactly what :meth:`insert` block by block does (same evictions, same queue order,
-        same listener calls), minus the work on the chain's inner blocks, which would enter
-        the LRU and expiry queues as a leaf only to leave them at the next insert. Stops before
-        a key that is already stored. Returns (the blocks inserted, whether it stopped for lack
-        of room); the caller acquires the last block at once.
+        Returns (blocks inserted, whether it stopped for lack of room, the run holding the last
+        one); the caller acquires that block at once. Evictions happen block by block exactly as
+        one insert each would make them; the chain's own blocks are never victims.
 
         ``uniform_nbytes``: every payload has this size (the caller promises it), so room for the
-        whole run is made before the first insert: the same victims, in the same order, as
-        making room block by block (the run's blocks are never victims), but a victim's parent
-        that becomes the front leaf is evicted straight away instead of queued and dequeued.
+        whole chain is made before the first insert (the same victims in the same order). With
+        ``payload_fn`` None, every payload is None and ``uniform_nbytes`` is required.
         """
-        blocks = self._blocks
-        parent_block = None
+        index = self._index
+        stop = len(keys) if stop is None else stop
+        parent_run = None
         if parent is not None:
-            parent_block = blocks.get(parent)
-            if parent_block is None:
-                return [], True
-        out: list[Block] = []
+            parent_run = index.get(parent)
+            if parent_run is None:
+                return 0, True, None
+            if parent_run.keys[-1] != parent:  # a new branch off the middle of a run
+                parent_run = self.split(parent_run, parent_run.keys.index(parent))
+        if payload_fn is None and uniform_nbytes is None:
+            raise ValueError("insert_chain without payload_fn needs uniform_nbytes")
         cap = self.capacity_bytes
         clock = self.clock
-        listeners = self._listeners
-        depth = -1 if parent_block is None else parent_block.depth
-        no_room = False
+        depth0 = 0 if parent_run is None else parent_run.depth + len(parent_run.keys)
+        if depth0 != first:
+            raise ValueError(f"keys[{first}] follows a block at depth {depth0 - 1}: the chain is not rooted")
+        j = first
+        k = 0
         if uniform_nbytes is not None and uniform_nbytes <= cap:
-            k = 0
-            for j in range(first, len(keys)):
-                if keys[j] in blocks:
-                    break
+            while j + k < stop and keys[j + k] not in index:
                 k += 1
             if self.bytes + k * uniform_nbytes > cap:
                 # If this fails, everything evictable is gone and the loop stops where the
                 # block-by-block path would.
-                self._make_room(k * uniform_nbytes, protect=parent_block)
-        prev: Block | None = None
-        for j in range(first, len(keys)):
-            key = keys[j]
-            if key in blocks:
-                break
-            payload, nbytes = payload_fn(j)
+                self._make_room(k * uniform_nbytes, protect=parent_run)
+            if payload_fn is None and self.bytes + k * uniform_nbytes <= cap:
+                # Room for all k: no eviction can happen between them, so they go in at once.
+                if k:
+                    self._attach(parent_run)
+                    last = self._new_runs(keys, parent, packed, j, j + k, step, None, [uniform_nbytes] * k,
+                                          uniform_nbytes, namespace, tenant, ttls, clock())
+                    self.bytes += k * uniform_nbytes
+                    self._account(tenant, k, k * uniform_nbytes)
+                    j += k
+                    if j < stop and keys[j] not in index:  # the stopper was evicted: go on one by one
+                        return self._insert_slow(keys, keys[j - 1], last, packed, j, stop, step, payload_fn,
+                                                 namespace, tenant, ttls, uniform_nbytes, k)
+                    self._enter(last)
+                    return k, False, last
+                return 0, False, None
+        return self._insert_slow(keys, parent, parent_run, packed, j, stop, step, payload_fn, namespace, tenant,
+                                 ttls, uniform_nbytes, 0)
+
+    def _insert_slow(
+        self, keys: list[BlockHash], parent: BlockHash | None, parent_run: Run | None, packed: bytes, j: int,
+        stop: int, step: int, payload_fn: Callable[[int], tuple[Any, int]] | None, namespace: bytes, tenant: str,
+        ttls: list[float], uniform_nbytes: int | None, done: int,
+    ) -> tuple[int, bool, Run | None]:
+        """Block by block: each may need room, made before it goes in."""
+        index = self._index
+        cap = self.capacity_bytes
+        first = j
+        payloads: list[Any] = []
+        sizes: list[int] = []
+        no_room = False
+        last = parent_run if done else None
+        while j < stop and keys[j] not in index:
+            payload, nbytes = payload_fn(j) if payload_fn is not None else (None, uniform_nbytes)
+            nbytes = int(nbytes)  # type: ignore[arg-type]
             if nbytes > cap or (
                 self.bytes + nbytes > cap
-                and not self._make_room(nbytes, protect=parent_block if prev is None else None)
+                and not self._make_room(nbytes, protect=parent_run if j == first and not done else None)
             ):
                 self.counters.rejected += 1
                 no_room = True
                 break
-            now = clock()
-            depth += 1
-            ttl = float(ttls[j])
-            nbytes = int(nbytes)
-            block = Block(key, parent, packed[j * step : (j + 1) * step], payload, nbytes, namespace, tenant,
-                          depth, ttl, now + ttl, now)
-            blocks[key] = block
-            if prev is not None:
-                prev.n_children = 1  # new, never queued
-            elif parent_block is not None:
-                if parent_block.n_children == 0 and parent_block.key in self._lru:
-                    self._leave(parent_block)  # no longer a leaf
-                parent_block.n_children += 1
+            if j == first:
+                self._attach(parent_run)  # its tail is no longer a leaf
+            # Until the chain is complete its blocks are in no queue, so they cannot be victims.
+            payloads.append(payload)
+            sizes.append(nbytes)
             self.bytes += nbytes
-            out.append(block)
-            for fn in listeners:
-                fn("insert", block)
-            prev, parent = block, key
-        if out:
-            n = len(out)
-            nb = sum([b.nbytes for b in out])
-            self.tenant_blocks[tenant] = self.tenant_blocks.get(tenant, 0) + n
-            self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + nb
-            self._enter(out[-1])
-        return out, no_room
+            j += 1
+        n = j - first
+        if n:
+            unit = sizes[0] if sizes.count(sizes[0]) == n else 0
+            last = self._new_runs(keys, parent, packed, first, j, step, payloads, sizes, unit, namespace, tenant,
+                                  ttls, self.clock())
+            self._account(tenant, n, sum(sizes))
+        if last is not None and (n or done):
+            self._enter(last)
+        return n + done, no_room, last
 
-    def touch(self, block: Block, ttl_s: float | None = None) -> None:
-        """A use: refresh the TTL (to the longest class ever asked) and the LRU position.
+    def _attach(self, parent_run: Run | None) -> None:
+        """``parent_run``'s tail gets a child: it is no longer a leaf."""
+        if parent_run is not None:
+            if parent_run.n_children == 0 and parent_run in self._lru:
+                self._leave(parent_run)
+            parent_run.n_children += 1
 
-        Touch the deepest block of a hit; its ancestors' freshness follows from it.
-        """
-        queued = block.key in self._lru
+    def _new_runs(
+        self, keys: list[BlockHash], parent: BlockHash | None, packed: bytes, a: int, b: int, step: int,
+        payloads: list[Any] | None, sizes: list[int], unit: int, namespace: bytes, tenant: str,
+        ttls: list[float], now: float,
+    ) -> Run:
+        """Runs for the new blocks ``a..b`` (one per TTL class they span); returns the last."""
+        run = None
+        s = a
+        while s < b:
+            ttl = float(ttls[s])
+            e = b if ttls[b - 1] == ttl else next(x for x in range(s + 1, b) if ttls[x] != ttl)
+            rk = keys[s:e]
+            run = Run(rk, packed[s * step : e * step], payloads[s - a : e - a] if payloads is not None else [None] * (e - s),
+                      sizes[s - a : e - a], unit, s, parent, namespace, tenant, ttl, now)
+            if e < b:
+                run.n_children = 1
+            self._index.update(zip(rk, repeat(run)))
+            parent = rk[-1]
+            s = e
+        assert run is not None
+        if self._listeners:
+            for r in self._chain_runs(keys, a, b):
+                for jj in range(len(r.keys)):
+                    for fn in self._listeners:
+                        fn("insert", r.block(jj))
+        return run
+
+    def _chain_runs(self, keys: list[BlockHash], a: int, b: int) -> list[Run]:
+        out: list[Run] = []
+        for i in range(a, b):
+            r = self._index[keys[i]]
+            if not out or out[-1] is not r:
+                out.append(r)
+        return out
+
+    def _account(self, tenant: str, n: int, nbytes: int) -> None:
+        self.tenant_blocks[tenant] = self.tenant_blocks.get(tenant, 0) + n
+        self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + nbytes
+
+    def touch(self, run: Run, ttl_s: float | None = None) -> None:
+        """A use of ``run``'s tail: refresh the TTL (to the longest class ever asked) and the LRU
+        position. Touch the deepest block of a hit; its ancestors' freshness follows from it."""
+        if ttl_s is not None and ttl_s > run.ttl_s and len(run.keys) > 1:
+            self.split(run, len(run.keys) - 2)  # only the tail moves to the longer class
+        queued = run in self._lru
         if queued:
-            self._leave(block)
-        if ttl_s is not None and ttl_s > block.ttl_s:
-            block.ttl_s = float(ttl_s)
-        now = self.clock()
-        block.last_used = now
-        block.expires_at = now + block.ttl_s
+            self._leave(run)
+        if ttl_s is not None and ttl_s > run.ttl_s:
+            run.ttl_s = float(ttl_s)
+        run.last_used = self.clock()
         if queued:
-            self._enter(block)
+            self._enter(run)
 
-    def raise_ttl(self, block: Block, ttl_s: float) -> None:
-        """Move ``block`` to a longer TTL class (no-op if it already has one at least as long)."""
-        if ttl_s > block.ttl_s:
-            queued = block.key in self._lru
+    def raise_ttl(self, run: Run, ttl_s: float) -> None:
+        """Move every block of ``run`` to a longer TTL class (no-op if it already has one at
+        least as long). Split first to raise part of a run."""
+        if ttl_s > run.ttl_s:
+            queued = run in self._lru
             if queued:  # only its expiry queue changes; its LRU position stays
-                del self._expiry[block.ttl_s][block.key]
-            block.expires_at += ttl_s - block.ttl_s
-            block.ttl_s = float(ttl_s)
+                del self._expiry[run.ttl_s][run]
+            run.ttl_s = float(ttl_s)
             if queued:
-                queue = self._expiry.setdefault(block.ttl_s, OrderedDict())
-                queue[block.key] = block
-                if len(queue) > 1 and block.expires_at <= next(iter(queue.values())).expires_at:
-                    queue.move_to_end(block.key, last=False)
+                queue = self._expiry.setdefault(run.ttl_s, OrderedDict())
+                queue[run] = None
+                if len(queue) > 1 and run.last_used + run.ttl_s <= _expires(next(iter(queue))):
+                    queue.move_to_end(run, last=False)
 
-    def acquire(self, block: Block) -> None:
-        """Take a reference: neither ``block`` nor any ancestor can be evicted or expired until
-        it is released (ancestors are protected by having a child)."""
-        if block.key in self._lru:
-            self._leave(block)
-        block.ref_count += 1
+    def acquire(self, run: Run) -> None:
+        """Take a reference on ``run``'s tail: neither it nor any ancestor can be evicted or
+        expired until it is released (ancestors are protected by having a child)."""
+        if run in self._lru:
+            self._leave(run)
+        run.ref_count += 1
 
-    def release(self, block: Block) -> None:
+    def release(self, run: Run) -> None:
         """Drop a reference. The block's use ends now: its TTL and LRU position are refreshed."""
-        if block.ref_count <= 0:
-            raise RuntimeError(f"release of block {block.key.hex()[:12]} that holds no reference")
-        block.ref_count -= 1
-        if block.ref_count == 0 and block.key in self._blocks:
-            now = self.clock()
-            block.last_used = now
-            block.expires_at = now + block.ttl_s
-            if block.pin_count == 0 and block.n_children == 0:
-                self._enter(block)
+        if run.ref_count <= 0:
+            raise RuntimeError(f"release of block {run.keys[-1].hex()[:12]} that holds no reference")
+        run.ref_count -= 1
+        if run.ref_count == 0 and self._index.get(run.keys[-1]) is run:
+            run.last_used = self.clock()
+            if run.pin_count == 0 and run.n_children == 0:
+                self._enter(run)
 
-    def pin(self, block: Block) -> None:
-        """Exempt from TTL and eviction; its bytes move to the pinned budget. Pin root-first."""
-        if block.pin_count == 0:
-            if self.pinned_bytes + block.nbytes > self.pinned_capacity_bytes:
+    def pin(self, run: Run) -> None:
+        """Exempt a one-block run from TTL and eviction; its bytes move to the pinned budget.
+        Pin root-first (see :meth:`isolate`)."""
+        if run.pin_count == 0:
+            if self.pinned_bytes + run.nbytes > self.pinned_capacity_bytes:
                 raise PinBudgetExceeded(
-                    f"pinning needs {block.nbytes} more bytes but the pinned budget has "
+                    f"pinning needs {run.nbytes} more bytes but the pinned budget has "
                     f"{self.pinned_capacity_bytes - self.pinned_bytes} free; raise pinned_capacity_bytes "
                     "or unpin another prefix"
                 )
-            if block.key in self._lru:
-                self._leave(block)
-            self.bytes -= block.nbytes
-            self.pinned_bytes += block.nbytes
-            self.pinned_blocks += 1
-        block.pin_count += 1
+            if run in self._lru:
+                self._leave(run)
+            self.bytes -= run.nbytes
+            self.pinned_bytes += run.nbytes
+            self.pinned_blocks += len(run.keys)
+        run.pin_count += 1
 
-    def unpin(self, block: Block) -> None:
+    def unpin(self, run: Run) -> None:
         """Undo one :meth:`pin`. Unpin tail-first.
 
         When the last pin goes, the bytes return to the main budget, evicting LRU leaves if
@@ -360,28 +563,27 @@ class BlockStore:
         a request cannot be squeezed out that way: then :class:`CacheFullError` is raised and
         nothing changes (retry once the request has ended).
         """
-        if block.pin_count <= 0:
-            raise RuntimeError(f"unpin of block {block.key.hex()[:12]} that is not pinned")
-        if block.pin_count > 1:
-            block.pin_count -= 1
+        if run.pin_count <= 0:
+            raise RuntimeError(f"unpin of block {run.keys[-1].hex()[:12]} that is not pinned")
+        if run.pin_count > 1:
+            run.pin_count -= 1
             return
-        room = self._make_room(block.nbytes, protect=block)
-        if not room and block.ref_count:
+        room = self._make_room(run.nbytes, protect=run)
+        if not room and run.ref_count:
             raise CacheFullError(
                 "cannot unpin a block that a running request holds while the cache is full; "
                 "retry after the request ends"
             )
-        block.pin_count = 0
-        self.pinned_bytes -= block.nbytes
-        self.pinned_blocks -= 1
-        self.bytes += block.nbytes
-        now = self.clock()
-        block.last_used = max(block.last_used, now)
-        block.expires_at = block.last_used + block.ttl_s
-        if block.evictable and block.n_children == 0:
-            self._enter(block)
+        run.pin_count = 0
+        self.pinned_bytes -= run.nbytes
+        self.pinned_blocks -= len(run.keys)
+        self.bytes += run.nbytes
+        run.last_used = max(run.last_used, self.clock())
+        if run.ref_count == 0 and run.n_children == 0:
+            self._enter(run)
             if not room:
-                self._remove(block, "capacity")
+                self._leave(run)
+                self._drop(run, len(run.keys), "capacity", requeue=True)
 
     def sweep(self) -> int:
         """Remove every unreferenced, unpinned block whose TTL has passed. O(expired)."""
@@ -395,24 +597,31 @@ class BlockStore:
             for ttl in sorted(self._expiry):
                 queue = self._expiry[ttl]
                 while queue:
-                    block = next(iter(queue.values()))
-                    if block.expires_at > now:
+                    run = next(iter(queue))
+                    if run.last_used + run.ttl_s > now:
                         break
-                    parent = self._remove(block, "ttl", requeue=False)
-                    removed += 1
+                    self._leave(run)
                     progress = True
-                    # A parent left a due leaf of this class that would enter at the front of
-                    # this queue is the next one popped: remove it without queueing it.
+                    # Block by block, the tail's parent would be a due leaf of this class with the
+                    # same expiry; it is removed at once when it is at least as early as the
+                    # queue's front (else it is queued, at the back).
+                    front = _first(queue)
+                    k = len(run.keys) if front is None or run.last_used + run.ttl_s <= _expires(front) else 1
+                    removed += k
+                    orphan = self._drop(run, k, "ttl", requeue=False)
+                    if run.keys:  # part of the run is left: its new tail is queued
+                        self._enter(run, ordered=True)
+                        continue
                     while (
-                        parent is not None
-                        and parent.ttl_s == ttl
-                        and parent.expires_at <= now
-                        and (not queue or parent.expires_at <= next(iter(queue.values())).expires_at)
+                        orphan is not None
+                        and orphan.ttl_s == ttl
+                        and orphan.last_used + orphan.ttl_s <= now
+                        and (not queue or orphan.last_used + orphan.ttl_s <= _expires(next(iter(queue))))
                     ):
-                        parent = self._remove(parent, "ttl", requeue=False, queued=False)
-                        removed += 1
-                    if parent is not None:
-                        self._enter(parent, ordered=True)
+                        removed += len(orphan.keys)
+                        orphan = self._drop(orphan, len(orphan.keys), "ttl", requeue=False)
+                    if orphan is not None:
+                        self._enter(orphan, ordered=True)
         return removed
 
     def evict(self, nbytes: int) -> int:
@@ -424,130 +633,171 @@ class BlockStore:
         self._make_room(nbytes)
         return before - self.bytes
 
-    def remove_where(self, pred: Callable[[Block], bool], reason: str = "flush") -> int:
-        """Remove every unreferenced, unpinned block for which ``pred`` holds, leaves first."""
+    def remove_where(self, pred: Callable[[Run], bool], reason: str = "flush") -> int:
+        """Remove every unreferenced, unpinned block of the runs for which ``pred`` holds
+        (``pred`` sees a run's ``namespace`` and ``tenant``), leaves first."""
         victims = sorted(
-            (b for b in self._blocks.values() if b.evictable and pred(b)), key=lambda b: -b.depth
+            (r for r in self.runs() if r.pin_count == 0 and pred(r)), key=lambda r: -(r.depth + len(r.keys))
         )
         n = 0
-        for block in victims:
-            if block.n_children == 0 and block.key in self._blocks:
-                self._remove(block, reason)
-                n += 1
+        for run in victims:
+            if run.n_children == 0 and run.ref_count == 0 and self._index.get(run.keys[-1]) is run:
+                if run in self._lru:
+                    self._leave(run)
+                n += len(run.keys)
+                self._drop(run, len(run.keys), reason, requeue=True)
         return n
 
     # ------------------------------------------------------------------ internals
-    def _enter(self, block: Block, *, ordered: bool = False) -> None:
+    def _enter(self, run: Run, *, ordered: bool = False) -> None:
         """Queue an evictable leaf. By default as the most recent; with ``ordered``, at the front
         when it is at least as old as the front (a parent inheriting an evicted child's time)."""
-        self._lru[block.key] = block
-        queue = self._expiry.get(block.ttl_s)
+        lru = self._lru
+        lru[run] = None
+        queue = self._expiry.get(run.ttl_s)
         if queue is None:
-            queue = self._expiry[block.ttl_s] = OrderedDict()
-        queue[block.key] = block
+            queue = self._expiry[run.ttl_s] = OrderedDict()
+        queue[run] = None
         if ordered:
-            if len(self._lru) > 1 and block.last_used <= next(iter(self._lru.values())).last_used:
-                self._lru.move_to_end(block.key, last=False)
-            if len(queue) > 1 and block.expires_at <= next(iter(queue.values())).expires_at:
-                queue.move_to_end(block.key, last=False)
+            if len(lru) > 1 and run.last_used <= next(iter(lru)).last_used:
+                lru.move_to_end(run, last=False)
+            if len(queue) > 1 and run.last_used + run.ttl_s <= _expires(next(iter(queue))):
+                queue.move_to_end(run, last=False)
 
-    def _leave(self, block: Block) -> None:
-        del self._lru[block.key]
-        del self._expiry[block.ttl_s][block.key]
+    def _leave(self, run: Run) -> None:
+        del self._lru[run]
+        del self._expiry[run.ttl_s][run]
 
-    def _make_room(self, nbytes: int, protect: Block | None = None) -> bool:
+    def _make_room(self, nbytes: int, protect: Run | None = None) -> bool:
         cap = self.capacity_bytes
         lru = self._lru
         while self.bytes + nbytes > cap:
-            victim = None
-            for block in lru.values():
-                # The front is the victim; the protected block is the parent of the block
-                # being inserted, which must survive its child's insertion.
-                if block is not protect:
-                    victim = block
-                    break
+            # The front is the victim; the protected block is the parent of the block being
+            # inserted, which must survive its child's insertion.
+            victim = _first(lru, protect)
             if victim is None:
                 return False
-            queued = True
+            self._leave(victim)
             while True:
-                parent = self._remove(victim, "capacity", requeue=False, queued=queued)
-                if parent is None:
+                # Block by block, each parent left inside the run is the next victim when it is
+                # at least as old as the front (it inherits the tail's time); else it is queued.
+                front = _first(lru)
+                if front is None or victim.last_used <= front.last_used:
+                    need = self.bytes + nbytes - cap
+                    unit = victim.unit
+                    if unit:
+                        k = min(len(victim.keys), -(-need // unit))
+                    else:
+                        k, freed, sizes = 0, 0, victim.sizes
+                        while freed < need and k < len(sizes):
+                            k += 1
+                            freed += sizes[-k]
+                else:
+                    k = 1
+                orphan = self._drop(victim, k, "capacity", requeue=False)
+                if victim.keys:  # part of the run is left: its new tail is queued
+                    self._enter(victim, ordered=True)
                     break
-                # The parent is now an evictable leaf and would enter the queues at the front
-                # when it is at least as old as the front (see _enter): then, while room is
-                # still needed, it is the next victim, so it is removed without queueing.
+                # The run is gone; its parent, if now an evictable leaf, is the next victim
+                # while room is needed and it is at least as old as the front.
+                if orphan is None:
+                    break
+                front = _first(lru)
                 if (
                     self.bytes + nbytes > cap
-                    and parent is not protect
-                    and (not lru or parent.last_used <= next(iter(lru.values())).last_used)
+                    and orphan is not protect
+                    and (front is None or orphan.last_used <= front.last_used)
                 ):
-                    victim, queued = parent, False
+                    victim = orphan
                     continue
-                self._enter(parent, ordered=True)
+                self._enter(orphan, ordered=True)
                 break
         return True
 
-    def _remove(self, block: Block, reason: str, *, requeue: bool = True, queued: bool = True) -> Block | None:
-        """Remove a queued leaf. Its parent, if now a leaf, inherits its freshness.
-
-        With ``requeue`` False, a parent that becomes an evictable leaf is returned instead of
-        queued (the caller queues or removes it); ``queued`` False: ``block`` was never queued.
-        """
-        if queued:
-            self._leave(block)
-        del self._blocks[block.key]
+    def _drop(self, run: Run, k: int, reason: str, *, requeue: bool) -> Run | None:
+        """Remove the last ``k`` blocks of an unqueued ``run`` (tail first). When the run empties,
+        its parent's tail, now possibly a leaf, inherits its freshness; an evictable leaf parent
+        is queued (``requeue``) or returned for the caller to queue or remove."""
+        n = len(run.keys)
+        gone = run.keys[n - k :]
+        index = self._index
+        snaps = [run.block(j, reason) for j in range(n - 1, n - k - 1, -1)] if self._listeners else None
+        for key in gone:
+            del index[key]
+        freed = run.unit * k if run.unit else sum(run.sizes[n - k :])
+        self.bytes -= freed
+        run.nbytes -= freed
+        self.tenant_blocks[run.tenant] -= k
+        self.tenant_bytes[run.tenant] -= freed
+        ev = self.counters.evictions
+        ev[reason] = ev.get(reason, 0) + k
+        del run.keys[n - k :]
+        del run.payloads[n - k :]
+        del run.sizes[n - k :]
+        run.packed = run.packed[: (n - k) * run.step]
+        if snaps is not None:
+            for b in snaps:
+                for fn in self._listeners:
+                    fn("evict", b)
+                b.payload = None  # drop the tensor now; listeners have had it
+        if run.keys:
+            return None
         orphan = None
-        if block.parent is not None:
-            parent = self._blocks.get(block.parent)
+        if run.parent is not None:
+            parent = index.get(run.parent)
             if parent is not None:
                 parent.n_children -= 1
-                if block.last_used > parent.last_used:
-                    parent.last_used = block.last_used
-                    parent.expires_at = max(parent.expires_at, block.last_used + parent.ttl_s)
-                if parent.n_children == 0 and parent.evictable:
+                if run.last_used > parent.last_used:
+                    parent.last_used = run.last_used
+                if parent.n_children == 0 and parent.ref_count == 0 and parent.pin_count == 0:
                     if requeue:
                         self._enter(parent, ordered=True)
                     else:
                         orphan = parent
-        self.bytes -= block.nbytes
-        self.tenant_blocks[block.tenant] -= 1
-        self.tenant_bytes[block.tenant] -= block.nbytes
-        self.counters.evictions[reason] = self.counters.evictions.get(reason, 0) + 1
-        block.evicted_reason = reason
-        for fn in self._listeners:
-            fn("evict", block)
-        block.payload = None  # drop the tensor now; listeners have had it
         return orphan
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
         """Assert every invariant. O(n): for tests and debugging, not the hot path."""
-        children: dict[BlockHash, int] = {}
+        runs = self.runs()
+        children: dict[int, int] = {}
         bytes_, pinned_bytes, pinned = 0, 0, 0
         tenant_blocks: dict[str, int] = {}
         tenant_bytes: dict[str, int] = {}
-        for key, b in self._blocks.items():
-            assert b.key == key, "block stored under a key that is not its own"
-            assert b.ref_count >= 0 and b.pin_count >= 0, "negative reference or pin count"
-            if b.parent is not None:
-                parent = self._blocks.get(b.parent)
-                assert parent is not None, "orphan: a block whose parent is gone"
-                assert parent.depth == b.depth - 1, "depth does not follow the chain"
-                if b.pin_count:
-                    assert parent.pin_count, "a pinned block under an unpinned parent"
-                children[b.parent] = children.get(b.parent, 0) + 1
-            if b.pin_count:
-                pinned_bytes += b.nbytes
-                pinned += 1
+        nkeys = 0
+        for r in runs:
+            n = len(r.keys)
+            assert n >= 1, "an empty run is indexed"
+            assert len(r.payloads) == n and len(r.sizes) == n and len(r.packed) == n * r.step, "run arrays disagree"
+            assert r.nbytes == sum(r.sizes), "run byte count drifted"
+            assert not r.unit or all(s == r.unit for s in r.sizes), "a uniform run holds another size"
+            assert all(self._index.get(k) is r for k in r.keys), "a key is indexed to another run"
+            assert r.ref_count >= 0 and r.pin_count >= 0, "negative reference or pin count"
+            nkeys += n
+            if r.parent is not None:
+                p = self._index.get(r.parent)
+                assert p is not None, "orphan: a block whose parent is gone"
+                assert p.keys[-1] == r.parent, "a run hangs off the middle of another run"
+                assert p.depth + len(p.keys) == r.depth, "depth does not follow the chain"
+                if r.pin_count:
+                    assert p.pin_count, "a pinned block under an unpinned parent"
+                children[id(p)] = children.get(id(p), 0) + 1
             else:
-                bytes_ += b.nbytes
-            tenant_blocks[b.tenant] = tenant_blocks.get(b.tenant, 0) + 1
-            tenant_bytes[b.tenant] = tenant_bytes.get(b.tenant, 0) + b.nbytes
-        for key, b in self._blocks.items():
-            assert b.n_children == children.get(key, 0), "child count is wrong"
-            queued = b.evictable and b.n_children == 0
-            assert (key in self._lru) == queued, "LRU membership disagrees with 'evictable leaf'"
-            assert (key in self._expiry.get(b.ttl_s, {})) == queued, "expiry queue disagrees"
+                assert r.depth == 0, "a first block not at depth 0"
+            if r.pin_count:
+                assert n == 1, "a pinned block shares its run"
+                pinned_bytes += r.nbytes
+                pinned += n
+            else:
+                bytes_ += r.nbytes
+            tenant_blocks[r.tenant] = tenant_blocks.get(r.tenant, 0) + n
+            tenant_bytes[r.tenant] = tenant_bytes.get(r.tenant, 0) + r.nbytes
+        assert nkeys == len(self._index), "the index holds keys of no run"
+        for r in runs:
+            assert r.n_children == children.get(id(r), 0), "child count is wrong"
+            queued = r.ref_count == 0 and r.pin_count == 0 and r.n_children == 0
+            assert (r in self._lru) == queued, "LRU membership disagrees with 'evictable leaf'"
+            assert (r in self._expiry.get(r.ttl_s, {})) == queued, "expiry queue disagrees"
         assert len(self._lru) == sum(len(q) for q in self._expiry.values()), "LRU and expiry disagree"
         assert bytes_ == self.bytes, f"byte count drifted: {self.bytes} recorded, {bytes_} held"
         assert pinned_bytes == self.pinned_bytes and pinned == self.pinned_blocks, "pinned count drifted"
@@ -557,3 +807,8 @@ class BlockStore:
         assert {t: n for t, n in self.tenant_bytes.items() if n} == {
             t: n for t, n in tenant_bytes.items() if n
         }, "tenant bytes drifted"
+
+
+def _expires(run: Run) -> float:
+    return run.last_used + run.ttl_s
+
