@@ -19,11 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from block_store_reference import Block, BlockStore
+
 from prefixcache.cache.clock import Clock, monotonic
 from prefixcache.cache.keys import BlockHash, Hasher, Namespace, block_keys, pack_tokens, sha256_hasher
 from prefixcache.cache.policy import TtlPlan, TtlPolicy
 from prefixcache.cache.stats import CacheStats, Outcome, RequestUsage, TenantCounters
-from block_store_reference import Block, BlockStore
 
 #: block index -> (payload, nbytes); called only for blocks actually stored.
 PayloadFn = Callable[[int], tuple[Any, int]]

@@ -55,7 +55,10 @@ class Differential(RuleBasedStateMachine):
         out = []
         for cache, ns in zip((self.ref, self.new), self.ns[tenant], strict=True):
             m = cache.match(tokens, ns, align_tokens=align, ttl_plan=ttl_plan)
-            fn = (lambda i: (tuple(tokens[: (i + 1) * B]), nbytes_of(tokens, i, varied)))
+
+            def fn(i: int) -> tuple[tuple[int, ...], int]:
+                return tuple(tokens[: (i + 1) * B]), nbytes_of(tokens, i, varied)
+
             limit = None if upto is None else m.cached_tokens + upto  # as the engine: never below the hit
             if cache is self.new and fast and not varied:
                 r = cache.commit(m, None, upto_tokens=limit, uniform_nbytes=10)
