@@ -18,7 +18,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from prefixcache.cache import CacheFullError, FakeClock, PinBudgetExceeded, PrefixCache
+from prefixcache.cache import CacheFullError, FakeClock, PinBudgetExceeded, PrefixCache, pack_tokens
 
 B = 2
 
@@ -83,6 +83,20 @@ class Differential(RuleBasedStateMachine):
         mr, mn = self._request(tokens, tenant, plan, align, varied, upto, fast)
         self.ref.release(mr)
         self.new.release(mn)
+
+    @rule(tokens=prompts, tenant=st.integers(0, 1), ttl=st.sampled_from([None, 50.0, 200.0]),
+          align=st.sampled_from([2, 4]), upto=st.one_of(st.none(), st.integers(0, 26)))
+    def replay(self, tokens: list[int], tenant: int, ttl: float | None, align: int, upto: int | None) -> None:
+        """``PrefixCache.replay`` (the simulator's one-call request) against match + commit + release."""
+        ns_ref, ns_new = self.ns[tenant]
+        m = self.ref.match(tokens, ns_ref, align_tokens=align, ttl_s=ttl)
+        limit = None if upto is None else max(upto, m.cached_tokens)
+        r = self.ref.commit(m, lambda i: (None, 10), upto_tokens=limit, uniform_nbytes=10)
+        self.ref.release(m)
+        keys = self.new.block_keys(tokens, ns_new)
+        got = self.new.replay(ns_new, keys, pack_tokens(tokens), nbytes=10, ttl_s=ttl, align_tokens=align,
+                              upto_tokens=limit)
+        assert got == (m.cached_tokens, r.written_tokens)
 
     @rule(tokens=prompts, tenant=st.integers(0, 1))
     def start_request(self, tokens: list[int], tenant: int) -> None:

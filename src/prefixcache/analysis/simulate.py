@@ -27,6 +27,7 @@ import hashlib
 import heapq
 import json
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -142,13 +143,13 @@ class _Router:
     def cached_blocks(self, r: int, keys: list[bytes], packed: bytes) -> int:
         """Longest live cached prefix on replica r, by binary search: the live set is
         prefix-closed (parents outlive children; eviction trims leaves)."""
-        store = self.caches[r].store
+        probe = self.caches[r].store.probe
         step = 4 * self.cfg.block_size
         lo, hi = 0, len(keys)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             j = mid - 1
-            if store.lookup(keys[j], packed[j * step : (j + 1) * step], keys[j - 1] if j else None) is not None:
+            if probe(keys[j], packed[j * step : (j + 1) * step], keys[j - 1] if j else None, j):
                 lo = mid
             else:
                 hi = mid - 1
@@ -204,18 +205,13 @@ def _simulate(trace: Trace, cfg: SimConfig, progress: Callable[[int], None] | No
         Namespace.create(cfg.fingerprint, tenant=name, salt=f"tenant:{name}") for name in trace.tenants
     ]
     block_bytes = cfg.cost.block_bytes(B)
-    chains = KeyChains(trace.segments, B)
-
-    def payload_fn(_i: int) -> tuple[None, int]:
-        return None, block_bytes
+    # Fingerprint keys (see keychains.py): they never leave this process, and every hit is still
+    # verified token by token. Computed in batches, a few numpy calls per thousand requests.
+    chains = KeyChains(trace.segments, B, hasher="fingerprint")
 
     align = cfg.align_tokens or B
     tps = cfg.cost.prefill_tps
     n = len(trace)
-    cached = np.zeros(n, dtype=np.int64)
-    written = np.zeros(n, dtype=np.int64)
-    replica = np.zeros(n, dtype=np.int16)
-    ttft = np.zeros(n, dtype=np.float64)
     ttl_col = trace.ttl_s
     has_ttl = bool(np.isfinite(ttl_col).any())
     totals = TokenTotals(prompt=int(trace.prompt_tokens.sum()), output=int(trace.output_tokens.sum()))
@@ -234,17 +230,44 @@ def _simulate(trace: Trace, cfg: SimConfig, progress: Callable[[int], None] | No
         clock.set(max(at, clock.now))
         toks, ns = current_prefix[ep]
         targets = [router.affinity(toks, ns)] if cfg.routing == "prefix-affinity" and len(caches) > 1 else range(len(caches))
+        keys = chains.token_keys(ns.root, toks)
+        packed = pack_tokens(toks)
         for r in targets:
-            m = caches[r].match(toks, ns, align_tokens=align)
-            try:
-                caches[r].commit(m, payload_fn, uniform_nbytes=block_bytes)
-                totals.keep_warm_reads += m.cached_tokens
-            finally:
-                caches[r].release(m)
+            hit, _ = caches[r].replay(ns, keys, packed, nbytes=block_bytes, align_tokens=align)
+            totals.keep_warm_reads += hit
             refreshes += 1
 
+    ts_col = trace.ts.tolist()
+    tenant_col = trace.tenant.tolist()
+    endpoint_col = trace.endpoint.tolist()
+    ttl_list = ttl_col.tolist() if has_ttl else None
+    parts = trace.parts
+    segments = trace.segments
+    roots = [ns.root for ns in namespaces]
+
+    long_segs: dict[int, bytes] = {}
+
+    def seg_bytes(j: int) -> bytes:
+        """A segment as packed bytes; long ones (shared system prompts) are kept."""
+        b = long_segs.get(j)
+        if b is None:
+            b = segments[j].tobytes()
+            if len(b) >= 1024:
+                if len(long_segs) >= 4096:
+                    long_segs.clear()
+                long_segs[j] = b
+        return b
+
+    key_iter = chains.iter_keys((roots[tenant_col[i]], parts[i]) for i in range(n))
+    n_rep = len(caches)
+    cached_l = [0] * n
+    written_l = [0] * n
+    replica_l = [0] * n
+    ttft_l = [0.0] * n
+    written_short = written_long = 0
+    default_long = cfg.ttl_s >= 3600
     for i in range(n):
-        t = float(trace.ts[i])
+        t = ts_col[i]
         while due and due[0][0] <= t:
             at, ep = heapq.heappop(due)
             if next_due.get(ep) != at:
@@ -253,45 +276,65 @@ def _simulate(trace: Trace, cfg: SimConfig, progress: Callable[[int], None] | No
             if at + warm_period < last_ts[ep]:
                 next_due[ep] = at + warm_period
                 heapq.heappush(due, (at + warm_period, ep))
-        clock.set(max(t, clock.now))
-        tokens = trace.tokens(i)
-        ns = namespaces[trace.tenant[i]]
-        # Keys of shared prefixes (system prompts, earlier turns) are hashed once, not per request.
-        keys = chains.keys(ns.root, trace.parts[i])
-        packed = pack_tokens(tokens)
-        r = router.choose(tokens, ns, t, keys, packed)
-        cache = caches[r]
-        ttl = float(ttl_col[i]) if has_ttl and np.isfinite(ttl_col[i]) else None
-        m = cache.match(tokens, ns, align_tokens=align, ttl_s=ttl, keys=keys, packed=packed)
-        if align > B:
-            # As the engine does: only blocks of complete prefill chunks are committed (a block of
-            # the last, partial chunk would not be bitwise what a longer prompt computes).
-            m.keys = m.keys[: (len(tokens) // align) * align // B]
-        try:
-            res = cache.commit(m, payload_fn, uniform_nbytes=block_bytes)
-        finally:
-            cache.release(m)
-        hit = m.cached_tokens
-        cached[i] = hit
-        written[i] = res.written_tokens
-        if (ttl if ttl is not None else cfg.ttl_s) >= 3600:  # the 1 h write class (priced 2x by anthropic)
-            totals.written_long += res.written_tokens
+        if t > clock.now:
+            clock.set(t)
+        p = parts[i]
+        if len(p) == 1:
+            tokens = segments[p[0]]
+            packed = tokens.tobytes()
         else:
-            totals.written += res.written_tokens
-        replica[i] = r
-        start = max(t, busy[r])
-        work = (len(tokens) - hit) / tps
+            packed = b"".join([seg_bytes(j) for j in p])
+            tokens = None
+        n_tok = len(packed) >> 2
+        ns = namespaces[tenant_col[i]]
+        keys = next(key_iter)
+        if n_rep > 1:
+            if tokens is None:
+                tokens = np.frombuffer(packed, dtype=np.uint32)
+            r = router.choose(tokens, ns, t, keys, packed)
+        else:
+            r = 0
+        cache = caches[r]
+        ttl = None
+        if ttl_list is not None:
+            ttl = ttl_list[i]
+            if not math.isfinite(ttl):  # NaN: the default
+                ttl = None
+        # match + commit + release in one call. As the engine does, only blocks of complete prefill
+        # chunks are committed (a block of the last, partial chunk would not be bitwise what a
+        # longer prompt computes).
+        hit, w = cache.replay(ns, keys, packed, nbytes=block_bytes, ttl_s=ttl, align_tokens=align,
+                              upto_tokens=(n_tok // align) * align if align > B else None)
+        cached_l[i] = hit
+        written_l[i] = w
+        if (ttl >= 3600) if ttl is not None else default_long:  # the 1 h write class (priced 2x by anthropic)
+            written_long += w
+        else:
+            written_short += w
+        replica_l[i] = r
+        b = busy[r]
+        start = t if t > b else b
+        work = (n_tok - hit) / tps
         busy[r] = start + work
-        ttft[i] = start - t + work
-        ep = int(trace.endpoint[i])
-        if ep in warm:
-            p = min(warm[ep] + 1, len(tokens))  # +1: a match always leaves one token to compute
-            current_prefix[ep] = (tokens[:p], ns)
-            if t + warm_period < last_ts[ep]:
-                next_due[ep] = t + warm_period
-                heapq.heappush(due, (t + warm_period, ep))
+        ttft_l[i] = start - t + work
+        if warm:
+            ep = endpoint_col[i]
+            if ep in warm:
+                if tokens is None:
+                    tokens = np.frombuffer(packed, dtype=np.uint32)
+                q = min(warm[ep] + 1, n_tok)  # +1: a match always leaves one token to compute
+                current_prefix[ep] = (tokens[:q], ns)
+                if t + warm_period < last_ts[ep]:
+                    next_due[ep] = t + warm_period
+                    heapq.heappush(due, (t + warm_period, ep))
         if progress is not None and i % 5000 == 0:
             progress(i)
+    cached = np.asarray(cached_l, dtype=np.int64)
+    written = np.asarray(written_l, dtype=np.int64)
+    replica = np.asarray(replica_l, dtype=np.int16)
+    ttft = np.asarray(ttft_l, dtype=np.float64)
+    totals.written += written_short
+    totals.written_long += written_long
     totals.cached = int(cached.sum())
     endpoints = _per_endpoint(trace, cached, ttft)
     reps = []

@@ -134,7 +134,7 @@ class PrefixCache:
     # ------------------------------------------------------------------ request path
     def match(
         self,
-        tokens: Sequence[int],
+        tokens: Sequence[int] | None,
         ns: Namespace,
         *,
         align_tokens: int | None = None,
@@ -149,15 +149,18 @@ class PrefixCache:
         ending on a multiple of ``align_tokens`` (default: the block size). The caller must
         call :meth:`release` once, whatever happens. ``keys`` and ``packed`` may pass what the
         caller already computed (``block_keys(tokens, ns, ...)``, ``pack_tokens(tokens)``): a
-        simulator replaying millions of requests hashes each shared prefix once.
+        simulator replaying millions of requests hashes each shared prefix once. With ``packed``
+        given, ``tokens`` may be None.
         """
-        n = len(tokens)
         B = self.block_size
         align = align_tokens or B
         if align % B:
             raise ValueError(f"align_tokens ({align}) must be a multiple of block_size ({B})")
         if packed is None:
+            if tokens is None:
+                raise ValueError("match needs tokens or packed")
             packed = pack_tokens(tokens)
+        n = len(packed) >> 2
         if keys is None:
             keys = block_keys(tokens, ns, B, self.hasher, packed=packed)
         elif len(keys) != len(packed) // (4 * B):
@@ -182,12 +185,12 @@ class PrefixCache:
                 self._hold(m, 0, usable, ttls)
                 m._depth = usable
                 m.outcome = Outcome.HIT if usable == max_blocks else Outcome.PARTIAL
-            usage = RequestUsage(prompt_tokens=n, cached_tokens=usable * B)
-            self._totals.add(usage, m.outcome)
+            outcome = m.outcome.value
+            self._totals.count(n, usable * B, outcome)
             tc = self._tenants.get(ns.tenant)
             if tc is None:
                 tc = self._tenants[ns.tenant] = TenantCounters()
-            tc.add(usage, m.outcome)
+            tc.count(n, usable * B, outcome)
         return m
 
     def _lookup(self, keys: list[BlockHash], packed: bytes, max_blocks: int) -> tuple[int, Run | None]:
@@ -226,8 +229,11 @@ class PrefixCache:
             store.release(m._held)
         m._held = tail
         # A block keeps the longest TTL it was asked for; ttls never grow along a chain.
-        # ttls[start] is the longest asked (asked TTLs never grow along a chain).
-        if ttls[start] > tail.ttl_s or ttls[start] > min([r.ttl_s for r, _, _ in store.chain(keys, start, stop)]):
+        # ttls[start] is the longest asked (asked TTLs never grow along a chain); no block can be
+        # below it when no run was ever stored with a shorter class (the usual single-TTL case).
+        if ttls[start] > store.min_ttl_s and (
+            ttls[start] > tail.ttl_s or ttls[start] > min([r.ttl_s for r, _, _ in store.chain(keys, start, stop)])
+        ):
             for i in range(start, stop):
                 run = store._index[keys[i]]
                 if ttls[i] > run.ttl_s:
@@ -278,9 +284,9 @@ class PrefixCache:
                         break  # the chain cannot continue under this key
                     continue
                 # A run of new blocks, inserted in one call (same effect as one insert each).
-                new, no_room, _ = store.insert_chain(
+                new, no_room, last = store.insert_chain(
                     keys, parent, m.packed, i, step, payload_fn, namespace=ns.root, tenant=ns.tenant, ttls=m.ttls,
-                    uniform_nbytes=uniform_nbytes, stop=stop,
+                    uniform_nbytes=uniform_nbytes, stop=stop, enter=False,
                 )
                 if new:
                     m.written_keys.extend(keys[i : i + new])
@@ -289,6 +295,8 @@ class PrefixCache:
                 if no_room or not new:
                     m.skipped_blocks = stop - i
                     break
+                if i < stop and last is not None:
+                    store._enter(last)  # more follows before the hold below: queued as a leaf meanwhile
                 parent = keys[i - 1]
             if i > start:
                 self._hold(m, start, i, m.ttls)
@@ -304,6 +312,106 @@ class PrefixCache:
                         for block in blocks:
                             tier.put(block)
         return CommitResult(written, tokens_written, m.skipped_blocks)
+
+    def replay(
+        self,
+        ns: Namespace,
+        keys: list[BlockHash],
+        packed: bytes,
+        *,
+        nbytes: int,
+        ttl_s: float | None = None,
+        align_tokens: int | None = None,
+        upto_tokens: int | None = None,
+    ) -> tuple[int, int]:
+        """One whole request for a simulator: exactly ``m = match(None, ns, keys=keys,
+        packed=packed, ...)``, ``commit(m, None, uniform_nbytes=nbytes, upto_tokens=...)`` and
+        ``release(m)``, with payloads None. Returns (cached tokens, written tokens).
+
+        The same store operations in the same order, minus what a request that ends at once never
+        needs (a Match object, the refresh of a block about to be refreshed again). Cases that need
+        more (tiers; a longer TTL class than some stored block has) take the three calls.
+        """
+        B = self.block_size
+        align = align_tokens or B
+        store = self.store
+        base = self.policy.default_ttl_s if ttl_s is None else float(ttl_s)
+        if self.tiers or align % B or not 0 < base <= store.min_ttl_s or len(keys) != len(packed) // (4 * B):
+            m = self.match(None, ns, align_tokens=align, ttl_s=ttl_s, keys=keys, packed=packed)
+            try:
+                r = self.commit(m, None, upto_tokens=upto_tokens, uniform_nbytes=nbytes)
+            finally:
+                self.release(m)
+            return m.cached_tokens, r.written_tokens
+        n = len(packed) >> 2
+        nk = len(keys)
+        max_blocks = (max(n - 1, 0) // align) * align // B
+        clock = self.clock
+        with self._lock:
+            # match
+            store.sweep()
+            n_hit, last = self._lookup(keys, packed, max_blocks)
+            if n_hit and last is not None and store.is_due(last, n_hit - 1 - last.depth, clock()):
+                n_hit -= 1
+            usable = (n_hit * B // align) * align // B
+            outcome = "miss" if not usable else "hit" if usable == max_blocks else "partial"
+            self._totals.count(n, usable * B, outcome)
+            tc = self._tenants.get(ns.tenant)
+            if tc is None:
+                tc = self._tenants[ns.tenant] = TenantCounters()
+            tc.count(n, usable * B, outcome)
+            held = None
+            lru = store._lru
+            if usable:  # hold and touch the deepest hit block (no TTL class to raise: see above)
+                held = store.tail_at(keys[usable - 1], usable - 1)
+                if held in lru:
+                    store._leave(held)
+                held.ref_count += 1
+                held.last_used = clock()
+            # commit
+            stop = nk if upto_tokens is None else min(nk, max(upto_tokens, 0) // B)
+            i = usable
+            parent: BlockHash | None = keys[i - 1] if i else None
+            written = 0
+            ttls: list[float] | None = None
+            while i < stop:
+                run, c, collided = store.match_run(keys, packed, i, stop, parent)
+                if run is not None:
+                    i += c
+                    if c:
+                        parent = keys[i - 1]
+                    if collided:
+                        break
+                    continue
+                if ttls is None:
+                    ttls = [base] * nk
+                new, no_room, last_new = store.insert_chain(
+                    keys, parent, packed, i, 4 * B, None, namespace=ns.root, tenant=ns.tenant, ttls=ttls,
+                    uniform_nbytes=nbytes, stop=stop, enter=False,
+                )
+                written += new
+                i += new
+                if no_room or not new:
+                    break
+                if i < stop and last_new is not None:
+                    store._enter(last_new)
+                parent = keys[i - 1]
+            if i > usable:  # hold the chain's deepest block instead, touched
+                tail = store.tail_at(keys[i - 1], i - 1)
+                if tail in lru:
+                    store._leave(tail)
+                tail.ref_count += 1
+                if held is not None:
+                    store.release(held)
+                tail.last_used = clock()
+                held = tail
+            if written:
+                self._totals.written_tokens += written * B
+                tc.written_tokens += written * B
+            # release
+            if held is not None:
+                store.release(held)
+        return usable * B, written * B
 
     def release(self, m: Match) -> None:
         """Drop every reference ``m`` holds. Idempotent; call it in a finally."""

@@ -40,10 +40,13 @@ class TenantCounters:
     outcomes: dict[str, int] = field(default_factory=lambda: {o.value: 0 for o in Outcome})
 
     def add(self, usage: RequestUsage, outcome: Outcome) -> None:
+        self.count(usage.prompt_tokens, usage.cached_tokens, outcome.value)
+
+    def count(self, prompt_tokens: int, cached_tokens: int, outcome: str) -> None:
         self.requests += 1
-        self.queried_tokens += usage.prompt_tokens
-        self.hit_tokens += usage.cached_tokens
-        self.outcomes[outcome.value] += 1
+        self.queried_tokens += prompt_tokens
+        self.hit_tokens += cached_tokens
+        self.outcomes[outcome] += 1
 
 
 @dataclass(slots=True)

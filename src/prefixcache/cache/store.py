@@ -189,6 +189,7 @@ class BlockStore:
         self._index: dict[BlockHash, Run] = {}  # every block's key -> its run
         self._lru: OrderedDict[Run, None] = OrderedDict()  # runs whose tail is an evictable leaf
         self._expiry: dict[float, OrderedDict[Run, None]] = {}
+        self._classes: list[float] = []  # the keys of _expiry, sorted
         self._listeners: list[Listener] = []
         self.bytes = 0  # unpinned blocks
         self.pinned_bytes = 0
@@ -196,6 +197,8 @@ class BlockStore:
         self.tenant_blocks: dict[str, int] = {}
         self.tenant_bytes: dict[str, int] = {}
         self.counters = StoreCounters()
+        #: No run was ever stored with a shorter TTL class than this (TTLs only grow after).
+        self.min_ttl_s = float("inf")
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -280,18 +283,22 @@ class BlockStore:
             self.counters.collisions += 1
             return run, 0, True
         c = min(n - j, stop - i)
-        if rk[j : j + c] != keys[i : i + c]:
-            t = 1
-            while t < c and rk[j + t] == keys[i + t]:
-                t += 1
-            c = t
+        # Both chains start from the same key, and a key is a function of its parent key and its
+        # tokens, so where the tokens agree the keys agree: one bytes comparison checks the run.
         s = run.step
-        if run.packed[j * s : (j + c) * s] != packed[i * s : (i + c) * s]:
-            t = 0
-            while run.packed[(j + t) * s : (j + t + 1) * s] == packed[(i + t) * s : (i + t + 1) * s]:
-                t += 1
-            self.counters.collisions += 1
-            return run, t, True
+        rp = run.packed
+        if rp[j * s : (j + c) * s] != packed[i * s : (i + c) * s]:
+            lo, hi = 0, c - 1  # blocks [0, lo) agree; the first differing block is at most hi
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if rp[j * s : (j + mid) * s] == packed[i * s : (i + mid) * s]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if rk[j + lo] == keys[i + lo]:  # same key, other tokens: a collision
+                self.counters.collisions += 1
+                return run, lo, True
+            return run, lo, False  # the prompt leaves the run here
         return run, c, False
 
     def is_due(self, run: Run, j: int, now: float) -> bool:
@@ -350,6 +357,7 @@ class BlockStore:
         ttls: list[float],
         uniform_nbytes: int | None = None,
         stop: int | None = None,
+        enter: bool = True,
     ) -> tuple[int, bool, Run | None]:
         """Insert a chain of new blocks: ``keys[j]`` (at depth ``j``) holds
         ``packed[j*step:(j+1)*step]`` and its payload ``payload_fn(j)``, for j from ``first`` up
@@ -363,6 +371,10 @@ class BlockStore:
         ``uniform_nbytes``: every payload has this size (the caller promises it), so room for the
         whole chain is made before the first insert (the same victims in the same order). With
         ``payload_fn`` None, every payload is None and ``uniform_nbytes`` is required.
+
+        ``enter`` False: the caller acquires the last block before anything else reads the
+        queues, so it is not queued as a leaf first (entering at the back and leaving at once
+        would change nothing).
         """
         index = self._index
         stop = len(keys) if stop is None else stop
@@ -383,8 +395,11 @@ class BlockStore:
         j = first
         k = 0
         if uniform_nbytes is not None and uniform_nbytes <= cap:
-            while j + k < stop and keys[j + k] not in index:
-                k += 1
+            if index.keys().isdisjoint(keys[j:stop]):  # the usual case, in C
+                k = stop - j
+            else:
+                while j + k < stop and keys[j + k] not in index:
+                    k += 1
             if self.bytes + k * uniform_nbytes > cap:
                 # If this fails, everything evictable is gone and the loop stops where the
                 # block-by-block path would.
@@ -400,17 +415,18 @@ class BlockStore:
                     j += k
                     if j < stop and keys[j] not in index:  # the stopper was evicted: go on one by one
                         return self._insert_slow(keys, keys[j - 1], last, packed, j, stop, step, payload_fn,
-                                                 namespace, tenant, ttls, uniform_nbytes, k)
-                    self._enter(last)
+                                                 namespace, tenant, ttls, uniform_nbytes, k, enter)
+                    if enter:
+                        self._enter(last)
                     return k, False, last
                 return 0, False, None
         return self._insert_slow(keys, parent, parent_run, packed, j, stop, step, payload_fn, namespace, tenant,
-                                 ttls, uniform_nbytes, 0)
+                                 ttls, uniform_nbytes, 0, enter)
 
     def _insert_slow(
         self, keys: list[BlockHash], parent: BlockHash | None, parent_run: Run | None, packed: bytes, j: int,
         stop: int, step: int, payload_fn: Callable[[int], tuple[Any, int]] | None, namespace: bytes, tenant: str,
-        ttls: list[float], uniform_nbytes: int | None, done: int,
+        ttls: list[float], uniform_nbytes: int | None, done: int, enter: bool,
     ) -> tuple[int, bool, Run | None]:
         """Block by block: each may need room, made before it goes in."""
         index = self._index
@@ -443,7 +459,7 @@ class BlockStore:
             last = self._new_runs(keys, parent, packed, first, j, step, payloads, sizes, unit, namespace, tenant,
                                   ttls, self.clock())
             self._account(tenant, n, sum(sizes))
-        if last is not None and (n or done):
+        if enter and last is not None and (n or done):
             self._enter(last)
         return n + done, no_room, last
 
@@ -462,6 +478,8 @@ class BlockStore:
         """Runs for the new blocks ``a..b`` (one per TTL class they span); returns the last."""
         run = None
         s = a
+        if ttls[b - 1] < self.min_ttl_s:
+            self.min_ttl_s = float(ttls[b - 1])
         while s < b:
             ttl = float(ttls[s])
             e = b if ttls[b - 1] == ttl else next(x for x in range(s + 1, b) if ttls[x] != ttl)
@@ -516,7 +534,7 @@ class BlockStore:
                 del self._expiry[run.ttl_s][run]
             run.ttl_s = float(ttl_s)
             if queued:
-                queue = self._expiry.setdefault(run.ttl_s, OrderedDict())
+                queue = self._expiry.get(run.ttl_s) or self._new_class(run.ttl_s)
                 queue[run] = None
                 if len(queue) > 1 and run.last_used + run.ttl_s <= _expires(next(iter(queue))):
                     queue.move_to_end(run, last=False)
@@ -594,7 +612,7 @@ class BlockStore:
         progress = True
         while progress:
             progress = False
-            for ttl in sorted(self._expiry):
+            for ttl in self._classes:
                 queue = self._expiry[ttl]
                 while queue:
                     run = next(iter(queue))
@@ -656,13 +674,18 @@ class BlockStore:
         lru[run] = None
         queue = self._expiry.get(run.ttl_s)
         if queue is None:
-            queue = self._expiry[run.ttl_s] = OrderedDict()
+            queue = self._new_class(run.ttl_s)
         queue[run] = None
         if ordered:
             if len(lru) > 1 and run.last_used <= next(iter(lru)).last_used:
                 lru.move_to_end(run, last=False)
             if len(queue) > 1 and run.last_used + run.ttl_s <= _expires(next(iter(queue))):
                 queue.move_to_end(run, last=False)
+
+    def _new_class(self, ttl: float) -> OrderedDict[Run, None]:
+        queue = self._expiry[ttl] = OrderedDict()
+        self._classes = sorted(self._expiry)
+        return queue
 
     def _leave(self, run: Run) -> None:
         del self._lru[run]
@@ -674,75 +697,108 @@ class BlockStore:
         while self.bytes + nbytes > cap:
             # The front is the victim; the protected block is the parent of the block being
             # inserted, which must survive its child's insertion.
-            victim = _first(lru, protect)
+            victim = None
+            for r in lru:
+                if r is not protect:
+                    victim = r
+                    break
             if victim is None:
                 return False
-            self._leave(victim)
+            queued = True
             while True:
                 # Block by block, each parent left inside the run is the next victim when it is
                 # at least as old as the front (it inherits the tail's time); else it is queued.
-                front = _first(lru)
+                front = None
+                for r in lru:
+                    if r is not victim:
+                        front = r
+                        break
+                n = len(victim.keys)
                 if front is None or victim.last_used <= front.last_used:
                     need = self.bytes + nbytes - cap
                     unit = victim.unit
                     if unit:
-                        k = min(len(victim.keys), -(-need // unit))
+                        k = min(n, -(-need // unit))
                     else:
                         k, freed, sizes = 0, 0, victim.sizes
-                        while freed < need and k < len(sizes):
+                        while freed < need and k < n:
                             k += 1
                             freed += sizes[-k]
                 else:
                     k = 1
-                orphan = self._drop(victim, k, "capacity", requeue=False)
-                if victim.keys:  # part of the run is left: its new tail is queued
-                    self._enter(victim, ordered=True)
+                if k < n:  # part of the run is left: its new tail is queued where a leaf entering goes
+                    self._drop(victim, k, "capacity", requeue=False)
+                    if queued:
+                        self._requeue(victim)
+                    else:
+                        self._enter(victim, ordered=True)
                     break
+                if queued:
+                    self._leave(victim)
+                orphan = self._drop(victim, k, "capacity", requeue=False)
                 # The run is gone; its parent, if now an evictable leaf, is the next victim
                 # while room is needed and it is at least as old as the front.
                 if orphan is None:
                     break
-                front = _first(lru)
+                front = next(iter(lru), None)
                 if (
                     self.bytes + nbytes > cap
                     and orphan is not protect
                     and (front is None or orphan.last_used <= front.last_used)
                 ):
-                    victim = orphan
+                    victim, queued = orphan, False
                     continue
                 self._enter(orphan, ordered=True)
                 break
         return True
 
+    def _requeue(self, run: Run) -> None:
+        """Move a queued run to where :meth:`_enter` (``ordered``) would put it after leaving."""
+        lru = self._lru
+        for r in lru:
+            if r is not run:
+                lru.move_to_end(run, last=not run.last_used <= r.last_used)
+                break
+        queue = self._expiry[run.ttl_s]
+        exp = run.last_used + run.ttl_s
+        for r in queue:
+            if r is not run:
+                queue.move_to_end(run, last=not exp <= r.last_used + r.ttl_s)
+                break
+
     def _drop(self, run: Run, k: int, reason: str, *, requeue: bool) -> Run | None:
         """Remove the last ``k`` blocks of an unqueued ``run`` (tail first). When the run empties,
         its parent's tail, now possibly a leaf, inherits its freshness; an evictable leaf parent
         is queued (``requeue``) or returned for the caller to queue or remove."""
-        n = len(run.keys)
-        gone = run.keys[n - k :]
+        keys = run.keys
+        n = len(keys)
+        cut = n - k
+        snaps = [run.block(j, reason) for j in range(n - 1, cut - 1, -1)] if self._listeners else None
         index = self._index
-        snaps = [run.block(j, reason) for j in range(n - 1, n - k - 1, -1)] if self._listeners else None
-        for key in gone:
+        for key in keys[cut:]:
             del index[key]
-        freed = run.unit * k if run.unit else sum(run.sizes[n - k :])
+        freed = run.unit * k if run.unit else sum(run.sizes[cut:])
         self.bytes -= freed
-        run.nbytes -= freed
-        self.tenant_blocks[run.tenant] -= k
-        self.tenant_bytes[run.tenant] -= freed
+        tenant = run.tenant
+        self.tenant_blocks[tenant] -= k
+        self.tenant_bytes[tenant] -= freed
         ev = self.counters.evictions
         ev[reason] = ev.get(reason, 0) + k
-        del run.keys[n - k :]
-        del run.payloads[n - k :]
-        del run.sizes[n - k :]
-        run.packed = run.packed[: (n - k) * run.step]
+        if cut:
+            run.nbytes -= freed
+            del keys[cut:]
+            del run.payloads[cut:]
+            del run.sizes[cut:]
+            run.packed = run.packed[: cut * run.step]
+        else:
+            run.keys = []  # the run object is dropped; keys[-1] is never read again
         if snaps is not None:
             for b in snaps:
                 for fn in self._listeners:
                     fn("evict", b)
                 b.payload = None  # drop the tensor now; listeners have had it
-        if run.keys:
+        if cut:
             return None
-        orphan = None
         if run.parent is not None:
             parent = index.get(run.parent)
             if parent is not None:
@@ -753,8 +809,8 @@ class BlockStore:
                     if requeue:
                         self._enter(parent, ordered=True)
                     else:
-                        orphan = parent
-        return orphan
+                        return parent
+        return None
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
