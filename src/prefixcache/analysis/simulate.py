@@ -141,19 +141,8 @@ class _Router:
         return max(range(self.n), key=scores.__getitem__)
 
     def cached_blocks(self, r: int, keys: list[bytes], packed: bytes) -> int:
-        """Longest live cached prefix on replica r, by binary search: the live set is
-        prefix-closed (parents outlive children; eviction trims leaves)."""
-        probe = self.caches[r].store.probe
-        step = 4 * self.cfg.block_size
-        lo, hi = 0, len(keys)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            j = mid - 1
-            if probe(keys[j], packed[j * step : (j + 1) * step], keys[j - 1] if j else None, j):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        """Longest live cached prefix on replica r (a walk that touches nothing)."""
+        return self.caches[r].cached_prefix(keys, packed)
 
     def choose(self, tokens: np.ndarray, ns: Namespace, now: float, keys: list[bytes], packed: bytes) -> int:
         if self.n == 1:

@@ -172,17 +172,19 @@ class PrefixCache:
         store = self.store
         with self._lock:
             store.sweep()
-            n_hit, last = self._lookup(keys, packed, max_blocks)
+            n_hit, segs = self._lookup(keys, packed, max_blocks)
             # Only a leaf can be due (ancestors' freshness is their subtree's), so one check.
-            if n_hit and last is not None and store.is_due(last, n_hit - 1 - last.depth, self.clock()):
+            if n_hit and store.is_due(segs[-1][0], n_hit - 1 - segs[-1][0].depth, self.clock()):
                 n_hit -= 1
+            promoted = 0
             if n_hit < max_blocks and self.tiers:
-                n_hit += self._promote(keys, packed, n_hit, max_blocks, ns, ttls)
+                promoted = self._promote(keys, packed, n_hit, max_blocks, ns, ttls)
+                n_hit += promoted
             usable = (n_hit * B // align) * align // B
             m = Match(namespace=ns, prompt_tokens=n, keys=keys, ttls=ttls, packed=packed, block_size=B,
                       cached_blocks=usable, _cache=self)
             if usable:
-                self._hold(m, 0, usable, ttls)
+                self._hold(m, 0, usable, ttls, at=None if promoted else _at(segs, usable - 1))
                 m._depth = usable
                 m.outcome = Outcome.HIT if usable == max_blocks else Outcome.PARTIAL
             outcome = m.outcome.value
@@ -193,37 +195,50 @@ class PrefixCache:
             tc.count(n, usable * B, outcome)
         return m
 
-    def _lookup(self, keys: list[BlockHash], packed: bytes, max_blocks: int) -> tuple[int, Run | None]:
-        """How many leading ``keys`` are cached, verified, and the run holding the last of them.
+    def _lookup(
+        self, keys: list[BlockHash], packed: bytes, max_blocks: int
+    ) -> tuple[int, list[tuple[Run, int, int]]]:
+        """How many leading ``keys`` are cached, verified, and the runs holding them: (run,
+        first index, count) each.
 
         Tokens (and parents) are compared so that even a hash collision cannot serve another
-        prompt's state. A run is compared in bulk (one list and one bytes comparison, in C).
+        prompt's state. A run is compared in bulk (one bytes comparison, in C).
         """
         match_run = self.store.match_run
         n = 0
         parent: BlockHash | None = None
-        last = None
+        segs: list[tuple[Run, int, int]] = []
         while n < max_blocks:
             run, c, collided = match_run(keys, packed, n, max_blocks, parent)
             if c:
+                segs.append((run, n - run.depth, c))  # type: ignore[union-attr]
                 n += c
                 parent = keys[n - 1]
-                last = run
             if collided or not c:
                 break
-        return n, last
+        return n, segs
 
-    def _hold(self, m: Match, start: int, stop: int, ttls: list[float]) -> None:
+    def cached_prefix(self, keys: list[BlockHash], packed: bytes) -> int:
+        """Blocks of this prompt that a request would find cached now (live, verified), without
+        touching anything: what a cache-aware router asks each replica."""
+        with self._lock:
+            n, segs = self._lookup(keys, packed, len(keys))
+            if n and self.store.is_due(segs[-1][0], n - 1 - segs[-1][0].depth, self.clock()):
+                n -= 1
+            return n
+
+    def _hold(self, m: Match, start: int, stop: int, ttls: list[float], at: tuple[Run, int] | None = None) -> None:
         """Make block ``stop - 1`` (of the chain ``keys[start:stop]``) the one block ``m`` holds,
         refreshed; raise TTL classes on the way (``ttls`` are the chain's asked TTLs, from 0).
 
         Holding the deepest block protects the whole chain (ancestors have a child, so they
         are never evicted or expired), and refreshing it refreshes them: O(1) per request
-        instead of O(prefix), except where a longer TTL class is asked for.
+        instead of O(prefix), except where a longer TTL class is asked for. ``at``: the run and
+        position of block ``stop - 1`` when the caller knows them (else the chain is walked).
         """
         store = self.store
         keys = m.keys
-        tail = store.tail_at(keys[stop - 1], stop - 1)
+        tail = store.split(*at) if at is not None else store.tail_at(keys, stop - 1)
         store.acquire(tail)
         if m._held is not None:
             store.release(m._held)
@@ -234,18 +249,26 @@ class PrefixCache:
         if ttls[start] > store.min_ttl_s and (
             ttls[start] > tail.ttl_s or ttls[start] > min([r.ttl_s for r, _, _ in store.chain(keys, start, stop)])
         ):
-            for i in range(start, stop):
-                run = store._index[keys[i]]
-                if ttls[i] > run.ttl_s:
-                    # The asked TTLs fall along the chain: raise this block and the ones after it
-                    # in its run that are asked the same, as one run.
-                    e = i
-                    while e + 1 < stop and run.depth + len(run.keys) > e + 1 and ttls[e + 1] == ttls[i]:
-                        e += 1
-                    piece = store.tail_at(keys[e], e)
-                    if piece.depth < i:
-                        store.split(piece, i - 1 - piece.depth)
-                    store.raise_ttl(piece, ttls[i])
+            # Deepest run first: a split moves a run's head to a new run and leaves the runs
+            # before it alone. None of these blocks is queued (all have a child but the tail,
+            # which is held), so the order of the raises does not matter.
+            for run, j, c in reversed(store.chain(keys, start, stop)):
+                i0 = run.depth + j
+                q = 0  # the blocks to raise are a prefix: asked TTLs fall along the chain
+                while q < c and ttls[i0 + q] > run.ttl_s:
+                    q += 1
+                cur, e = run, i0 + q
+                while e > i0:  # each group of equal asked TTL as a run of its own, from the last
+                    v = ttls[e - 1]
+                    a = e - 1
+                    while a > i0 and ttls[a - 1] == v:
+                        a -= 1
+                    piece = store.split(cur, e - 1 - cur.depth)
+                    rest = store.split(piece, a - 1 - piece.depth) if a > piece.depth else None
+                    store.raise_ttl(piece, v)
+                    if rest is None:
+                        break
+                    cur, e = rest, a
         store.touch(tail, ttls[stop - 1])
 
     def commit(
@@ -270,13 +293,18 @@ class PrefixCache:
         with self._lock:
             start = m._depth
             parent: BlockHash | None = keys[start - 1] if start else None
+            held = m._held
+            prev = (held, len(held.keys) - 1) if start and held is not None else None  # block i - 1
             written = 0
+            ranges: list[tuple[int, int]] = []
             i = start
             while i < stop:
                 run, c, collided = store.match_run(keys, m.packed, i, stop, parent)
                 if run is not None:
                     # Present already (another request stored it meanwhile, or it lies beyond an
                     # alignment cut): kept and acquired, not rewritten.
+                    if c:
+                        prev = (run, i + c - 1 - run.depth)
                     i += c
                     if c:
                         parent = keys[i - 1]
@@ -284,13 +312,18 @@ class PrefixCache:
                         break  # the chain cannot continue under this key
                     continue
                 # A run of new blocks, inserted in one call (same effect as one insert each).
+                parent_run = store.split(*prev) if prev is not None else None
+                if parent_run is not None:
+                    prev = (parent_run, len(parent_run.keys) - 1)
                 new, no_room, last = store.insert_chain(
                     keys, parent, m.packed, i, step, payload_fn, namespace=ns.root, tenant=ns.tenant, ttls=m.ttls,
-                    uniform_nbytes=uniform_nbytes, stop=stop, enter=False,
+                    uniform_nbytes=uniform_nbytes, stop=stop, enter=False, parent_run=parent_run,
                 )
-                if new:
+                if new and last is not None:
                     m.written_keys.extend(keys[i : i + new])
+                    ranges.append((i, new))
                     written += new
+                    prev = (last, len(last.keys) - 1)
                 i += new
                 if no_room or not new:
                     m.skipped_blocks = stop - i
@@ -299,7 +332,7 @@ class PrefixCache:
                     store._enter(last)  # more follows before the hold below: queued as a leaf meanwhile
                 parent = keys[i - 1]
             if i > start:
-                self._hold(m, start, i, m.ttls)
+                self._hold(m, start, i, m.ttls, at=prev)
                 m._depth = i
             tokens_written = written * B
             self._totals.written_tokens += tokens_written
@@ -308,7 +341,9 @@ class PrefixCache:
                 blocks = None
                 for tier in self.tiers:
                     if tier.write_through:
-                        blocks = blocks or self.snapshots(m.written_keys[-written:])
+                        if blocks is None:
+                            chain = self.snapshots(keys[:i])
+                            blocks = [chain[x] for a, c in ranges for x in range(a, a + c)]
                         for block in blocks:
                             tier.put(block)
         return CommitResult(written, tokens_written, m.skipped_blocks)
@@ -350,8 +385,8 @@ class PrefixCache:
         with self._lock:
             # match
             store.sweep()
-            n_hit, last = self._lookup(keys, packed, max_blocks)
-            if n_hit and last is not None and store.is_due(last, n_hit - 1 - last.depth, clock()):
+            n_hit, segs = self._lookup(keys, packed, max_blocks)
+            if n_hit and store.is_due(segs[-1][0], n_hit - 1 - segs[-1][0].depth, clock()):
                 n_hit -= 1
             usable = (n_hit * B // align) * align // B
             outcome = "miss" if not usable else "hit" if usable == max_blocks else "partial"
@@ -363,7 +398,7 @@ class PrefixCache:
             held = None
             lru = store._lru
             if usable:  # hold and touch the deepest hit block (no TTL class to raise: see above)
-                held = store.tail_at(keys[usable - 1], usable - 1)
+                held = store.split(*_at(segs, usable - 1))
                 if held in lru:
                     store._leave(held)
                 held.ref_count += 1
@@ -374,9 +409,12 @@ class PrefixCache:
             parent: BlockHash | None = keys[i - 1] if i else None
             written = 0
             ttls: list[float] | None = None
+            prev = (held, len(held.keys) - 1) if held is not None else None  # block i - 1
             while i < stop:
                 run, c, collided = store.match_run(keys, packed, i, stop, parent)
                 if run is not None:
+                    if c:
+                        prev = (run, i + c - 1 - run.depth)
                     i += c
                     if c:
                         parent = keys[i - 1]
@@ -385,10 +423,15 @@ class PrefixCache:
                     continue
                 if ttls is None:
                     ttls = [base] * nk
+                parent_run = store.split(*prev) if prev is not None else None
+                if parent_run is not None:
+                    prev = (parent_run, len(parent_run.keys) - 1)
                 new, no_room, last_new = store.insert_chain(
                     keys, parent, packed, i, 4 * B, None, namespace=ns.root, tenant=ns.tenant, ttls=ttls,
-                    uniform_nbytes=nbytes, stop=stop, enter=False,
+                    uniform_nbytes=nbytes, stop=stop, enter=False, parent_run=parent_run,
                 )
+                if new and last_new is not None:
+                    prev = (last_new, len(last_new.keys) - 1)
                 written += new
                 i += new
                 if no_room or not new:
@@ -397,7 +440,7 @@ class PrefixCache:
                     store._enter(last_new)
                 parent = keys[i - 1]
             if i > usable:  # hold the chain's deepest block instead, touched
-                tail = store.tail_at(keys[i - 1], i - 1)
+                tail = store.split(*prev)  # type: ignore[misc]
                 if tail in lru:
                     store._leave(tail)
                 tail.ref_count += 1
@@ -431,15 +474,15 @@ class PrefixCache:
         packed = pack_tokens(tokens)
         store = self.store
         with self._lock:
-            n, last = self._lookup(keys, packed, len(keys))
-            if n and last is not None and store.is_due(last, n - 1 - last.depth, self.clock()):
+            n, segs = self._lookup(keys, packed, len(keys))
+            if n and store.is_due(segs[-1][0], n - 1 - segs[-1][0].depth, self.clock()):
                 n -= 1
             if not n:
                 return 0
             pin_id = (ns.root, keys[n - 1])
             if pin_id in self._pins:
                 return n * self.block_size
-            runs = [store.isolate(keys[i], i) for i in range(n)]  # a pinned block is a run of its own
+            runs = [store.isolate(keys, i) for i in range(n)]  # a pinned block is a run of its own
             done: list[Run] = []
             try:
                 for run in runs:
@@ -460,7 +503,7 @@ class PrefixCache:
             for pin_id in [p for p in self._pins if p[0] == ns.root and p[1] in keys]:
                 chain = self._pins.pop(pin_id)
                 for key in reversed(chain):
-                    run = self.store._index.get(key)
+                    run = self.store.run_of(key)
                     if run is not None:
                         self.store.unpin(run)
                 unpinned = max(unpinned, len(chain) * self.block_size)
@@ -521,7 +564,7 @@ class PrefixCache:
             self.store.check_integrity()
             for (_, _), chain in self._pins.items():
                 for key in chain:
-                    run = self.store._index.get(key)
+                    run = self.store.run_of(key)
                     assert run is not None and run.pin_count > 0, "a pinned prefix lost a block"
 
     # ------------------------------------------------------------------ tiers
@@ -552,3 +595,11 @@ class PrefixCache:
             for tier in self.tiers:
                 if not tier.write_through:
                     tier.put(block)
+
+
+def _at(segs: list[tuple[Run, int, int]], i: int) -> tuple[Run, int]:
+    """The run and position of block ``i`` among a walk's segments."""
+    for run, j, _ in reversed(segs):
+        if run.depth + j <= i:
+            return run, i - run.depth
+    raise IndexError(i)

@@ -37,7 +37,6 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import Any
 
 from prefixcache.cache.clock import Clock, monotonic
@@ -90,16 +89,17 @@ class Run:
     """A chain of blocks (see the module docstring). ``keys[i]`` holds
     ``packed[i*step:(i+1)*step]``, ``payloads[i]`` and ``sizes[i]`` bytes, at depth ``depth + i``.
     ``ref_count``, ``last_used`` and ``n_children`` are the last block's; ``ttl_s``, ``pin_count``,
-    ``namespace`` and ``tenant`` are every block's."""
+    ``namespace`` and ``tenant`` are every block's. A dropped run has no keys."""
 
     __slots__ = (
-        "keys", "packed", "payloads", "sizes", "nbytes", "unit", "step", "depth", "parent",
+        "keys", "packed", "payloads", "sizes", "nbytes", "unit", "step", "depth", "parent", "up",
         "namespace", "tenant", "ttl_s", "last_used", "ref_count", "pin_count", "n_children",
     )
 
     def __init__(
         self, keys: list[BlockHash], packed: bytes, payloads: list[Any], sizes: list[int], unit: int,
         depth: int, parent: BlockHash | None, namespace: bytes, tenant: str, ttl_s: float, last_used: float,
+        up: Run | None = None,
     ) -> None:
         self.keys = keys
         self.packed = packed
@@ -110,6 +110,7 @@ class Run:
         self.step = len(packed) // len(keys)
         self.depth = depth
         self.parent = parent
+        self.up = up  # the run whose last block is this run's parent
         self.namespace = namespace
         self.tenant = tenant
         self.ttl_s = ttl_s
@@ -186,7 +187,11 @@ class BlockStore:
         self.capacity_bytes = int(capacity_bytes)
         self.pinned_capacity_bytes = int(pinned_capacity_bytes)
         self.clock = clock
-        self._index: dict[BlockHash, Run] = {}  # every block's key -> its run
+        # The first key of every run -> the run. Inner keys are not indexed: a walk enters a run
+        # at its first block and compares the rest by tokens (see match_run).
+        self._index: dict[BlockHash, Run] = {}
+        self._runs: dict[Run, None] = {}  # every live run
+        self._nblocks = 0
         self._lru: OrderedDict[Run, None] = OrderedDict()  # runs whose tail is an evictable leaf
         self._expiry: dict[float, OrderedDict[Run, None]] = {}
         self._classes: list[float] = []  # the keys of _expiry, sorted
@@ -202,49 +207,52 @@ class BlockStore:
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
-        return len(self._index)
+        return self._nblocks
 
     def __contains__(self, key: object) -> bool:
-        return key in self._index
+        return self._find(key) is not None  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Block]:
         """Snapshots of every block (O(n): for tests, admin and debugging)."""
-        runs = {id(r): r for r in self._index.values()}
-        return iter([r.block(j) for r in runs.values() for j in range(len(r.keys))])
+        return iter([r.block(j) for r in list(self._runs) for j in range(len(r.keys))])
 
     def runs(self) -> list[Run]:
-        return list({id(r): r for r in self._index.values()}.values())
+        return list(self._runs)
+
+    def _find(self, key: BlockHash) -> tuple[Run, int] | None:
+        """The run and position of the block stored under ``key``: O(1) for a run's first block,
+        else a scan (for admin and tests; request paths walk chains instead)."""
+        run = self._index.get(key)
+        if run is not None and run.keys[0] == key:
+            return run, 0
+        for r in self._runs:
+            if key in r.keys:
+                return r, r.keys.index(key)
+        return None
 
     def get(self, key: BlockHash) -> Block | None:
         """A snapshot of the block stored under ``key``, or None."""
-        run = self._index.get(key)
-        return None if run is None else run.block(run.keys.index(key))
+        found = self._find(key)
+        return None if found is None else found[0].block(found[1])
+
+    def run_of(self, key: BlockHash) -> Run | None:
+        """The run holding ``key`` (see :meth:`_find`)."""
+        found = self._find(key)
+        return None if found is None else found[0]
 
     def lookup(self, key: BlockHash, tokens: bytes, parent: BlockHash | None) -> Block | None:
         """A snapshot of the live block stored under ``key`` if it holds exactly ``tokens`` after
         ``parent``. A key whose tokens or parent differ is a hash collision: counted, never
         served. Does not touch the block."""
-        run = self._index.get(key)
-        if run is None:
+        found = self._find(key)
+        if found is None:
             return None
-        j = run.keys.index(key)
+        run, j = found
         if not self._verify(run, j, tokens, parent):
             return None
         if j == len(run.keys) - 1 and run in self._lru and run.last_used + run.ttl_s <= self.clock():
             return None  # due; the next sweep removes it
         return run.block(j)
-
-    def probe(self, key: BlockHash, tokens: bytes, parent: BlockHash | None, depth: int) -> bool:
-        """:meth:`lookup` for a block expected at ``depth``, answering only whether it is live."""
-        run = self._index.get(key)
-        if run is None:
-            return False
-        j = depth - run.depth
-        if not (0 <= j < len(run.keys) and run.keys[j] == key):
-            j = run.keys.index(key)
-        if not self._verify(run, j, tokens, parent):
-            return False
-        return not (j == len(run.keys) - 1 and run in self._lru and run.last_used + run.ttl_s <= self.clock())
 
     def _verify(self, run: Run, j: int, tokens: bytes, parent: BlockHash | None) -> bool:
         s = run.step
@@ -254,7 +262,8 @@ class BlockStore:
         return True
 
     def chain(self, keys: list[BlockHash], start: int, stop: int) -> list[tuple[Run, int, int]]:
-        """The runs holding ``keys[start:stop]``, a stored chain: (run, first index, count) each."""
+        """The runs holding ``keys[start:stop]``, a stored chain whose block ``start`` begins a
+        run (a root, or the child of a run's last block): (run, first index, count) each."""
         out = []
         index = self._index
         i = start
@@ -265,6 +274,11 @@ class BlockStore:
             out.append((run, j, c))
             i += c
         return out
+
+    def locate(self, keys: list[BlockHash], i: int) -> tuple[Run, int]:
+        """The run and position of block ``i`` of a stored chain ``keys`` (walked from its root)."""
+        run, j, c = self.chain(keys, 0, i + 1)[-1]
+        return run, j + c - 1
 
     def match_run(
         self, keys: list[BlockHash], packed: bytes, i: int, stop: int, parent: BlockHash | None
@@ -318,9 +332,12 @@ class BlockStore:
         s = run.step
         c = j + 1
         head = Run(run.keys[:c], run.packed[: c * s], run.payloads[:c], run.sizes[:c], run.unit, run.depth,
-                   run.parent, run.namespace, run.tenant, run.ttl_s, run.last_used)
+                   run.parent, run.namespace, run.tenant, run.ttl_s, run.last_used, run.up)
         head.pin_count = run.pin_count
         head.n_children = 1
+        index = self._index
+        if index.get(head.keys[0]) is run:
+            index[head.keys[0]] = head
         del run.keys[:c]
         run.packed = run.packed[c * s :]
         del run.payloads[:c]
@@ -328,17 +345,19 @@ class BlockStore:
         run.nbytes -= head.nbytes
         run.depth += c
         run.parent = head.keys[-1]
-        self._index.update(zip(head.keys, repeat(head)))
+        run.up = head
+        if run.keys[0] not in index:  # (taken only by a hash collision: then unreachable by key)
+            index[run.keys[0]] = run
+        self._runs[head] = None
         return head
 
-    def tail_at(self, key: BlockHash, depth: int) -> Run:
-        """The run of the block ``key`` (at ``depth``), split so that the block is its tail."""
-        run = self._index[key]
-        return self.split(run, depth - run.depth)
+    def tail_at(self, keys: list[BlockHash], i: int) -> Run:
+        """The run of block ``i`` of the stored chain ``keys``, split so that the block is its tail."""
+        return self.split(*self.locate(keys, i))
 
-    def isolate(self, key: BlockHash, depth: int) -> Run:
-        """The block ``key`` (at ``depth``) as a run of its own."""
-        run = self.tail_at(key, depth)
+    def isolate(self, keys: list[BlockHash], i: int) -> Run:
+        """Block ``i`` of the stored chain ``keys`` as a run of its own."""
+        run = self.tail_at(keys, i)
         if len(run.keys) > 1:
             self.split(run, len(run.keys) - 2)
         return run
@@ -358,6 +377,7 @@ class BlockStore:
         uniform_nbytes: int | None = None,
         stop: int | None = None,
         enter: bool = True,
+        parent_run: Run | None = None,
     ) -> tuple[int, bool, Run | None]:
         """Insert a chain of new blocks: ``keys[j]`` (at depth ``j``) holds
         ``packed[j*step:(j+1)*step]`` and its payload ``payload_fn(j)``, for j from ``first`` up
@@ -372,19 +392,19 @@ class BlockStore:
         whole chain is made before the first insert (the same victims in the same order). With
         ``payload_fn`` None, every payload is None and ``uniform_nbytes`` is required.
 
-        ``enter`` False: the caller acquires the last block before anything else reads the
+        ``parent_run``: the run whose last block is ``parent`` (found by walking ``keys`` when
+        not given). ``enter`` False: the caller acquires the last block before anything else reads the
         queues, so it is not queued as a leaf first (entering at the back and leaving at once
         would change nothing).
         """
-        index = self._index
         stop = len(keys) if stop is None else stop
-        parent_run = None
-        if parent is not None:
-            parent_run = index.get(parent)
-            if parent_run is None:
-                return 0, True, None
-            if parent_run.keys[-1] != parent:  # a new branch off the middle of a run
-                parent_run = self.split(parent_run, parent_run.keys.index(parent))
+        if parent is None:
+            parent_run = None
+        elif parent_run is None or not parent_run.keys or parent_run.keys[-1] != parent:
+            try:
+                parent_run = self.tail_at(keys, first - 1)  # a new branch off the middle of a run
+            except (KeyError, IndexError):
+                return 0, True, None  # the parent is not stored
         if payload_fn is None and uniform_nbytes is None:
             raise ValueError("insert_chain without payload_fn needs uniform_nbytes")
         cap = self.capacity_bytes
@@ -395,11 +415,10 @@ class BlockStore:
         j = first
         k = 0
         if uniform_nbytes is not None and uniform_nbytes <= cap:
-            if index.keys().isdisjoint(keys[j:stop]):  # the usual case, in C
-                k = stop - j
-            else:
-                while j + k < stop and keys[j + k] not in index:
-                    k += 1
+            # None of them is stored: a block's key names its whole prefix, and block j is not
+            # stored, so no later one is either (barring a hash collision, which a walk's token
+            # comparison catches later).
+            k = stop - j
             if self.bytes + k * uniform_nbytes > cap:
                 # If this fails, everything evictable is gone and the loop stops where the
                 # block-by-block path would.
@@ -408,14 +427,10 @@ class BlockStore:
                 # Room for all k: no eviction can happen between them, so they go in at once.
                 if k:
                     self._attach(parent_run)
-                    last = self._new_runs(keys, parent, packed, j, j + k, step, None, [uniform_nbytes] * k,
-                                          uniform_nbytes, namespace, tenant, ttls, clock())
+                    last = self._new_runs(keys, parent, parent_run, packed, j, j + k, step, None,
+                                          [uniform_nbytes] * k, uniform_nbytes, namespace, tenant, ttls, clock())
                     self.bytes += k * uniform_nbytes
                     self._account(tenant, k, k * uniform_nbytes)
-                    j += k
-                    if j < stop and keys[j] not in index:  # the stopper was evicted: go on one by one
-                        return self._insert_slow(keys, keys[j - 1], last, packed, j, stop, step, payload_fn,
-                                                 namespace, tenant, ttls, uniform_nbytes, k, enter)
                     if enter:
                         self._enter(last)
                     return k, False, last
@@ -456,8 +471,8 @@ class BlockStore:
         n = j - first
         if n:
             unit = sizes[0] if sizes.count(sizes[0]) == n else 0
-            last = self._new_runs(keys, parent, packed, first, j, step, payloads, sizes, unit, namespace, tenant,
-                                  ttls, self.clock())
+            last = self._new_runs(keys, parent, parent_run, packed, first, j, step, payloads, sizes, unit,
+                                  namespace, tenant, ttls, self.clock())
             self._account(tenant, n, sum(sizes))
         if enter and last is not None and (n or done):
             self._enter(last)
@@ -471,7 +486,8 @@ class BlockStore:
             parent_run.n_children += 1
 
     def _new_runs(
-        self, keys: list[BlockHash], parent: BlockHash | None, packed: bytes, a: int, b: int, step: int,
+        self, keys: list[BlockHash], parent: BlockHash | None, up: Run | None, packed: bytes, a: int, b: int,
+        step: int,
         payloads: list[Any] | None, sizes: list[int], unit: int, namespace: bytes, tenant: str,
         ttls: list[float], now: float,
     ) -> Run:
@@ -485,11 +501,16 @@ class BlockStore:
             e = b if ttls[b - 1] == ttl else next(x for x in range(s + 1, b) if ttls[x] != ttl)
             rk = keys[s:e]
             run = Run(rk, packed[s * step : e * step], payloads[s - a : e - a] if payloads is not None else [None] * (e - s),
-                      sizes[s - a : e - a], unit, s, parent, namespace, tenant, ttl, now)
+                      sizes[s - a : e - a], unit, s, parent, namespace, tenant, ttl, now, up)
             if e < b:
                 run.n_children = 1
-            self._index.update(zip(rk, repeat(run)))
+            index = self._index
+            if rk[0] not in index:  # (taken only by a hash collision: then unreachable by key)
+                index[rk[0]] = run
+            self._runs[run] = None
+            self._nblocks += e - s
             parent = rk[-1]
+            up = run
             s = e
         assert run is not None
         if self._listeners:
@@ -500,12 +521,7 @@ class BlockStore:
         return run
 
     def _chain_runs(self, keys: list[BlockHash], a: int, b: int) -> list[Run]:
-        out: list[Run] = []
-        for i in range(a, b):
-            r = self._index[keys[i]]
-            if not out or out[-1] is not r:
-                out.append(r)
-        return out
+        return [r for r, _, _ in self.chain(keys, a, b)]
 
     def _account(self, tenant: str, n: int, nbytes: int) -> None:
         self.tenant_blocks[tenant] = self.tenant_blocks.get(tenant, 0) + n
@@ -551,7 +567,7 @@ class BlockStore:
         if run.ref_count <= 0:
             raise RuntimeError(f"release of block {run.keys[-1].hex()[:12]} that holds no reference")
         run.ref_count -= 1
-        if run.ref_count == 0 and self._index.get(run.keys[-1]) is run:
+        if run.ref_count == 0 and run.keys:
             run.last_used = self.clock()
             if run.pin_count == 0 and run.n_children == 0:
                 self._enter(run)
@@ -659,7 +675,7 @@ class BlockStore:
         )
         n = 0
         for run in victims:
-            if run.n_children == 0 and run.ref_count == 0 and self._index.get(run.keys[-1]) is run:
+            if run.n_children == 0 and run.ref_count == 0 and run.keys:
                 if run in self._lru:
                     self._leave(run)
                 n += len(run.keys)
@@ -774,9 +790,7 @@ class BlockStore:
         n = len(keys)
         cut = n - k
         snaps = [run.block(j, reason) for j in range(n - 1, cut - 1, -1)] if self._listeners else None
-        index = self._index
-        for key in keys[cut:]:
-            del index[key]
+        self._nblocks -= k
         freed = run.unit * k if run.unit else sum(run.sizes[cut:])
         self.bytes -= freed
         tenant = run.tenant
@@ -791,7 +805,11 @@ class BlockStore:
             del run.sizes[cut:]
             run.packed = run.packed[: cut * run.step]
         else:
-            run.keys = []  # the run object is dropped; keys[-1] is never read again
+            index = self._index
+            if index.get(keys[0]) is run:
+                del index[keys[0]]
+            del self._runs[run]
+            run.keys = []  # dropped
         if snaps is not None:
             for b in snaps:
                 for fn in self._listeners:
@@ -799,17 +817,16 @@ class BlockStore:
                 b.payload = None  # drop the tensor now; listeners have had it
         if cut:
             return None
-        if run.parent is not None:
-            parent = index.get(run.parent)
-            if parent is not None:
-                parent.n_children -= 1
-                if run.last_used > parent.last_used:
-                    parent.last_used = run.last_used
-                if parent.n_children == 0 and parent.ref_count == 0 and parent.pin_count == 0:
-                    if requeue:
-                        self._enter(parent, ordered=True)
-                    else:
-                        return parent
+        parent = run.up
+        if parent is not None:
+            parent.n_children -= 1
+            if run.last_used > parent.last_used:
+                parent.last_used = run.last_used
+            if parent.n_children == 0 and parent.ref_count == 0 and parent.pin_count == 0:
+                if requeue:
+                    self._enter(parent, ordered=True)
+                else:
+                    return parent
         return None
 
     # ------------------------------------------------------------------ checks
@@ -823,23 +840,22 @@ class BlockStore:
         nkeys = 0
         for r in runs:
             n = len(r.keys)
-            assert n >= 1, "an empty run is indexed"
+            assert n >= 1, "an empty run is live"
             assert len(r.payloads) == n and len(r.sizes) == n and len(r.packed) == n * r.step, "run arrays disagree"
             assert r.nbytes == sum(r.sizes), "run byte count drifted"
             assert not r.unit or all(s == r.unit for s in r.sizes), "a uniform run holds another size"
-            assert all(self._index.get(k) is r for k in r.keys), "a key is indexed to another run"
             assert r.ref_count >= 0 and r.pin_count >= 0, "negative reference or pin count"
             nkeys += n
             if r.parent is not None:
-                p = self._index.get(r.parent)
-                assert p is not None, "orphan: a block whose parent is gone"
+                p = r.up
+                assert p is not None and p.keys and p in self._runs, "orphan: a block whose parent is gone"
                 assert p.keys[-1] == r.parent, "a run hangs off the middle of another run"
                 assert p.depth + len(p.keys) == r.depth, "depth does not follow the chain"
                 if r.pin_count:
                     assert p.pin_count, "a pinned block under an unpinned parent"
                 children[id(p)] = children.get(id(p), 0) + 1
             else:
-                assert r.depth == 0, "a first block not at depth 0"
+                assert r.up is None and r.depth == 0, "a first block not at depth 0"
             if r.pin_count:
                 assert n == 1, "a pinned block shares its run"
                 pinned_bytes += r.nbytes
@@ -848,13 +864,17 @@ class BlockStore:
                 bytes_ += r.nbytes
             tenant_blocks[r.tenant] = tenant_blocks.get(r.tenant, 0) + n
             tenant_bytes[r.tenant] = tenant_bytes.get(r.tenant, 0) + r.nbytes
-        assert nkeys == len(self._index), "the index holds keys of no run"
+            indexed = self._index.get(r.keys[0])
+            assert indexed is not None and indexed.keys[0] == r.keys[0], "a run's first key is not indexed"
+        assert nkeys == self._nblocks, "the block count drifted"
+        assert all(r in self._runs and r.keys and r.keys[0] == k for k, r in self._index.items()), "a stale index entry"
         for r in runs:
             assert r.n_children == children.get(id(r), 0), "child count is wrong"
             queued = r.ref_count == 0 and r.pin_count == 0 and r.n_children == 0
             assert (r in self._lru) == queued, "LRU membership disagrees with 'evictable leaf'"
             assert (r in self._expiry.get(r.ttl_s, {})) == queued, "expiry queue disagrees"
         assert len(self._lru) == sum(len(q) for q in self._expiry.values()), "LRU and expiry disagree"
+        assert self._classes == sorted(self._expiry), "TTL classes out of order"
         assert bytes_ == self.bytes, f"byte count drifted: {self.bytes} recorded, {bytes_} held"
         assert pinned_bytes == self.pinned_bytes and pinned == self.pinned_blocks, "pinned count drifted"
         assert self.bytes <= self.capacity_bytes, "over the byte budget"
