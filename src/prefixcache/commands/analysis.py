@@ -29,9 +29,12 @@ def _progress() -> Progress:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    # On stderr, so that --json output on stdout stays clean.
+    # On stderr, so that --json output on stdout stays clean. Redrawn twice a second, and not at
+    # all when stderr is not a terminal: the redraw thread takes the GIL from the replay loop
+    # (at 10 redraws a second a piped `simulate` of 10^5 requests took 40% longer).
+    console = Console(stderr=True)
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    transient=True, console=Console(stderr=True))
+                    transient=True, console=console, refresh_per_second=2, disable=not console.is_terminal)
 
 
 def _load(path: Path, tokenizer: str | None) -> Trace:
