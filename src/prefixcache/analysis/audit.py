@@ -261,7 +261,7 @@ def _scan(
     # staircases of the few runs its shared prefix passes through.
     S = _INDEX_EVERY
     where: dict[bytes, int] = {}
-    run_keys: list[list[bytes]] = []
+    run_keys: list[bytes] = []  # each run's keys, joined
     run_parent: list[int] = []  # run << 32 | position of the parent key, -1 at depth 0
     run_ends: list[list[int]] = []
     run_times: list[list[float]] = []
@@ -303,6 +303,7 @@ def _scan(
             add_version(e, i, keys)
         probe_keys[e] = []
 
+    kw = 16  # bytes per fingerprint key
     keys_of = chains.iter_keys(zip(map(roots.__getitem__, tenant), parts, strict=True))
     for i, keys in enumerate(keys_of):
         t = ts[i]
@@ -330,7 +331,8 @@ def _scan(
             k = keys[j]
             if ru >= 0:
                 rk = run_keys[ru]
-                if idx + 1 < len(rk) and rk[idx + 1] == k:
+                a = (idx + 1) * kw
+                if a < len(rk) and rk[a : a + kw] == k:
                     idx += 1
                     j += 1
                     continue
@@ -402,7 +404,7 @@ def _scan(
             nr = len(run_keys)
             ep_stairs[nr * n_ep + e] = ([nk - m], [i])
             run_parent.append(path[0][0] << 32 | path[0][1] if m else -1)
-            run_keys.append(keys[m:])
+            run_keys.append(b"".join(keys[m:]))  # one object per run, not one per key (~1.3 GB at 10^6)
             run_ends.append([nk - m])
             run_times.append([t])
             where[keys[m]] = nr << 32

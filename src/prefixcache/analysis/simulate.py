@@ -171,8 +171,8 @@ class _Router:
 def simulate(trace: Trace, cfg: SimConfig, *, progress: Callable[[int], None] | None = None) -> SimResult:
     """Replay ``trace`` under ``cfg``. Deterministic for a given trace and config.
 
-    Work per request is O(prompt blocks) in the cache (plus O(replicas x log blocks) probes for
-    cache-aware routing), never O(cache size).
+    Work per request is O(runs on the prompt's path) in the cache, plus C-level copies of its new
+    tokens and keys (and, for cache-aware routing, one walk per replica), never O(cache size).
     """
     with paused_gc():
         return _simulate(trace, cfg, progress)
