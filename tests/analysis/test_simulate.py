@@ -138,3 +138,35 @@ def test_calibration_from_prefixcache_bench(tmp_path: Path) -> None:
     assert (m.prefill_tps, m.decode_tps, m.kv_bytes_per_token, m.source) == (812.5, 31.2, 46080, str(cal))
     assert cost_model(300.0, cal).prefill_tps == 300.0  # the flag wins
     assert cost_model(None, tmp_path / "missing.json").prefill_tps == DEFAULT_PREFILL_TPS
+
+
+@pytest.mark.parametrize("capacity_blocks,ttl,align", [(60, 3600.0, 16), (10_000, 5.0, 16), (20, 3600.0, 64)])
+def test_fingerprint_replay_matches_sha256_match_commit_release(
+    tmp_path: Path, capacity_blocks: int, ttl: float, align: int
+) -> None:
+    """The simulator (fingerprint keys, one ``replay`` call per request) gives every request the
+    hit and writes that the engine's path gives: a PrefixCache with real SHA-256 keys driven by
+    match, commit and release. Capacity-bound, TTL-bound, and with chunk alignment."""
+    from prefixcache.cache import FakeClock, Namespace, PrefixCache
+
+    trace = load_trace(_multi_endpoint_trace(tmp_path / "m.jsonl", endpoints=6, requests=500, sys_tokens=96))
+    cfg = SimConfig(capacity_bytes=capacity_blocks * 16, cost=TINY, ttl_s=ttl, align_tokens=align)
+    sim = simulate(trace, cfg)
+    clock = FakeClock(float(trace.ts[0]))
+    cache = PrefixCache(block_size=16, capacity_bytes=capacity_blocks * 16, default_ttl_s=ttl, clock=clock,
+                        pinned_capacity_bytes=0)
+    namespaces = [Namespace.create(cfg.fingerprint, tenant=t, salt=f"tenant:{t}") for t in trace.tenants]
+    cached, written = [], []
+    for i in range(len(trace)):
+        clock.set(max(float(trace.ts[i]), clock.now))
+        tokens = trace.tokens(i)
+        m = cache.match(tokens, namespaces[trace.tenant[i]], align_tokens=align)
+        r = cache.commit(m, lambda _j: (None, 16), upto_tokens=(len(tokens) // align) * align)
+        cache.release(m)
+        cached.append(m.cached_tokens)
+        written.append(r.written_tokens)
+    assert sim.cached.tolist() == cached
+    assert sim.written.tolist() == written
+    assert 0 < sim.hit_rate < 1 and sum(written) > 0
+    assert sim.replicas[0]["evictions"] == cache.stats().evictions
+    assert sum(cache.stats().evictions.values()) > 0  # the cases evict (capacity) or expire (TTL)
