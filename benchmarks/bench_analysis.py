@@ -104,7 +104,7 @@ def plot(rows: list[tuple[str, float, float | None, int, float]], out: Path) -> 
         ax.barh(names[::-1], [r[1] for r in mine][::-1], color="#4477aa")
         if n >= 1_000_000:
             ax.axvline(TARGET_S, color="#cc3311", linestyle="--", label=f"target {TARGET_S:.0f} s")
-            ax.legend(loc="lower right")
+            ax.legend(loc="upper right")
         ax.set_xlabel("wall seconds")
         ax.set_title(f"{n:,} requests")
     fig.tight_layout()
