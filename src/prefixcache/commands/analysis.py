@@ -42,8 +42,9 @@ def _load(path: Path, tokenizer: str | None) -> Trace:
 
     if not path.is_file():
         raise typer.BadParameter(f"no such trace file: {path}", param_hint="TRACE")
-    total = count_lines(path)
-    with _progress() as prog:
+    prog = _progress()
+    total = count_lines(path) if not prog.disable else 0  # a bar's total: only when one is drawn
+    with prog:
         task = prog.add_task(f"reading {path.name}", total=total or None)
         try:
             return load_trace(path, tokenizer=tokenizer, progress=lambda k: prog.update(task, completed=k))
