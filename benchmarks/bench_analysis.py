@@ -54,8 +54,8 @@ def _cli(args: list[str]) -> float:
     return time.perf_counter() - t
 
 
-def bench(n: int, folder: Path, cli: bool, console: Console) -> list[tuple[str, float, float | None, int, float]]:
-    """Rows (stage, wall s, CPU s or None, requests, blocks per request) for one trace size."""
+def bench(n: int, folder: Path, cli: bool, console: Console) -> list[tuple[str, float, float | None, int]]:
+    """Rows (stage, wall s, CPU s or None, requests) for one trace size."""
     path = folder / f"trace_{n}.jsonl"
     rows: list[tuple[str, float, float | None]] = []
     with _Timer() as tm:
@@ -87,10 +87,10 @@ def bench(n: int, folder: Path, cli: bool, console: Console) -> list[tuple[str, 
         rows.append(("`prefixcache simulate TRACE --json`, end to end", _cli(["simulate", str(path), "--json"]), None))
         console.print(f"  CLI: audit {rows[-2][1]:.1f} s, simulate {rows[-1][1]:.1f} s")
     path.unlink()
-    return [(name, w, c, n, blocks) for name, w, c in rows]
+    return [(name, w, c, n) for name, w, c in rows]
 
 
-def plot(rows: list[tuple[str, float, float | None, int, float]], out: Path) -> None:
+def plot(rows: list[tuple[str, float, float | None, int]], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -127,7 +127,7 @@ def main() -> None:
     for col in ("stage", "requests", "wall s", "CPU s", "µs per request (wall)"):
         table.add_column(col, justify="right")
     md = ["| stage | requests | wall s | CPU s | µs per request (wall) |", "|---|---:|---:|---:|---:|"]
-    for name, w, c, n, _blocks in rows:
+    for name, w, c, n in rows:
         cells = (f"{n:,}", f"{w:,.1f}", "" if c is None else f"{c:,.1f}", f"{1e6 * w / n:,.0f}")
         table.add_row(name, *cells)
         md.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -285,52 +285,20 @@ class PrefixCache:
         if m.released:
             raise RuntimeError("commit after release: the match no longer holds its prefix")
         B = self.block_size
-        step = 4 * B
         ns = m.namespace
         keys = m.keys
         stop = len(keys) if upto_tokens is None else min(len(keys), max(upto_tokens, 0) // B)
-        store = self.store
         with self._lock:
             start = m._depth
-            parent: BlockHash | None = keys[start - 1] if start else None
             held = m._held
-            prev = (held, len(held.keys) - 1) if start and held is not None else None  # block i - 1
-            written = 0
-            ranges: list[tuple[int, int]] = []
-            i = start
-            while i < stop:
-                run, c, collided = store.match_run(keys, m.packed, i, stop, parent)
-                if run is not None:
-                    # Present already (another request stored it meanwhile, or it lies beyond an
-                    # alignment cut): kept and acquired, not rewritten.
-                    if c:
-                        prev = (run, i + c - 1 - run.depth)
-                    i += c
-                    if c:
-                        parent = keys[i - 1]
-                    if collided:
-                        break  # the chain cannot continue under this key
-                    continue
-                # A run of new blocks, inserted in one call (same effect as one insert each).
-                parent_run = store.split(*prev) if prev is not None else None
-                if parent_run is not None:
-                    prev = (parent_run, len(parent_run.keys) - 1)
-                new, no_room, last = store.insert_chain(
-                    keys, parent, m.packed, i, step, payload_fn, namespace=ns.root, tenant=ns.tenant, ttls=m.ttls,
-                    uniform_nbytes=uniform_nbytes, stop=stop, enter=False, parent_run=parent_run,
-                )
-                if new and last is not None:
-                    m.written_keys.extend(keys[i : i + new])
-                    ranges.append((i, new))
-                    written += new
-                    prev = (last, len(last.keys) - 1)
-                i += new
-                if no_room or not new:
-                    m.skipped_blocks = stop - i
-                    break
-                if i < stop and last is not None:
-                    store._enter(last)  # more follows before the hold below: queued as a leaf meanwhile
-                parent = keys[i - 1]
+            prev = (held, len(held.keys) - 1) if start and held is not None else None  # block start - 1
+            i, ranges, prev, short = self._write(ns, keys, m.packed, start, stop, prev, payload_fn, m.ttls,
+                                                 uniform_nbytes)
+            written = sum(c for _, c in ranges)
+            for a, c in ranges:
+                m.written_keys.extend(keys[a : a + c])
+            if short:
+                m.skipped_blocks = stop - i
             if i > start:
                 self._hold(m, start, i, m.ttls, at=prev)
                 m._depth = i
@@ -347,6 +315,48 @@ class PrefixCache:
                         for block in blocks:
                             tier.put(block)
         return CommitResult(written, tokens_written, m.skipped_blocks)
+
+    def _write(
+        self, ns: Namespace, keys: list[BlockHash], packed: bytes, start: int, stop: int,
+        prev: tuple[Run, int] | None, payload_fn: PayloadFn | None, ttls: list[float], uniform_nbytes: int | None,
+    ) -> tuple[int, list[tuple[int, int]], tuple[Run, int] | None, bool]:
+        """Commit's walk from block ``start`` (``prev``: the run and position of block
+        ``start - 1``): blocks already present (stored meanwhile by another request, or beyond an
+        alignment cut) are kept, runs of new ones inserted, each in one call. Returns (the block
+        reached, the (first, count) runs written, the run and position of the block before it,
+        whether it stopped for lack of room)."""
+        store = self.store
+        step = 4 * self.block_size
+        parent: BlockHash | None = keys[start - 1] if start else None
+        ranges: list[tuple[int, int]] = []
+        i = start
+        while i < stop:
+            run, c, collided = store.match_run(keys, packed, i, stop, parent)
+            if run is not None:
+                if c:
+                    prev = (run, i + c - 1 - run.depth)
+                    i += c
+                    parent = keys[i - 1]
+                if collided:
+                    break  # the chain cannot continue under this key
+                continue
+            parent_run = store.split(*prev) if prev is not None else None
+            if parent_run is not None:
+                prev = (parent_run, len(parent_run.keys) - 1)
+            new, no_room, last = store.insert_chain(
+                keys, parent, packed, i, step, payload_fn, namespace=ns.root, tenant=ns.tenant, ttls=ttls,
+                uniform_nbytes=uniform_nbytes, stop=stop, enter=False, parent_run=parent_run,
+            )
+            if new and last is not None:
+                ranges.append((i, new))
+                prev = (last, len(last.keys) - 1)
+            i += new
+            if no_room or not new:
+                return i, ranges, prev, True
+            if i < stop and last is not None:
+                store._enter(last)  # more follows before the hold: queued as a leaf meanwhile
+            parent = keys[i - 1]
+        return i, ranges, prev, False
 
     def replay(
         self,
@@ -405,40 +415,9 @@ class PrefixCache:
                 held.last_used = clock()
             # commit
             stop = nk if upto_tokens is None else min(nk, max(upto_tokens, 0) // B)
-            i = usable
-            parent: BlockHash | None = keys[i - 1] if i else None
-            written = 0
-            ttls: list[float] | None = None
-            prev = (held, len(held.keys) - 1) if held is not None else None  # block i - 1
-            while i < stop:
-                run, c, collided = store.match_run(keys, packed, i, stop, parent)
-                if run is not None:
-                    if c:
-                        prev = (run, i + c - 1 - run.depth)
-                    i += c
-                    if c:
-                        parent = keys[i - 1]
-                    if collided:
-                        break
-                    continue
-                if ttls is None:
-                    ttls = [base] * nk
-                parent_run = store.split(*prev) if prev is not None else None
-                if parent_run is not None:
-                    prev = (parent_run, len(parent_run.keys) - 1)
-                new, no_room, last_new = store.insert_chain(
-                    keys, parent, packed, i, 4 * B, None, namespace=ns.root, tenant=ns.tenant, ttls=ttls,
-                    uniform_nbytes=nbytes, stop=stop, enter=False, parent_run=parent_run,
-                )
-                if new and last_new is not None:
-                    prev = (last_new, len(last_new.keys) - 1)
-                written += new
-                i += new
-                if no_room or not new:
-                    break
-                if i < stop and last_new is not None:
-                    store._enter(last_new)
-                parent = keys[i - 1]
+            prev = (held, len(held.keys) - 1) if held is not None else None  # block usable - 1
+            i, ranges, prev, _ = self._write(ns, keys, packed, usable, stop, prev, None, [base] * nk, nbytes)
+            written = sum(c for _, c in ranges)
             if i > usable:  # hold the chain's deepest block instead, touched
                 tail = store.split(*prev)  # type: ignore[misc]
                 if tail in lru:

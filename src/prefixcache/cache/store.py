@@ -119,17 +119,6 @@ class Run:
         self.pin_count = 0
         self.n_children = 0
 
-    @property
-    def expires_at(self) -> float:
-        return self.last_used + self.ttl_s
-
-    @property
-    def tail(self) -> BlockHash:
-        return self.keys[-1]
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
     def __repr__(self) -> str:
         return f"Run(depth={self.depth}, blocks={len(self.keys)}, tail={self.keys[-1].hex()[:12]})"
 
@@ -239,27 +228,6 @@ class BlockStore:
         """The run holding ``key`` (see :meth:`_find`)."""
         found = self._find(key)
         return None if found is None else found[0]
-
-    def lookup(self, key: BlockHash, tokens: bytes, parent: BlockHash | None) -> Block | None:
-        """A snapshot of the live block stored under ``key`` if it holds exactly ``tokens`` after
-        ``parent``. A key whose tokens or parent differ is a hash collision: counted, never
-        served. Does not touch the block."""
-        found = self._find(key)
-        if found is None:
-            return None
-        run, j = found
-        if not self._verify(run, j, tokens, parent):
-            return None
-        if j == len(run.keys) - 1 and run in self._lru and run.last_used + run.ttl_s <= self.clock():
-            return None  # due; the next sweep removes it
-        return run.block(j)
-
-    def _verify(self, run: Run, j: int, tokens: bytes, parent: BlockHash | None) -> bool:
-        s = run.step
-        if run.packed[j * s : (j + 1) * s] != tokens or (run.keys[j - 1] if j else run.parent) != parent:
-            self.counters.collisions += 1
-            return False
-        return True
 
     def chain(self, keys: list[BlockHash], start: int, stop: int) -> list[tuple[Run, int, int]]:
         """The runs holding ``keys[start:stop]``, a stored chain whose block ``start`` begins a
@@ -514,14 +482,11 @@ class BlockStore:
             s = e
         assert run is not None
         if self._listeners:
-            for r in self._chain_runs(keys, a, b):
+            for r, _, _ in self.chain(keys, a, b):
                 for jj in range(len(r.keys)):
                     for fn in self._listeners:
                         fn("insert", r.block(jj))
         return run
-
-    def _chain_runs(self, keys: list[BlockHash], a: int, b: int) -> list[Run]:
-        return [r for r, _, _ in self.chain(keys, a, b)]
 
     def _account(self, tenant: str, n: int, nbytes: int) -> None:
         self.tenant_blocks[tenant] = self.tenant_blocks.get(tenant, 0) + n
