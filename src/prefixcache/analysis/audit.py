@@ -28,16 +28,25 @@ import multiprocessing as mp
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from prefixcache.analysis.costs import pricing_profile
-from prefixcache.analysis.keychains import KeyChains, paused_gc
+from prefixcache.analysis.feed import TraceFeed, TraceUnsorted, can_stream, stream
+from prefixcache.analysis.keychains import paused_gc
 from prefixcache.analysis.simulate import SimConfig, simulate
 from prefixcache.analysis.spans import Pair, find_busting
-from prefixcache.analysis.trace import Trace, load_tokenizer
-from prefixcache.cache import Namespace, model_fingerprint
+from prefixcache.analysis.trace import (
+    TOKEN_DTYPE,
+    Trace,
+    TraceFormatError,
+    iter_lines,
+    load_tokenizer,
+    load_trace,
+)
+from prefixcache.cache import model_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -117,29 +126,97 @@ class AuditResult:
 
 def audit(trace: Trace, cfg: AuditConfig, *, progress: Callable[[str, int], None] | None = None) -> AuditResult:
     """Audit ``trace`` (contract in the module docstring). ``progress(stage, done)`` reports."""
-    with paused_gc():
-        return _audit(trace, cfg, progress)
-
-
-def _audit(trace: Trace, cfg: AuditConfig, progress: Callable[[str, int], None] | None) -> AuditResult:
-    ttl = cfg.ttl_s
     replay = cfg.replay and not bool(trace.has_cached.all())
+    feed = TraceFeed.of(trace, cfg.fingerprint, cfg.block_size)
     # The replay runs beside the scan, in a forked child, when the trace is big enough to pay for it.
     child = _ReplayChild.start(trace, cfg) if replay and len(trace) >= _FORK_MIN_REQUESTS else None
     try:
-        achievable, within_ttl, diverge, ref, gap, stable, versions = _scan(trace, cfg, progress)
-        if not replay:
-            achieved, source = trace.cached_tokens.astype(np.int64), "trace cached_tokens"
-        else:
-            achieved = child.result() if child is not None else None
-            if achieved is None:
-                achieved = _replay(trace, cfg, progress)
-            elif progress is not None:
-                progress("replay", len(trace))
-            source = f"replay through PrefixCache (TTL {ttl:g} s, unbounded capacity)"
+        with paused_gc():
+            return _audit(feed, cfg, progress, child)
     finally:
         if child is not None:
             child.close()
+
+
+def audit_file(
+    path: str | Path, cfg: AuditConfig, *, tokenizer: str | None = None,
+    progress: Callable[[str, float, float], None] | None = None,
+) -> AuditResult:
+    """:func:`audit` of a trace file. Where fork exists, a reader process parses the file and
+    computes the keys (:func:`~prefixcache.analysis.feed.stream`) while this process scans and a
+    second child replays, both fed as the file is read; a trace too far out of time order for
+    the reader's window is loaded whole instead. ``progress(stage, done, total)``: bytes of the
+    file read (streams) or requests. Raises TraceFormatError naming a bad line."""
+    if can_stream():
+        replay = cfg.replay and not _head_has_cached(path)
+        child = None
+        try:
+            feeds = stream(path, fingerprint=cfg.fingerprint, block_size=cfg.block_size, tokenizer=tokenizer,
+                           consumers=2 if replay else 1)
+            if replay:
+                child = _ReplayChild.start(feeds[1], cfg, close=feeds[0])
+                feeds[1].detach()
+        except OSError as exc:  # pragma: no cover - out of processes
+            log.warning("audit: cannot start a reader process (%s); loading the trace first", exc)
+        else:
+            feed = feeds[0]
+            on = None
+            if progress is not None:
+                def on(stage: str, k: int) -> None:
+                    if stage == "scan":
+                        progress("reading and scanning", feed.position, feed.size)
+                    else:
+                        progress(stage, k, len(feed.endpoints) if stage == "endpoints" else len(feed.ts))
+            try:
+                with paused_gc():
+                    return _audit(feed, cfg, on, child)
+            except TraceUnsorted as exc:
+                log.info("%s; loading and sorting the whole trace instead", exc)
+            finally:
+                feed.close()
+                if child is not None:
+                    child.close()
+    trace = load_trace(path, tokenizer=tokenizer,
+                       progress=(lambda k: progress("reading", k, 0)) if progress is not None else None)
+    n = len(trace)
+    return audit(trace, cfg, progress=(lambda stage, k: progress(
+        stage, k, len(trace.endpoints) if stage == "endpoints" else n)) if progress is not None else None)
+
+
+def _head_has_cached(path: str | Path, lines: int = 1000) -> bool:
+    """Whether the first request lines all carry ``cached_tokens`` (a server's trace log): then
+    the audit takes the achieved hit rate from the trace and starts no replay (if a later line
+    lacks it after all, the replay runs after the scan)."""
+    seen = 0
+    try:
+        for _, obj in iter_lines(path):
+            if obj.get("type", "request") != "request":
+                continue
+            if obj.get("cached_tokens") is None:
+                return False
+            seen += 1
+            if seen >= lines:
+                break
+    except TraceFormatError:
+        return False  # the reader reports it, with its line
+    return seen > 0
+
+
+def _audit(
+    feed: TraceFeed, cfg: AuditConfig, progress: Callable[[str, int], None] | None, child: _ReplayChild | None
+) -> AuditResult:
+    ttl = cfg.ttl_s
+    achievable, within_ttl, diverge, ref, gap, stable, versions = _scan(feed, cfg, progress)
+    trace = feed.trace()
+    if not cfg.replay or bool(trace.has_cached.all()):
+        achieved, source = trace.cached_tokens.astype(np.int64), "trace cached_tokens"
+    else:
+        achieved = child.result() if child is not None else None
+        if achieved is None:
+            achieved = _replay(trace, cfg, progress)
+        elif progress is not None:
+            progress("replay", len(trace))
+        source = f"replay through PrefixCache (TTL {ttl:g} s, unbounded capacity)"
 
     pricing = pricing_profile(cfg.pricing)
     tok_cache: list[Any] = []
@@ -169,10 +246,10 @@ def _audit(trace: Trace, cfg: AuditConfig, progress: Callable[[str, int], None] 
 
 def _replay_config(cfg: AuditConfig) -> SimConfig:
     return SimConfig(ttl_s=cfg.ttl_s, capacity_bytes=1 << 62, block_size=cfg.block_size,
-                     align_tokens=cfg.align_tokens, replicas=1, pricing=())
+                     align_tokens=cfg.align_tokens, replicas=1, pricing=(), fingerprint=cfg.fingerprint)
 
 
-def _replay(trace: Trace, cfg: AuditConfig, progress: Callable[[str, int], None] | None) -> np.ndarray:
+def _replay(trace: Trace | TraceFeed, cfg: AuditConfig, progress: Callable[[str, int], None] | None) -> np.ndarray:
     """Cached tokens per request from replaying ``trace`` through the real PrefixCache."""
     on = (lambda k: progress("replay", k)) if progress is not None else None
     return simulate(trace, _replay_config(cfg), progress=on).cached.astype(np.int64, copy=False)
@@ -184,24 +261,25 @@ _FORK_MIN_REQUESTS = 20_000  # below this a fork costs more than running the rep
 class _ReplayChild:
     """The replay in a forked child process; it sends back only the ``cached`` int64 array."""
 
-    def __init__(self, proc: Any, conn: Any, n: int) -> None:
-        self.proc, self.conn, self.n = proc, conn, n
+    def __init__(self, proc: Any, conn: Any) -> None:
+        self.proc, self.conn = proc, conn
 
     @classmethod
-    def start(cls, trace: Trace, cfg: AuditConfig) -> _ReplayChild | None:
-        """None where fork is unavailable (or fails): the caller replays in-process."""
+    def start(cls, source: Trace | TraceFeed, cfg: AuditConfig, close: TraceFeed | None = None) -> _ReplayChild | None:
+        """None where fork is unavailable (or fails): the caller replays in-process. ``close``:
+        a feed of this process's that the child must not hold open."""
         if "fork" not in mp.get_all_start_methods():
             return None
         ctx = mp.get_context("fork")
         try:
             recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_replay_child_main, args=(trace, cfg, send), daemon=True)
+            proc = ctx.Process(target=_replay_child_main, args=(source, cfg, send, close), daemon=True)
             proc.start()
         except (OSError, AssertionError) as exc:  # pragma: no cover - out of processes; or inside a daemon process
             log.warning("audit: cannot fork the replay (%s); replaying after the scan", exc)
             return None
         send.close()
-        return cls(proc, recv, len(trace))
+        return cls(proc, recv)
 
     def result(self) -> np.ndarray | None:
         """The child's array, or None (logged) if it failed."""
@@ -210,7 +288,7 @@ class _ReplayChild:
         except (EOFError, OSError):
             data = b""
         self.proc.join()
-        if self.proc.exitcode != 0 or len(data) != 8 * self.n:
+        if self.proc.exitcode != 0 or len(data) % 8:
             log.warning("audit: the replay child failed (exit %s); replaying in-process", self.proc.exitcode)
             return None
         return np.frombuffer(data, dtype=np.int64).copy()
@@ -222,34 +300,30 @@ class _ReplayChild:
             self.proc.join()
 
 
-def _replay_child_main(trace: Trace, cfg: AuditConfig, conn: Any) -> None:
+def _replay_child_main(source: Trace | TraceFeed, cfg: AuditConfig, conn: Any, close: TraceFeed | None) -> None:
+    if close is not None:
+        close.detach()
     try:
         with paused_gc():
-            cached = _replay(trace, cfg, None)
+            cached = _replay(source, cfg, None)
         conn.send_bytes(np.ascontiguousarray(cached, dtype=np.int64).tobytes())
     finally:
         conn.close()
 
 
 def _scan(
-    trace: Trace, cfg: AuditConfig, progress: Callable[[str, int], None] | None
+    feed: TraceFeed, cfg: AuditConfig, progress: Callable[[str, int], None] | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[int | None], list[dict[bytes, dict[str, Any]]]]:
     """The per-request pass: achievable and within-TTL depths, reuse gaps, the most similar
-    earlier request of the endpoint and the first token that differs from it, prefix versions."""
+    earlier request of the endpoint and the first token that differs from it, prefix versions.
+    The keys are the feed's: fingerprints, not SHA-256 (these keys only ever meet each other)."""
     B = cfg.block_size
     align = cfg.align_tokens or B
-    n = len(trace)
     ttl = cfg.ttl_s
-    roots = [Namespace.create(cfg.fingerprint, tenant=t, salt=f"tenant:{t}").root for t in trace.tenants]
-    # Fingerprints, not SHA-256: these keys only ever meet each other (see keychains).
-    chains = KeyChains(trace.segments, B, hasher="fingerprint")
-    ts = trace.ts.tolist()
-    tenant = trace.tenant.tolist()
-    endpoint = trace.endpoint.tolist()
-    ptoks = trace.prompt_tokens.tolist()
-    caps = ((np.maximum(trace.prompt_tokens - 1, 0) // align) * align // B).tolist()  # blocks a hit may cover
-    parts = trace.parts
-    windows = _Windows(trace)
+    ts = feed.ts
+    endpoint = feed.endpoint
+    ptoks = feed.prompt_tokens
+    windows = _Windows(feed)
     # Every key seen, without writing every key of every request. The keys a request adds form a
     # run (``run_keys``; keys carry their namespace, so one structure serves every tenant), hung
     # under the run and position of the request's deepest shared key (``run_parent``). ``where``
@@ -268,21 +342,25 @@ def _scan(
     # Which endpoints know which keys, also by run: (run, endpoint) -> a staircase (ends, requests),
     # the first request of the endpoint at run positions [ends[p-1], ends[p]); its last end is how
     # far into the run the endpoint has been (a prefix: chains).
-    n_ep = len(trace.endpoints)
+    # (Endpoints appear as the feed goes: the per-endpoint lists grow, and staircases are keyed
+    # endpoint << 40 | run.)
     ep_stairs: dict[int, tuple[list[int], list[int]]] = {}
-    ep_first_req = [-1] * len(trace.endpoints)
-    achievable = [0] * n
-    within_ttl = [0] * n
-    ep_depth = [0] * n
-    diverge = [-1] * n
-    ref = [-1] * n
+    ep_first_req: list[int] = []
+    # Per-request results, grown a slab at a time (the feed's length is known only at its end).
+    achievable: list[int] = []
+    within_ttl: list[int] = []
+    ep_depth: list[int] = []
+    diverge: list[int] = []
+    ref: list[int] = []
     nan = float("nan")
-    gap = [nan] * n
+    gap: list[float] = []
+    room = 0
+    slab = 1 << 16
     # Versions: an endpoint's stable depth is fixed from its first requests, then each request's
     # key at that depth names its prefix version.
-    probe_keys: list[list[tuple[int, list[bytes]]]] = [[] for _ in trace.endpoints]
-    stable: list[int | None] = [None] * len(trace.endpoints)
-    versions: list[dict[bytes, dict[str, Any]]] = [{} for _ in trace.endpoints]
+    probe_keys: list[list[tuple[int, list[bytes]]]] = []
+    stable: list[int | None] = []
+    versions: list[dict[bytes, dict[str, Any]]] = []
 
     def add_version(e: int, i: int, keys: list[bytes]) -> None:
         d = stable[e]
@@ -304,12 +382,21 @@ def _scan(
         probe_keys[e] = []
 
     kw = 16  # bytes per fingerprint key
-    keys_of = chains.iter_keys(zip(map(roots.__getitem__, tenant), parts, strict=True))
-    for i, keys in enumerate(keys_of):
+    for i, keys in enumerate(feed):
+        if i == room:
+            for col, v in ((achievable, 0), (within_ttl, 0), (ep_depth, 0), (diverge, -1), (ref, -1), (gap, nan)):
+                col.extend([v] * slab)
+            room += slab
         t = ts[i]
         e = endpoint[i]
+        if e >= len(stable):
+            for _ in range(e + 1 - len(stable)):
+                ep_first_req.append(-1)
+                probe_keys.append([])
+                stable.append(None)
+                versions.append({})
         nk = len(keys)
-        cap = caps[i]
+        cap = (max(ptoks[i] - 1, 0) // align) * align // B  # blocks a hit may cover
         # m: longest prefix any earlier request of the tenant had (prefix-closed): a binary search
         # over the indexed depths, then a walk of at most S blocks.
         lo, hi = 0, nk // S  # how many of the indexed depths S-1, 2S-1, ... are present
@@ -345,8 +432,8 @@ def _scan(
         path = []  # (run, position) of the shared prefix's runs, deepest first
         if m:
             # Walk the shared prefix's runs from its deepest key: the gap since its last use, the
-            # part of it used within the TTL, and its last use set to now.
-            since = t - ttl
+            # part of it used within the TTL, and its last use set to now. (Fresh: last use + TTL
+            # > now, the store's own test, in the same floating-point terms.)
             mt = -1
             j = m - 1
             while j >= 0:
@@ -355,13 +442,13 @@ def _scan(
                 tms = run_times[ru]
                 if j == m - 1:
                     gap[i] = t - tms[bisect_right(ends, idx)]
-                if mt < 0 and tms[0] > since:
+                if mt < 0 and tms[0] + ttl > t:
                     p = bisect_right(ends, idx)
-                    if tms[p] > since:
+                    if tms[p] + ttl > t:
                         mt = j + 1
                     else:
                         p = 0
-                        while tms[p + 1] > since:
+                        while tms[p + 1] + ttl > t:
                             p += 1
                         mt = j - idx + ends[p]
                 c = bisect_right(ends, idx + 1)
@@ -382,7 +469,7 @@ def _scan(
         while k:
             k -= 1
             ru, idx = path[k]
-            st = ep_stairs.get(ru * n_ep + e)
+            st = ep_stairs.get(e << 40 | ru)
             if st is None:
                 k += 1
                 break
@@ -399,10 +486,10 @@ def _scan(
         while k:  # the rest of the path is new to the endpoint
             k -= 1
             ru, idx = path[k]
-            ep_stairs[ru * n_ep + e] = ([idx + 1], [i])
+            ep_stairs[e << 40 | ru] = ([idx + 1], [i])
         if m < nk:
             nr = len(run_keys)
-            ep_stairs[nr * n_ep + e] = ([nk - m], [i])
+            ep_stairs[e << 40 | nr] = ([nk - m], [i])
             run_parent.append(path[0][0] << 32 | path[0][1] if m else -1)
             run_keys.append(b"".join(keys[m:]))  # one object per run, not one per key (~1.3 GB at 10^6)
             run_ends.append([nk - m])
@@ -430,7 +517,10 @@ def _scan(
                 v["requests"] += 1
         if progress is not None and i % 5000 == 0:
             progress("scan", i)
-    for e in range(len(trace.endpoints)):
+    n = len(feed.ts)
+    for col in (achievable, within_ttl, ep_depth, diverge, ref, gap):
+        del col[n:]
+    for e in range(len(stable)):
         if stable[e] is None:
             fix_stable(e)
     return (
@@ -443,11 +533,11 @@ class _Windows:
     """Windows of prompts' packed tokens, sliced from segments kept as bytes (a bounded cache,
     emptied when full: slicing bytes costs a fraction of slicing an array and packing it)."""
 
-    def __init__(self, trace: Trace, budget: int = 1 << 28) -> None:
-        self.trace = trace
-        self.segments = trace.segments
-        self.seg_len = [len(x) for x in trace.segments]
-        self.size = trace.segments[0].itemsize if trace.segments else 4
+    def __init__(self, feed: TraceFeed, budget: int = 1 << 28) -> None:
+        self.feed = feed
+        self.segments = feed.segments  # (the feed's lists, which grow in place)
+        self.seg_len = feed.seg_len
+        self.size = np.dtype(TOKEN_DTYPE).itemsize
         self.cache: dict[int, bytes] = {}
         self.cached = 0
         self.budget = budget
@@ -482,7 +572,7 @@ class _Windows:
         would be shared too) or at ``n``, the shorter length, so only that window is compared."""
         hi = min(start + B, n)
         if hi > start:
-            parts = self.trace.parts
+            parts = self.feed.parts
             a = self.window(parts[i], start, hi)
             b = self.window(parts[r], start, hi)
             if a != b:
@@ -490,7 +580,7 @@ class _Windows:
                 return start + ((x & -x).bit_length() - 1) // (8 * self.size)
         if hi == n:
             return n
-        return _first_diff(self.trace.tokens(i), self.trace.tokens(r), start)  # pragma: no cover - a key collision
+        return _first_diff(self.feed.tokens(i), self.feed.tokens(r), start)  # pragma: no cover - a key collision
 
 
 def _first_diff(a: np.ndarray, b: np.ndarray, start: int) -> int:

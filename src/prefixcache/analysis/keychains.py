@@ -46,12 +46,13 @@ import hashlib
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 
 from prefixcache.cache import block_keys
 
-__all__ = ["KeyChains", "paused_gc"]
+__all__ = ["KeyChains", "Walk", "paused_gc"]
 
 _M64 = (1 << 64) - 1
 _P = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)  # odd per-lane multipliers
@@ -60,8 +61,9 @@ _MIX_ADD, _MIX_MUL = np.uint64(0x632BE59BD9B4E019), np.uint64(0xFF51AFD7ED558CCD
 _S33 = np.uint64(33)
 _BATCH_TOKENS = 1 << 16  # distinct segment tokens per batch: its arrays stay in cache (1 << 20 was ~40% slower)
 
-# Trie node: [children {segment id: node}, keys, offset in tokens, lane 1, lane 2] (fingerprints)
-# or [children, keys, leftover tokens short of a block] (sha256).
+# Trie node: [children {segment id: node}, keys, offset in tokens, lane 1, lane 2, id] (fingerprints;
+# the id serves :meth:`KeyChains.walk`, roots are -1) or [children, keys, leftover tokens short of a
+# block] (sha256).
 _Node = list
 
 
@@ -88,6 +90,18 @@ def _geometric(p: int, n: int) -> np.ndarray:
     return out[:n]
 
 
+@dataclass(slots=True)
+class Walk:
+    """What :meth:`KeyChains.walk` returns (see there)."""
+
+    final: list[int]  # per request: its final node's id (-1: a root, no keys)
+    node: list[int]  # per new node, in creation order: its id,
+    parent: list[int]  # its parent's id,
+    count: list[int]  # and how many keys it adds to its parent's
+    keys: list[bytes]  # the new keys, 16 bytes each, in node order (in pieces)
+    dropped: list[int]  # nodes the state bound dropped
+
+
 class KeyChains:
     """Block keys of ``parts`` tuples, resuming from chain states of their segment prefixes.
 
@@ -111,6 +125,9 @@ class KeyChains:
         self._roots: dict[bytes, _Node] = {}
         self._fifo: deque[tuple[dict[int, _Node], int]] = deque()
         self._empty = np.zeros(0, dtype=np.uint32)
+        self._next_id = 0  # trie node ids (walk)
+        self._dropped: list[int] | None = None  # where _batch records dropped node ids (walk)
+        self._seg_list: list[int] = []
         # Powers of the lane multipliers and of their inverses (uint64 tables per lane, and the
         # powers as Python ints too); they grow on demand.
         self._n_pw = 0
@@ -147,10 +164,48 @@ class KeyChains:
             return
         it = iter(requests)
         while True:
-            batch = self._batch(it)
-            if not batch:
+            out, new = self._batch(it)
+            if not out:
                 return
-            yield from batch
+            if new:
+                allkeys, counts = self._compute(new)
+                keys = allkeys.view("V16").ravel().tolist()  # 16-byte bytes objects
+                pos = 0
+                for (node, parent, _), q in zip(new, counts, strict=True):
+                    if q:
+                        node[1] = parent[1] + keys[pos : pos + q]
+                        pos += q
+                    else:
+                        node[1] = parent[1]
+            yield from [n[1] for n in out]
+
+    def walk(self, requests: Iterable[tuple[bytes, tuple[int, ...]]]) -> Walk:
+        """The streaming form of :meth:`iter_keys` (fingerprints only), for a process that sends
+        keys to another: every request's final trie node by id, the nodes created on the way
+        (id, parent id, count of new keys; the new keys packed in one buffer, 16 bytes each) and
+        the ids of nodes the state bound dropped. A receiver that keeps ``keys[id]`` for live nodes
+        (``keys[-1] = []``; a new node's keys are its parent's plus its own, in creation order;
+        drop the dropped ids after serving the requests) serves ``keys[final]``, exactly what
+        :meth:`iter_keys` gives. Instances used with ``walk`` must not also use ``iter_keys``."""
+        if self.hasher != "fingerprint":
+            raise ValueError("walk() streams fingerprint keys: build KeyChains with hasher='fingerprint'")
+        it = iter(requests)
+        w = Walk([], [], [], [], [], [])
+        self._dropped = w.dropped
+        try:
+            while True:
+                out, new = self._batch(it)
+                if not out:
+                    return w
+                w.final.extend([n[5] for n in out])
+                if new:
+                    allkeys, counts = self._compute(new)
+                    w.node.extend([n[5] for n, _, _ in new])
+                    w.parent.extend([p[5] for _, p, _ in new])
+                    w.count.extend(counts)
+                    w.keys.append(allkeys.tobytes())
+        finally:
+            self._dropped = None
 
     # ------------------------------------------------------------------ trie
     def _root(self, root: bytes) -> _Node:
@@ -160,7 +215,7 @@ class KeyChains:
                 node = [{}, [], self._empty]
             else:
                 d = hashlib.sha256(b"keychains-root\x00" + bytes(root)).digest()
-                node = [{}, [], 0, int.from_bytes(d[:8], "little"), int.from_bytes(d[8:16], "little")]
+                node = [{}, [], 0, int.from_bytes(d[:8], "little"), int.from_bytes(d[8:16], "little"), -1]
             self._roots[root] = node
         return node
 
@@ -198,9 +253,10 @@ class KeyChains:
         self._pw_py = [t.tolist() for t in self._pw]
         self._n_pw = n
 
-    def _batch(self, it: Iterator[tuple[bytes, tuple[int, ...]]]) -> list[list[bytes]]:
+    def _batch(self, it: Iterator[tuple[bytes, tuple[int, ...]]]) -> tuple[list[_Node], list[tuple[_Node, _Node, int]]]:
         """Walk the next requests through the trie (creating nodes for new prefixes) until the new
-        segments' tokens reach the batch budget, then compute every new node at once."""
+        segments' tokens reach the batch budget: each request's final node, and the new nodes
+        (node, parent, batch segment index), parents first, for :meth:`_compute`."""
         segments = self.segments
         out: list[_Node] = []  # each request's final node
         new: list[tuple[_Node, _Node, int]] = []  # (node, parent, batch segment index), parents first
@@ -210,17 +266,22 @@ class KeyChains:
         roots = self._roots
         fifo = self._fifo
         cap = self.max_states
+        dropped = self._dropped
+        next_id = self._next_id
         for root, parts in it:
             node = roots.get(root) or self._root(root)
             for seg in parts:
                 children = node[0]
                 child = children.get(seg)
                 if child is None:
-                    child = children[seg] = [{}, None, 0, 0, 0]
+                    child = children[seg] = [{}, None, 0, 0, 0, next_id]
+                    next_id += 1
                     fifo.append((children, seg))
                     if len(fifo) > cap:
                         d, s = fifo.popleft()
-                        d.pop(s, None)  # its subtree goes with it (reachable only through it)
+                        gone = d.pop(s, None)  # its subtree goes with it (reachable only through it)
+                        if dropped is not None and gone is not None:
+                            dropped.append(gone[5])
                     k = seg_at.get(seg)
                     if k is None:
                         k = seg_at[seg] = len(seg_list)
@@ -231,12 +292,15 @@ class KeyChains:
             out.append(node)
             if tokens >= _BATCH_TOKENS or len(out) >= 8192:
                 break
-        if new:
-            self._compute(new, seg_list)
-        return [n[1] for n in out]
+        self._next_id = next_id
+        self._seg_list = seg_list
+        return out, new
 
-    def _compute(self, new: list[tuple[_Node, _Node, int]], seg_list: list[int]) -> None:
+    def _compute(self, new: list[tuple[_Node, _Node, int]]) -> tuple[np.ndarray, list[int]]:
+        """Chain states of the batch's new nodes; returns their new keys, laid end to end in
+        ``new`` order (uint64 [keys, 2]: the two lanes), and how many each node adds."""
         B = self.B
+        seg_list = self._seg_list
         segs = [self.segments[s] for s in seg_list]
         lens = np.fromiter(map(len, segs), dtype=np.int64, count=len(segs))
         starts = np.zeros(len(segs), dtype=np.int64)
@@ -271,7 +335,7 @@ class KeyChains:
         qs: list[int] = []
         for node, parent, k in new:
             n = lens_l[k]
-            _, _, o, h1, h2 = parent
+            o, h1, h2 = parent[2], parent[3], parent[4]
             if o >= self._n_pw:
                 self._grow(o + 1)
             p1, p2 = self._pw_py
@@ -308,16 +372,9 @@ class KeyChains:
                 x *= np.repeat(m, c)
                 x += np.repeat(ad, c)
                 vals[:, lane] = x
-            allkeys = vals.view("V16").ravel().tolist()  # 16-byte bytes objects
         else:
-            allkeys = []
-        pos = 0
-        for (node, parent, _), q in zip(new, qs, strict=True):
-            if q:
-                node[1] = parent[1] + allkeys[pos : pos + q]
-                pos += q
-            else:
-                node[1] = parent[1]
+            vals = np.empty((0, 2), dtype="<u8")
+        return vals, qs
 
 
 @contextmanager

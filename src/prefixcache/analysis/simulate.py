@@ -27,7 +27,6 @@ import hashlib
 import heapq
 import json
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,8 +35,9 @@ from typing import Any
 import numpy as np
 
 from prefixcache.analysis.costs import CostBreakdown, CostModel, TokenTotals, price, pricing_profile
+from prefixcache.analysis.feed import TraceFeed, TraceUnsorted, can_stream, stream
 from prefixcache.analysis.keychains import KeyChains, paused_gc
-from prefixcache.analysis.trace import Trace
+from prefixcache.analysis.trace import Trace, load_trace
 from prefixcache.cache import FakeClock, Namespace, PrefixCache, model_fingerprint, pack_tokens
 
 log = logging.getLogger(__name__)
@@ -168,21 +168,60 @@ class _Router:
         return best
 
 
-def simulate(trace: Trace, cfg: SimConfig, *, progress: Callable[[int], None] | None = None) -> SimResult:
+def simulate(trace: Trace | TraceFeed, cfg: SimConfig, *, progress: Callable[[int], None] | None = None) -> SimResult:
     """Replay ``trace`` under ``cfg``. Deterministic for a given trace and config.
+
+    ``trace`` may be a :class:`~prefixcache.analysis.feed.TraceFeed` (a stream from a reader
+    process: see :func:`simulate_file`) made with ``cfg.fingerprint`` and ``cfg.block_size``;
+    keep-warm needs a loaded trace (it looks ahead to each endpoint's last request).
 
     Work per request is O(runs on the prompt's path) in the cache, plus C-level copies of its new
     tokens and keys (and, for cache-aware routing, one walk per replica), never O(cache size).
     """
-    with paused_gc():
-        return _simulate(trace, cfg, progress)
-
-
-def _simulate(trace: Trace, cfg: SimConfig, progress: Callable[[int], None] | None) -> SimResult:
     if cfg.routing not in ROUTINGS:
         raise ValueError(f"unknown routing {cfg.routing!r}; choose one of {', '.join(ROUTINGS)}")
+    if isinstance(trace, TraceFeed):
+        feed = trace
+        if (feed.fingerprint, feed.block_size) != (cfg.fingerprint, cfg.block_size):
+            raise ValueError("the feed's keys were made for another fingerprint or block size than the config's")
+        if cfg.keep_warm and not feed.complete:
+            raise ValueError("keep-warm needs the whole trace loaded (load_trace), not a stream")
+    else:
+        feed = TraceFeed.of(trace, cfg.fingerprint, cfg.block_size)
+    with paused_gc():
+        return _simulate(feed, cfg, progress)
+
+
+def simulate_file(
+    path: str | Path, cfg: SimConfig, *, tokenizer: str | None = None,
+    progress: Callable[[str, float, float], None] | None = None,
+) -> SimResult:
+    """:func:`simulate` of a trace file. Where it can (fork exists, no keep-warm), a reader process
+    parses the file and computes the keys while this one replays (:func:`~prefixcache.analysis.feed.stream`);
+    a trace too far out of time order for the reader's window is loaded whole instead.
+    ``progress(stage, done, total)``: "reading" or "simulating", bytes of the file read (streams)
+    or requests. Raises TraceFormatError naming a bad line."""
+    if can_stream() and not cfg.keep_warm:
+        try:
+            feeds = stream(path, fingerprint=cfg.fingerprint, block_size=cfg.block_size, tokenizer=tokenizer)
+        except OSError as exc:  # pragma: no cover - out of processes
+            log.warning("simulate: cannot start a reader process (%s); loading the trace first", exc)
+        else:
+            with feeds[0] as feed:
+                on = (lambda _i: progress("simulating", feed.position, feed.size)) if progress is not None else None
+                try:
+                    return simulate(feed, cfg, progress=on)
+                except TraceUnsorted as exc:
+                    log.info("%s; loading and sorting the whole trace instead", exc)
+    trace = load_trace(path, tokenizer=tokenizer,
+                       progress=(lambda k: progress("reading", k, 0)) if progress is not None else None)
+    n = len(trace)
+    return simulate(trace, cfg, progress=(lambda i: progress("simulating", i, n)) if progress is not None else None)
+
+
+def _simulate(feed: TraceFeed, cfg: SimConfig, progress: Callable[[int], None] | None) -> SimResult:
     B = cfg.block_size
-    clock = FakeClock(float(trace.ts[0]) if len(trace) else 0.0)
+    clock = FakeClock(feed.ts[0] if feed.ts else 0.0)
     caches = [
         PrefixCache(block_size=B, capacity_bytes=cfg.capacity_bytes, default_ttl_s=cfg.ttl_s, clock=clock,
                     pinned_capacity_bytes=0)
@@ -190,24 +229,19 @@ def _simulate(trace: Trace, cfg: SimConfig, progress: Callable[[int], None] | No
     ]
     busy = [0.0] * len(caches)
     router = _Router(cfg, caches, busy)
-    namespaces = [
-        Namespace.create(cfg.fingerprint, tenant=name, salt=f"tenant:{name}") for name in trace.tenants
-    ]
+    namespaces: list[Namespace] = []  # by tenant id, made as tenants appear
     block_bytes = cfg.cost.block_bytes(B)
-    # Fingerprint keys (see keychains.py): they never leave this process, and every hit is still
-    # verified token by token. Computed in batches, a few numpy calls per thousand requests.
-    chains = KeyChains(trace.segments, B, hasher="fingerprint")
+    # Keys come from the feed: fingerprints (see keychains.py), which never leave this process;
+    # every hit is still verified token by token.
+    chains = KeyChains(feed.segments, B, hasher="fingerprint")  # keep-warm prefixes only
 
     align = cfg.align_tokens or B
     tps = cfg.cost.prefill_tps
-    n = len(trace)
-    ttl_col = trace.ttl_s
-    has_ttl = bool(np.isfinite(ttl_col).any())
-    totals = TokenTotals(prompt=int(trace.prompt_tokens.sum()), output=int(trace.output_tokens.sum()))
+    totals = TokenTotals()
 
-    # Keep-warm: endpoint code -> prefix tokens; refreshes come due on a heap.
-    warm = {trace.endpoints.index(e): p for e, p in cfg.keep_warm.items() if e in trace.endpoints}
-    last_ts = _last_ts(trace) if warm else {}
+    # Keep-warm (a loaded trace): endpoint code -> prefix tokens; refreshes come due on a heap.
+    warm = {feed.endpoints.index(e): p for e, p in cfg.keep_warm.items() if e in feed.endpoints}
+    last_ts = _last_ts(feed.trace()) if warm else {}
     current_prefix: dict[int, tuple[np.ndarray, Namespace]] = {}
     due: list[tuple[float, int]] = []
     next_due: dict[int, float] = {}
@@ -226,13 +260,12 @@ def _simulate(trace: Trace, cfg: SimConfig, progress: Callable[[int], None] | No
             totals.keep_warm_reads += hit
             refreshes += 1
 
-    ts_col = trace.ts.tolist()
-    tenant_col = trace.tenant.tolist()
-    endpoint_col = trace.endpoint.tolist()
-    ttl_list = ttl_col.tolist() if has_ttl else None
-    parts = trace.parts
-    segments = trace.segments
-    roots = [ns.root for ns in namespaces]
+    ts_col = feed.ts
+    tenant_col = feed.tenant
+    endpoint_col = feed.endpoint
+    ttl_list = feed.ttl_s
+    parts = feed.parts
+    segments = feed.segments
 
     long_segs: dict[int, bytes] = {}
 
@@ -247,15 +280,14 @@ def _simulate(trace: Trace, cfg: SimConfig, progress: Callable[[int], None] | No
                 long_segs[j] = b
         return b
 
-    key_iter = chains.iter_keys((roots[tenant_col[i]], parts[i]) for i in range(n))
     n_rep = len(caches)
-    cached_l = [0] * n
-    written_l = [0] * n
-    replica_l = [0] * n
-    ttft_l = [0.0] * n
+    cached_l: list[int] = []
+    written_l: list[int] = []
+    replica_l: list[int] = []
+    ttft_l: list[float] = []
     written_short = written_long = 0
     default_long = cfg.ttl_s >= 3600
-    for i in range(n):
+    for i, keys in enumerate(feed):
         t = ts_col[i]
         while due and due[0][0] <= t:
             at, ep = heapq.heappop(due)
@@ -275,8 +307,12 @@ def _simulate(trace: Trace, cfg: SimConfig, progress: Callable[[int], None] | No
             packed = b"".join([seg_bytes(j) for j in p])
             tokens = None
         n_tok = len(packed) >> 2
-        ns = namespaces[tenant_col[i]]
-        keys = next(key_iter)
+        try:
+            ns = namespaces[tenant_col[i]]
+        except IndexError:
+            namespaces.extend(Namespace.create(cfg.fingerprint, tenant=name, salt=f"tenant:{name}")
+                              for name in feed.tenants[len(namespaces):])
+            ns = namespaces[tenant_col[i]]
         if n_rep > 1:
             if tokens is None:
                 tokens = np.frombuffer(packed, dtype=np.uint32)
@@ -284,28 +320,26 @@ def _simulate(trace: Trace, cfg: SimConfig, progress: Callable[[int], None] | No
         else:
             r = 0
         cache = caches[r]
-        ttl = None
-        if ttl_list is not None:
-            ttl = ttl_list[i]
-            if not math.isfinite(ttl):  # NaN: the default
-                ttl = None
+        ttl = ttl_list[i]
+        if ttl != ttl:  # NaN: the default
+            ttl = None
         # match + commit + release in one call. As the engine does, only blocks of complete prefill
         # chunks are committed (a block of the last, partial chunk would not be bitwise what a
         # longer prompt computes).
         hit, w = cache.replay(ns, keys, packed, nbytes=block_bytes, ttl_s=ttl, align_tokens=align,
                               upto_tokens=(n_tok // align) * align if align > B else None)
-        cached_l[i] = hit
-        written_l[i] = w
+        cached_l.append(hit)
+        written_l.append(w)
         if (ttl >= 3600) if ttl is not None else default_long:  # the 1 h write class (priced 2x by anthropic)
             written_long += w
         else:
             written_short += w
-        replica_l[i] = r
+        replica_l.append(r)
         b = busy[r]
         start = t if t > b else b
         work = (n_tok - hit) / tps
         busy[r] = start + work
-        ttft_l[i] = start - t + work
+        ttft_l.append(start - t + work)
         if warm:
             ep = endpoint_col[i]
             if ep in warm:
@@ -318,6 +352,9 @@ def _simulate(trace: Trace, cfg: SimConfig, progress: Callable[[int], None] | No
                     heapq.heappush(due, (t + warm_period, ep))
         if progress is not None and i % 5000 == 0:
             progress(i)
+    trace = feed.trace()
+    totals.prompt = int(trace.prompt_tokens.sum())
+    totals.output = int(trace.output_tokens.sum())
     cached = np.asarray(cached_l, dtype=np.int64)
     written = np.asarray(written_l, dtype=np.int64)
     replica = np.asarray(replica_l, dtype=np.int16)

@@ -331,10 +331,13 @@ class _Builder:
             return self._keys_parts(obj, f"{where}:{lineno}")
         raise TraceFormatError(f"{where}:{lineno}: no prompt: give tokens, parts, prompt, messages or block_keys")
 
-    def read(self, lines: Iterable[bytes], where: str, progress: Callable[[int], None] | None) -> None:
-        """Parse and add every line. The common request line (ts, tenant, endpoint, parts or
-        tokens, a few numbers) stays on this loop's straight path, with everything it touches
-        bound to locals; other lines and prompt kinds branch off to helpers."""
+    def read(
+        self, lines: Iterable[bytes], where: str, progress: Callable[[int], None] | None, start: int = 1
+    ) -> None:
+        """Parse and add every line (the first is line ``start`` of the file). The common request
+        line (ts, tenant, endpoint, parts or tokens, a few numbers) stays on this loop's straight
+        path, with everything it touches bound to locals; other lines and prompt kinds branch off
+        to helpers."""
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
         seg_index, seg_len, seg_data, named = self.seg_index, self.seg_len, self.seg_data, self.named
         pack, u32, version = array, _U32, FORMAT_VERSION
@@ -346,7 +349,7 @@ class _Builder:
         add_has, add_ttft, add_ttl, add_parts = self.c_has.append, self.c_ttft.append, self.c_ttl.append, self.parts.append
         nan, number = _NAN, _NUMBER
 
-        for lineno, line in enumerate(lines, 1):
+        for lineno, line in enumerate(lines, start):
             if progress is not None and lineno % 10_000 == 0:
                 progress(lineno)
             try:

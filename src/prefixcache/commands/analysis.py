@@ -27,21 +27,39 @@ trace_app = typer.Typer(
 
 def _progress() -> Progress:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
     # On stderr, so that --json output on stdout stays clean. Redrawn twice a second, and not at
     # all when stderr is not a terminal: the redraw thread takes the GIL from the replay loop
     # (at 10 redraws a second a piped `simulate` of 10^5 requests took 40% longer).
     console = Console(stderr=True)
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    return Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
                     transient=True, console=console, refresh_per_second=2, disable=not console.is_terminal)
+
+
+def _check_file(path: Path) -> None:
+    if not path.is_file():
+        raise typer.BadParameter(f"no such trace file: {path}", param_hint="TRACE")
+
+
+class _Stages:
+    """``progress(stage, done, total)`` callbacks drawn as one bar per stage (total 0: unknown)."""
+
+    def __init__(self, prog: Progress) -> None:
+        self.prog = prog
+        self.tasks: dict[str, int] = {}
+
+    def __call__(self, stage: str, done: float, total: float) -> None:
+        task = self.tasks.get(stage)
+        if task is None:
+            task = self.tasks[stage] = self.prog.add_task(stage, total=total or None)
+        self.prog.update(task, completed=done, total=total or None)
 
 
 def _load(path: Path, tokenizer: str | None) -> Trace:
     from prefixcache.analysis.trace import TraceFormatError, count_lines, load_trace
 
-    if not path.is_file():
-        raise typer.BadParameter(f"no such trace file: {path}", param_hint="TRACE")
+    _check_file(path)
     prog = _progress()
     total = count_lines(path) if not prog.disable else 0  # a bar's total: only when one is drawn
     with prog:
@@ -106,23 +124,19 @@ def audit(
     """
     from rich.console import Console
 
-    from prefixcache.analysis.audit import AuditConfig
-    from prefixcache.analysis.audit import audit as run_audit
+    from prefixcache.analysis.audit import AuditConfig, audit_file
     from prefixcache.analysis.costs import parse_duration
     from prefixcache.analysis.report import audit_html, print_audit, save_audit_plots, to_json
+    from prefixcache.analysis.trace import TraceFormatError
 
-    tr = _load(trace, tokenizer)
+    _check_file(trace)
     cfg = AuditConfig(ttl_s=parse_duration(ttl), block_size=block_size, align_tokens=align, pricing=pricing,
                       tokenizer=tokenizer, min_shared_tokens=min_shared)
     with _progress() as prog:
-        tasks: dict[str, int] = {}
-
-        def report(stage: str, k: int) -> None:
-            if stage not in tasks:
-                tasks[stage] = prog.add_task(stage, total=len(tr.endpoints) if stage == "endpoints" else len(tr))
-            prog.update(tasks[stage], completed=k)
-
-        res = run_audit(tr, cfg, progress=report)
+        try:
+            res = audit_file(trace, cfg, tokenizer=tokenizer, progress=_Stages(prog))
+        except TraceFormatError as exc:
+            raise typer.BadParameter(str(exc), param_hint="TRACE") from None
     console = Console()
     if json_out:
         print(to_json(res.as_dict()))
@@ -166,12 +180,15 @@ def simulate(
 
     from prefixcache.analysis.costs import PROFILES, cost_model, parse_duration, parse_size
     from prefixcache.analysis.report import plot_sweep, print_sim, print_sweep, save_png, to_json
-    from prefixcache.analysis.simulate import ROUTINGS, SimConfig, load_keep_warm, parse_sweep
+    from prefixcache.analysis.simulate import ROUTINGS, SimConfig, load_keep_warm, parse_sweep, simulate_file
     from prefixcache.analysis.simulate import simulate as run_sim
     from prefixcache.analysis.simulate import sweep as run_sweep
+    from prefixcache.analysis.trace import TraceFormatError
 
     if routing not in ROUTINGS:
         raise typer.BadParameter(f"choose one of {', '.join(ROUTINGS)}", param_hint="--routing")
+    if plot and not sweep:
+        raise typer.BadParameter("--plot draws a sweep's curve: add --sweep ttl=60,300,900", param_hint="--plot")
     profiles = tuple(pricing or PROFILES)
     for p in profiles:
         if p not in PROFILES:
@@ -179,11 +196,24 @@ def simulate(
     model = cost_model(prefill_tps, calibration)
     if kv_bytes_per_token:
         model = replace(model, kv_bytes_per_token=kv_bytes_per_token)
-    tr = _load(trace, tokenizer)
     cfg = SimConfig(ttl_s=parse_duration(ttl), capacity_bytes=parse_size(capacity), block_size=block_size,
                     align_tokens=align, replicas=replicas, routing=routing, seed=seed, cost=model,
                     pricing=profiles, gpu_hour=gpu_hour)
     console = Console(stderr=json_out)
+    if not sweep and not keep_warm:
+        # One run, streamed: a reader process parses the file while this one replays.
+        _check_file(trace)
+        with _progress() as prog:
+            try:
+                results = [simulate_file(trace, cfg, tokenizer=tokenizer, progress=_Stages(prog))]
+            except TraceFormatError as exc:
+                raise typer.BadParameter(str(exc), param_hint="TRACE") from None
+        if json_out:
+            print(to_json(results[0].as_dict()))
+        else:
+            print_sim(results[0], console)
+        return
+    tr = _load(trace, tokenizer)
     if keep_warm == "auto":
         from prefixcache.analysis.audit import AuditConfig
         from prefixcache.analysis.audit import audit as run_audit
@@ -218,8 +248,6 @@ def simulate(
     else:
         print_sim(results[0], console)
     if plot:
-        if not sweep:
-            raise typer.BadParameter("--plot draws a sweep's curve: add --sweep ttl=60,300,900", param_hint="--plot")
         save_png(plot_sweep(name, raw, [float(v) for v in values], results), plot)
         console.print(f"plot: {plot}", style="dim")
 
