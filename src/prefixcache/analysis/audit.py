@@ -1,8 +1,9 @@
 """Why a trace's hit rate is what it is: busting spans, prefix stability, TTL versus traffic.
 
-One pass over the trace computes, per request, its chained block keys (fingerprints, batched:
-:meth:`KeyChains.iter_keys`; shared segments are hashed once) and three prefix depths (a set of
-chains is prefix-closed, so "block j is present" is monotone in j):
+One pass over the trace (a :class:`~prefixcache.analysis.feed.TraceFeed`: the requests in time
+order with their chained block keys, fingerprints computed in batches, shared segments hashed
+once) computes three prefix depths per request (a set of chains is prefix-closed, so "block j is
+present" is monotone in j):
 
 * achievable: the longest prefix any earlier request of the same tenant had (unbounded cache,
   no TTL);
@@ -19,6 +20,10 @@ The achieved hit rate comes from the trace's ``cached_tokens`` when every line h
 replaying the trace through the real PrefixCache (:func:`~prefixcache.analysis.simulate.simulate`,
 unbounded capacity, the given TTL); from 20,000 requests on, that replay runs in a forked child
 process while the scan runs (it sends back only the cached-token array), where fork exists.
+
+:func:`audit_file` streams: a reader process parses the file and computes the keys once, and
+sends them to the scan (this process) and to the replay child as it reads, so reading, scanning
+and replaying overlap (see :mod:`~prefixcache.analysis.feed`).
 """
 
 from __future__ import annotations
@@ -66,30 +71,6 @@ class AuditConfig:
     version_min_share: float = 0.01  # a prefix version must serve this share of requests (and 2)
     fingerprint: str = model_fingerprint("audit", "float32", 16)
     replay: bool = True  # False: skip the PrefixCache replay (achieved = trace's cached_tokens or 0)
-
-
-def _depth(keys: list[bytes], present: Any) -> int:
-    """Largest m with keys[:m] all in ``present`` (prefix-closed), by binary search."""
-    lo, hi = 0, len(keys)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if keys[mid - 1] in present:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _depth_since(keys: list[bytes], last: dict[bytes, float], since: float) -> int:
-    """Largest m with every keys[:m] used after ``since`` (last-use times shrink along a chain)."""
-    lo, hi = 0, len(keys)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if last.get(keys[mid - 1], -np.inf) > since:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 @dataclass(slots=True)
