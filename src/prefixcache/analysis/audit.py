@@ -518,6 +518,7 @@ class _Windows:
         self.feed = feed
         self.segments = feed.segments  # (the feed's lists, which grow in place)
         self.seg_len = feed.seg_len
+        self.packed = feed.seg_bytes  # streams: every segment already packed (no cache needed)
         self.size = np.dtype(TOKEN_DTYPE).itemsize
         self.cache: dict[int, bytes] = {}
         self.cached = 0
@@ -532,7 +533,7 @@ class _Windows:
         for s in parts:
             end = off + self.seg_len[s]
             if end > lo:
-                data = cache.get(s)
+                data = self.packed[s] if self.packed is not None else cache.get(s)
                 if data is None:
                     data = self.segments[s].tobytes()
                     if self.cached + len(data) > self.budget:

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 __all__ = ["CHUNK_LINES", "REORDER_CHUNKS", "TraceFeed", "TraceUnsorted", "can_stream", "stream"]
 
 CHUNK_LINES = 4096  # lines the reader parses between sends
+TOKEN_BYTES = np.dtype(TOKEN_DTYPE).itemsize
 REORDER_CHUNKS = 4  # a line may precede requests of up to this many chunks before it
 
 _COLUMNS = ("ts", "tenant", "endpoint", "prompt_tokens", "output_tokens", "cached_tokens", "has_cached",
@@ -70,7 +71,8 @@ class TraceFeed:
 
     Iterating yields request ``i``'s block keys (shared lists: do not mutate them) once its
     columns are in place: ``ts[i]``, ``tenant[i]``, ``endpoint[i]``, ``prompt_tokens[i]``,
-    ``ttl_s[i]`` (NaN: the default), ``parts[i]`` over ``segments`` (``seg_len`` their lengths),
+    ``ttl_s[i]`` (NaN: the default), ``parts[i]`` over ``segments`` (``seg_len`` their lengths;
+    ``seg_bytes``, for streams, the same tokens packed),
     ``tenants`` and ``endpoints`` (names by id). A feed is iterated once.
     """
 
@@ -85,6 +87,7 @@ class TraceFeed:
         self.parts: list[tuple[int, ...]] = []
         self.segments: list[np.ndarray] = []
         self.seg_len: list[int] = []
+        self.seg_bytes: list[bytes] | None = None  # streams: each segment packed (the arrays are views of these)
         self.tenants: list[str] = []
         self.endpoints: list[str] = []
         self.position = 0  # bytes of the file read (streams), for progress bars
@@ -188,6 +191,7 @@ def stream(
         w.close()
         f = TraceFeed(fingerprint, block_size)
         f.size = size
+        f.seg_bytes = []
         f._stream = _Receiver(r, proc)
         feeds.append(f)
     return feeds
@@ -253,9 +257,12 @@ class _Receiver:
             feed.tenants.extend(b.tenants)
             feed.endpoints.extend(b.endpoints)
             if b.seg_len:
-                buf = np.frombuffer(b.seg_data, dtype=TOKEN_DTYPE)
-                ends = np.cumsum(b.seg_len).tolist()
-                feed.segments.extend([buf[a:z] for a, z in zip([0, *ends[:-1]], ends, strict=True)])
+                # One bytes object per segment, and the uint32 array as a view of it (no copy).
+                data = b.seg_data
+                ends = (np.cumsum(b.seg_len) * TOKEN_BYTES).tolist()
+                packed = [data[a:z] for a, z in zip([0, *ends[:-1]], ends, strict=True)]
+                feed.seg_bytes.extend(packed)
+                feed.segments.extend([np.frombuffer(x, dtype=TOKEN_DTYPE) for x in packed])
                 feed.seg_len.extend(b.seg_len)
             c = b.columns
             self.columns.append(c)

@@ -280,6 +280,7 @@ def _simulate(feed: TraceFeed, cfg: SimConfig, progress: Callable[[int], None] |
                 long_segs[j] = b
         return b
 
+    packed_of = feed.seg_bytes.__getitem__ if feed.seg_bytes is not None else None  # streams: segments packed
     n_rep = len(caches)
     cached_l: list[int] = []
     written_l: list[int] = []
@@ -302,9 +303,9 @@ def _simulate(feed: TraceFeed, cfg: SimConfig, progress: Callable[[int], None] |
         p = parts[i]
         if len(p) == 1:
             tokens = segments[p[0]]
-            packed = tokens.tobytes()
+            packed = packed_of(p[0]) if packed_of is not None else tokens.tobytes()
         else:
-            packed = b"".join([seg_bytes(j) for j in p])
+            packed = b"".join(map(packed_of or seg_bytes, p))
             tokens = None
         n_tok = len(packed) >> 2
         try:
