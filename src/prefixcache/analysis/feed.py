@@ -31,6 +31,8 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import queue
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -308,15 +310,42 @@ def _is_parent(proc: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------------- the reader
+_QUEUED = 16  # messages queued per consumer before the reader waits for it
+
+
+class _Writer(threading.Thread):
+    """Writes one consumer's messages, so that a slow consumer delays neither the reader nor the
+    others (beyond its queue). A consumer that went away is skipped from then on."""
+
+    def __init__(self, conn: Any) -> None:
+        super().__init__(daemon=True)
+        self.conn = conn
+        self.queue: queue.Queue[bytes | None] = queue.Queue(_QUEUED)
+        self.gone = False
+
+    def run(self) -> None:
+        while (data := self.queue.get()) is not None:
+            if not self.gone:
+                try:
+                    self.conn.send_bytes(data)
+                except OSError:  # BrokenPipeError: the consumer closed its end
+                    self.gone = True
+        self.conn.close()
+
+
 def _reader_main(path: Path, tokenizer: str | None, block_size: int, fingerprint: str, pipes: list[Any]) -> None:
     for r, _ in pipes:
         r.close()
-    conns = [w for _, w in pipes]
+    writers = [_Writer(w) for _, w in pipes]
+    for w in writers:
+        w.start()
 
     def send(kind: str, msg: Any) -> None:
+        if all(w.gone for w in writers):
+            raise BrokenPipeError("every consumer went away")
         data = pickle.dumps((kind, msg), protocol=pickle.HIGHEST_PROTOCOL)
-        for c in conns:
-            c.send_bytes(data)
+        for w in writers:
+            w.queue.put(data)
 
     try:
         with paused_gc():
@@ -325,14 +354,16 @@ def _reader_main(path: Path, tokenizer: str | None, block_size: int, fingerprint
         send("error", str(exc))
     except TraceUnsorted as exc:
         send("unsorted", str(exc))
-    except BrokenPipeError:  # a consumer went away: nothing left to do
+    except BrokenPipeError:  # every consumer went away: nothing left to do
         pass
     except Exception as exc:  # noqa: BLE001 - reported to the consumers, which raise it
         log.exception("trace reader failed")
         send("error", f"{path}: cannot read the trace ({type(exc).__name__}: {exc})")
     finally:
-        for c in conns:
-            c.close()
+        for w in writers:
+            w.queue.put(None)
+        for w in writers:
+            w.join()
 
 
 def _read(path: Path, tokenizer: str | None, block_size: int, fingerprint: str, send: Callable[[str, Any], None]) -> None:
