@@ -673,33 +673,40 @@ class BlockStore:
         del self._expiry[run.ttl_s][run]
 
     def _make_room(self, nbytes: int, protect: Run | None = None) -> bool:
+        """Evict LRU leaves until ``nbytes`` more fit; False when nothing (but ``protect``) is left
+        to evict. The victims, their order and where the rest is queued are those of evicting
+        one leaf block at a time; a run's blocks go in one step where that changes nothing."""
         cap = self.capacity_bytes
         lru = self._lru
+        expiry = self._expiry
+        drop = self._drop
         while self.bytes + nbytes > cap:
             # The front is the victim; the protected block is the parent of the block being
-            # inserted, which must survive its child's insertion.
-            victim = None
-            for r in lru:
-                if r is not protect:
-                    victim = r
-                    break
+            # inserted, which must survive its child's insertion. ``front``: the first queued run
+            # other than the victim (one iterator, before anything moves).
+            it = iter(lru)
+            victim = next(it, None)
             if victim is None:
                 return False
+            if victim is protect:
+                front = victim
+                victim = next(it, None)
+                if victim is None:
+                    return False
+            else:
+                front = next(it, None)
             queued = True
             while True:
                 # Block by block, each parent left inside the run is the next victim when it is
                 # at least as old as the front (it inherits the tail's time); else it is queued.
-                front = None
-                for r in lru:
-                    if r is not victim:
-                        front = r
-                        break
                 n = len(victim.keys)
                 if front is None or victim.last_used <= front.last_used:
                     need = self.bytes + nbytes - cap
                     unit = victim.unit
                     if unit:
-                        k = min(n, -(-need // unit))
+                        k = -(-need // unit)
+                        if k > n:
+                            k = n
                     else:
                         k, freed, sizes = 0, 0, victim.sizes
                         while freed < need and k < n:
@@ -708,15 +715,27 @@ class BlockStore:
                 else:
                     k = 1
                 if k < n:  # part of the run is left: its new tail is queued where a leaf entering goes
-                    self._drop(victim, k, "capacity", requeue=False)
+                    drop(victim, k, "capacity", requeue=False)  # (touches no queue: front stands)
                     if queued:
-                        self._requeue(victim)
+                        # Move it to where _enter(ordered=True) would put it after leaving: the
+                        # front of each queue when it is at least as early as the first other
+                        # run there, else the back.
+                        if front is not None:
+                            lru.move_to_end(victim, last=not victim.last_used <= front.last_used)
+                        queue = expiry[victim.ttl_s]
+                        it = iter(queue)
+                        r = next(it)
+                        if r is victim:
+                            r = next(it, None)
+                        if r is not None:
+                            queue.move_to_end(victim, last=not victim.last_used + victim.ttl_s <= r.last_used + r.ttl_s)
                     else:
                         self._enter(victim, ordered=True)
                     break
                 if queued:
-                    self._leave(victim)
-                orphan = self._drop(victim, k, "capacity", requeue=False)
+                    del lru[victim]
+                    del expiry[victim.ttl_s][victim]
+                orphan = drop(victim, k, "capacity", requeue=False)
                 # The run is gone; its parent, if now an evictable leaf, is the next victim
                 # while room is needed and it is at least as old as the front.
                 if orphan is None:
@@ -727,25 +746,12 @@ class BlockStore:
                     and orphan is not protect
                     and (front is None or orphan.last_used <= front.last_used)
                 ):
+                    # The orphan is in no queue, so ``front`` is also the first run other than it.
                     victim, queued = orphan, False
                     continue
                 self._enter(orphan, ordered=True)
                 break
         return True
-
-    def _requeue(self, run: Run) -> None:
-        """Move a queued run to where :meth:`_enter` (``ordered``) would put it after leaving."""
-        lru = self._lru
-        for r in lru:
-            if r is not run:
-                lru.move_to_end(run, last=not run.last_used <= r.last_used)
-                break
-        queue = self._expiry[run.ttl_s]
-        exp = run.last_used + run.ttl_s
-        for r in queue:
-            if r is not run:
-                queue.move_to_end(run, last=not exp <= r.last_used + r.ttl_s)
-                break
 
     def _drop(self, run: Run, k: int, reason: str, *, requeue: bool) -> Run | None:
         """Remove the last ``k`` blocks of an unqueued ``run`` (tail first). When the run empties,
