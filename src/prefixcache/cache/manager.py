@@ -396,8 +396,15 @@ class PrefixCache:
             # match
             store.sweep()
             n_hit, segs = self._lookup(keys, packed, max_blocks)
-            if n_hit and store.is_due(segs[-1][0], n_hit - 1 - segs[-1][0].depth, clock()):
-                n_hit -= 1
+            if n_hit:
+                # store.is_due (only a leaf can be due: ancestors' freshness is their subtree's)
+                run = segs[-1][0]
+                if (
+                    n_hit - run.depth == len(run.keys)
+                    and run in store._lru
+                    and run.last_used + run.ttl_s <= clock()
+                ):
+                    n_hit -= 1
             usable = (n_hit * B // align) * align // B
             outcome = "miss" if not usable else "hit" if usable == max_blocks else "partial"
             self._totals.count(n, usable * B, outcome)
@@ -408,16 +415,30 @@ class PrefixCache:
             held = None
             lru = store._lru
             if usable:  # hold and touch the deepest hit block (no TTL class to raise: see above)
-                held = store.split(*_at(segs, usable - 1))
+                held, j = _at(segs, usable - 1)
+                if j < len(held.keys) - 1:
+                    held = store.split(held, j)
                 if held in lru:
                     store._leave(held)
                 held.ref_count += 1
                 held.last_used = clock()
             # commit
             stop = nk if upto_tokens is None else min(nk, max(upto_tokens, 0) // B)
-            prev = (held, len(held.keys) - 1) if held is not None else None  # block usable - 1
-            i, ranges, prev, _ = self._write(ns, keys, packed, usable, stop, prev, None, [base] * nk, nbytes)
-            written = sum(c for _, c in ranges)
+            if usable < stop and keys[usable] not in store._index:
+                # The usual case: the prompt leaves the cache where the hit ends, so its new blocks
+                # are one chain off the held block (what _write's first step would insert).
+                written, no_room, last = store._insert_uniform(keys, held, packed, usable, stop, 4 * B, nbytes,
+                                                               ns.root, ns.tenant, base)
+                i = usable + written
+                prev = (last, len(last.keys) - 1) if written and last is not None else None
+                if written and not no_room and i < stop:  # stopped at a stored key: a hash collision
+                    store._enter(last)  # more follows before the hold: queued as a leaf meanwhile
+                    i, ranges, prev, _ = self._write(ns, keys, packed, i, stop, prev, None, [base] * nk, nbytes)
+                    written += sum(c for _, c in ranges)
+            else:
+                prev = (held, len(held.keys) - 1) if held is not None else None  # block usable - 1
+                i, ranges, prev, _ = self._write(ns, keys, packed, usable, stop, prev, None, [base] * nk, nbytes)
+                written = sum(c for _, c in ranges)
             if i > usable:  # hold the chain's deepest block instead, touched
                 tail = store.split(*prev)  # type: ignore[misc]
                 if tail in lru:

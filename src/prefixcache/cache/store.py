@@ -406,6 +406,63 @@ class BlockStore:
         return self._insert_slow(keys, parent, parent_run, packed, j, stop, step, payload_fn, namespace, tenant,
                                  ttls, uniform_nbytes, 0, enter)
 
+    def _insert_uniform(
+        self, keys: list[BlockHash], parent_run: Run | None, packed: bytes, first: int, stop: int, step: int,
+        nbytes: int, namespace: bytes, tenant: str, ttl: float,
+    ) -> tuple[int, bool, Run | None]:
+        """The simulator's insert: ``insert_chain(keys, parent, packed, first, step, None,
+        uniform_nbytes=nbytes, ttls=[ttl] * len(keys), stop=stop, enter=False,
+        parent_run=parent_run)`` (``parent``: ``keys[first - 1]``, None when ``first`` is 0), the
+        same operations in the same order. ``keys[first]`` must not be stored.
+
+        Every block has one size and one TTL class, so when room for all of them can be made they
+        go in as one run, with no per-block lists to build; else (and for anything unusual) this
+        is insert_chain itself.
+        """
+        parent = keys[first - 1] if first else None
+        cap = self.capacity_bytes
+        if (
+            not first < stop
+            or nbytes > cap
+            or (parent_run is None) != (parent is None)
+            or (parent_run is not None and (not parent_run.keys or parent_run.keys[-1] != parent
+                                            or parent_run.depth + len(parent_run.keys) != first))
+        ):
+            return self.insert_chain(keys, parent, packed, first, step, None, namespace=namespace, tenant=tenant,
+                                     ttls=[ttl] * len(keys), uniform_nbytes=nbytes, stop=stop, enter=False,
+                                     parent_run=parent_run)
+        k = stop - first
+        total = k * nbytes
+        if self.bytes + total > cap and not self._make_room(total, protect=parent_run):
+            # Block by block from here, as insert_chain goes on (asking _make_room again would
+            # change nothing: everything it could evict is gone).
+            return self._insert_slow(keys, parent, parent_run, packed, first, stop, step, None, namespace, tenant,
+                                     [ttl] * len(keys), nbytes, 0, False)
+        if parent_run is not None:  # _attach: its tail is no longer a leaf
+            if parent_run.n_children == 0 and parent_run in self._lru:
+                self._leave(parent_run)
+            parent_run.n_children += 1
+        # _new_runs for one TTL class: one run.
+        ttl = float(ttl)
+        if ttl < self.min_ttl_s:
+            self.min_ttl_s = ttl
+        rk = keys[first:stop]
+        run = Run(rk, packed[first * step : stop * step], [None] * k, [nbytes] * k, nbytes, first, parent,
+                  namespace, tenant, ttl, self.clock(), parent_run)
+        index = self._index
+        if rk[0] not in index:  # (taken only by a hash collision: then unreachable by key)
+            index[rk[0]] = run
+        self._runs[run] = None
+        self._nblocks += k
+        if self._listeners:
+            self._notify_inserted(keys, first, stop)
+        self.bytes += total
+        tenant_blocks = self.tenant_blocks
+        tenant_blocks[tenant] = tenant_blocks.get(tenant, 0) + k
+        tenant_bytes = self.tenant_bytes
+        tenant_bytes[tenant] = tenant_bytes.get(tenant, 0) + total
+        return k, False, run
+
     def _insert_slow(
         self, keys: list[BlockHash], parent: BlockHash | None, parent_run: Run | None, packed: bytes, j: int,
         stop: int, step: int, payload_fn: Callable[[int], tuple[Any, int]] | None, namespace: bytes, tenant: str,
@@ -482,11 +539,15 @@ class BlockStore:
             s = e
         assert run is not None
         if self._listeners:
-            for r, _, _ in self.chain(keys, a, b):
-                for jj in range(len(r.keys)):
-                    for fn in self._listeners:
-                        fn("insert", r.block(jj))
+            self._notify_inserted(keys, a, b)
         return run
+
+    def _notify_inserted(self, keys: list[BlockHash], a: int, b: int) -> None:
+        """Tell the listeners of the blocks just stored in the runs holding ``keys[a:b]``."""
+        for r, _, _ in self.chain(keys, a, b):
+            for jj in range(len(r.keys)):
+                for fn in self._listeners:
+                    fn("insert", r.block(jj))
 
     def _account(self, tenant: str, n: int, nbytes: int) -> None:
         self.tenant_blocks[tenant] = self.tenant_blocks.get(tenant, 0) + n
