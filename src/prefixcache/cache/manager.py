@@ -172,7 +172,7 @@ class PrefixCache:
         store = self.store
         with self._lock:
             store.sweep()
-            n_hit, segs = self._lookup(keys, packed, max_blocks)
+            n_hit, segs = store.walk(keys, packed, max_blocks)
             # Only a leaf can be due (ancestors' freshness is their subtree's), so one check.
             if n_hit and store.is_due(segs[-1][0], n_hit - 1 - segs[-1][0].depth, self.clock()):
                 n_hit -= 1
@@ -195,35 +195,13 @@ class PrefixCache:
             tc.count(n, usable * B, outcome)
         return m
 
-    def _lookup(
-        self, keys: list[BlockHash], packed: bytes, max_blocks: int
-    ) -> tuple[int, list[tuple[Run, int, int]]]:
-        """How many leading ``keys`` are cached, verified, and the runs holding them: (run,
-        first index, count) each.
-
-        Tokens (and parents) are compared so that even a hash collision cannot serve another
-        prompt's state. A run is compared in bulk (one bytes comparison, in C).
-        """
-        match_run = self.store.match_run
-        n = 0
-        parent: BlockHash | None = None
-        segs: list[tuple[Run, int, int]] = []
-        while n < max_blocks:
-            run, c, collided = match_run(keys, packed, n, max_blocks, parent)
-            if c:
-                segs.append((run, n - run.depth, c))  # type: ignore[union-attr]
-                n += c
-                parent = keys[n - 1]
-            if collided or not c:
-                break
-        return n, segs
-
     def cached_prefix(self, keys: list[BlockHash], packed: bytes) -> int:
         """Blocks of this prompt that a request would find cached now (live, verified), without
         touching anything: what a cache-aware router asks each replica."""
+        store = self.store
         with self._lock:
-            n, segs = self._lookup(keys, packed, len(keys))
-            if n and self.store.is_due(segs[-1][0], n - 1 - segs[-1][0].depth, self.clock()):
+            n, segs = store.walk(keys, packed, len(keys))
+            if n and store.is_due(segs[-1][0], n - 1 - segs[-1][0].depth, self.clock()):
                 n -= 1
             return n
 
@@ -395,7 +373,7 @@ class PrefixCache:
         with self._lock:
             # match
             store.sweep()
-            n_hit, segs = self._lookup(keys, packed, max_blocks)
+            n_hit, segs = store.walk(keys, packed, max_blocks)
             if n_hit:
                 # store.is_due (only a leaf can be due: ancestors' freshness is their subtree's)
                 run = segs[-1][0]
@@ -474,7 +452,7 @@ class PrefixCache:
         packed = pack_tokens(tokens)
         store = self.store
         with self._lock:
-            n, segs = self._lookup(keys, packed, len(keys))
+            n, segs = store.walk(keys, packed, len(keys))
             if n and store.is_due(segs[-1][0], n - 1 - segs[-1][0].depth, self.clock()):
                 n -= 1
             if not n:

@@ -283,6 +283,44 @@ class BlockStore:
             return run, lo, False  # the prompt leaves the run here
         return run, c, False
 
+    def walk(self, keys: list[BlockHash], packed: bytes, stop: int) -> tuple[int, list[tuple[Run, int, int]]]:
+        """How many leading ``keys[:stop]`` of a prompt are stored, verified, and the runs holding
+        them: (run, first index, count) each. :meth:`match_run` run after run from the root, with
+        its usual outcome inlined.
+
+        Tokens (and parents) are compared so that even a hash collision cannot serve another
+        prompt's state. A run is compared in bulk (one bytes comparison, in C).
+        """
+        index = self._index
+        segs: list[tuple[Run, int, int]] = []
+        i = 0
+        parent: BlockHash | None = None
+        while i < stop:
+            run = index.get(keys[i])
+            if run is None:
+                break
+            # What match_run finds almost always: the run starts at block i (the index maps each
+            # run's first key to it), hangs off ``parent``, and its tokens agree up to ``stop``.
+            if run.depth == i and run.parent == parent:
+                c = len(run.keys)
+                if c > stop - i:
+                    c = stop - i
+                s = run.step
+                if run.packed[: c * s] == packed[i * s : (i + c) * s]:
+                    segs.append((run, 0, c))
+                    i += c
+                    parent = keys[i - 1]
+                    continue
+            # Anything else (the prompt leaves the run, a collision) is match_run's to sort out.
+            run, c, collided = self.match_run(keys, packed, i, stop, parent)
+            if c:
+                segs.append((run, i - run.depth, c))  # type: ignore[union-attr]
+                i += c
+                parent = keys[i - 1]
+            if collided or not c:
+                break
+        return i, segs
+
     def is_due(self, run: Run, j: int, now: float) -> bool:
         """True when block ``j`` of ``run`` is an expired leaf that a sweep has not removed yet."""
         return j == len(run.keys) - 1 and run in self._lru and run.last_used + run.ttl_s <= now
