@@ -393,7 +393,10 @@ class PrefixCache:
             held = None
             lru = store._lru
             if usable:  # hold and touch the deepest hit block (no TTL class to raise: see above)
-                held, j = _at(segs, usable - 1)
+                held, first, _ = segs[-1]  # _at(segs, usable - 1): most often in the last run
+                j = usable - 1 - held.depth
+                if j < first:
+                    held, j = _at(segs, usable - 1)
                 if j < len(held.keys) - 1:
                     held = store.split(held, j)
                 if held in lru:
@@ -418,7 +421,9 @@ class PrefixCache:
                 i, ranges, prev, _ = self._write(ns, keys, packed, usable, stop, prev, None, [base] * nk, nbytes)
                 written = sum(c for _, c in ranges)
             if i > usable:  # hold the chain's deepest block instead, touched
-                tail = store.split(*prev)  # type: ignore[misc]
+                tail, j = prev  # type: ignore[misc]
+                if j < len(tail.keys) - 1:
+                    tail = store.split(tail, j)
                 if tail in lru:
                     store._leave(tail)
                 tail.ref_count += 1
@@ -429,9 +434,13 @@ class PrefixCache:
             if written:
                 self._totals.written_tokens += written * B
                 tc.written_tokens += written * B
-            # release
+            # release: store.release, inlined (the reference is ours, so there is one to drop)
             if held is not None:
-                store.release(held)
+                held.ref_count -= 1
+                if held.ref_count == 0 and held.keys:
+                    held.last_used = clock()
+                    if held.pin_count == 0 and held.n_children == 0:
+                        store._enter(held)
         return usable * B, written * B
 
     def release(self, m: Match) -> None:

@@ -451,21 +451,16 @@ class BlockStore:
         """The simulator's insert: ``insert_chain(keys, parent, packed, first, step, None,
         uniform_nbytes=nbytes, ttls=[ttl] * len(keys), stop=stop, enter=False,
         parent_run=parent_run)`` (``parent``: ``keys[first - 1]``, None when ``first`` is 0), the
-        same operations in the same order. ``keys[first]`` must not be stored.
+        same operations in the same order. The caller has walked the chain: ``first < stop``,
+        ``keys[first]`` is not stored, and ``parent_run`` is the run whose tail is block
+        ``first - 1`` (None when ``first`` is 0).
 
         Every block has one size and one TTL class, so when room for all of them can be made they
-        go in as one run, with no per-block lists to build; else (and for anything unusual) this
-        is insert_chain itself.
+        go in as one run, with no per-block lists to build; else this is insert_chain itself.
         """
         parent = keys[first - 1] if first else None
         cap = self.capacity_bytes
-        if (
-            not first < stop
-            or nbytes > cap
-            or (parent_run is None) != (parent is None)
-            or (parent_run is not None and (not parent_run.keys or parent_run.keys[-1] != parent
-                                            or parent_run.depth + len(parent_run.keys) != first))
-        ):
+        if nbytes > cap:  # (no block fits: rejected)
             return self.insert_chain(keys, parent, packed, first, step, None, namespace=namespace, tenant=tenant,
                                      ttls=[ttl] * len(keys), uniform_nbytes=nbytes, stop=stop, enter=False,
                                      parent_run=parent_run)
