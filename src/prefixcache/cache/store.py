@@ -151,14 +151,6 @@ class StoreCounters:
     rejected: int = 0  # inserts refused for lack of room
 
 
-def _first(od: OrderedDict[Run, None], skip: Run | None = None) -> Run | None:
-    """The front entry of ``od`` other than ``skip``."""
-    for r in od:
-        if r is not skip:
-            return r
-    return None
-
-
 class BlockStore:
     """Blocks under a byte budget, a TTL per block, and a separate budget for pinned blocks.
 
@@ -682,24 +674,29 @@ class BlockStore:
         """Remove every unreferenced, unpinned block whose TTL has passed. O(expired)."""
         now = self.clock()
         removed = 0
+        lru = self._lru
+        expiry = self._expiry
         # Removing a leaf can make its parent a due leaf (in this class or a longer one), so
         # repeat until a pass removes nothing. Each pass is O(removed + classes).
         progress = True
         while progress:
             progress = False
             for ttl in self._classes:
-                queue = self._expiry[ttl]
+                queue = expiry[ttl]
                 while queue:
-                    run = next(iter(queue))
-                    if run.last_used + run.ttl_s > now:
+                    it = iter(queue)
+                    run = next(it)
+                    due = run.last_used + run.ttl_s
+                    if due > now:
                         break
-                    self._leave(run)
+                    front = next(it, None)  # the queue's front once ``run`` has left
+                    del lru[run]  # _leave (this queue is its class's)
+                    del queue[run]
                     progress = True
                     # Block by block, the tail's parent would be a due leaf of this class with the
                     # same expiry; it is removed at once when it is at least as early as the
                     # queue's front (else it is queued, at the back).
-                    front = _first(queue)
-                    k = len(run.keys) if front is None or run.last_used + run.ttl_s <= _expires(front) else 1
+                    k = len(run.keys) if front is None or due <= front.last_used + front.ttl_s else 1
                     removed += k
                     orphan = self._drop(run, k, "ttl", requeue=False)
                     if run.keys:  # part of the run is left: its new tail is queued
