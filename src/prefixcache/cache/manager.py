@@ -408,22 +408,22 @@ class PrefixCache:
             if usable < stop and keys[usable] not in store._index:
                 # The usual case: the prompt leaves the cache where the hit ends, so its new blocks
                 # are one chain off the held block (what _write's first step would insert).
-                written, no_room, last = store._insert_uniform(keys, held, packed, usable, stop, 4 * B, nbytes,
+                written, no_room, tail = store._insert_uniform(keys, held, packed, usable, stop, 4 * B, nbytes,
                                                                ns.root, ns.tenant, base)
-                i = usable + written
-                prev = (last, len(last.keys) - 1) if written and last is not None else None
+                i = usable + written  # when i > usable, block i - 1 is the tail of ``tail``
                 if written and not no_room and i < stop:  # stopped at a stored key: a hash collision
-                    store._enter(last)  # more follows before the hold: queued as a leaf meanwhile
+                    store._enter(tail)  # more follows before the hold: queued as a leaf meanwhile
+                    prev = (tail, len(tail.keys) - 1)  # type: ignore[union-attr]
                     i, ranges, prev, _ = self._write(ns, keys, packed, i, stop, prev, None, [base] * nk, nbytes)
                     written += sum(c for _, c in ranges)
+                    tail = store.split(*prev)  # type: ignore[misc]
             else:
                 prev = (held, len(held.keys) - 1) if held is not None else None  # block usable - 1
                 i, ranges, prev, _ = self._write(ns, keys, packed, usable, stop, prev, None, [base] * nk, nbytes)
                 written = sum(c for _, c in ranges)
+                if i > usable:
+                    tail = store.split(*prev)  # type: ignore[misc]
             if i > usable:  # hold the chain's deepest block instead, touched
-                tail, j = prev  # type: ignore[misc]
-                if j < len(tail.keys) - 1:
-                    tail = store.split(tail, j)
                 if tail in lru:
                     store._leave(tail)
                 tail.ref_count += 1
