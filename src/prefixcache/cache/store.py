@@ -298,7 +298,9 @@ class BlockStore:
                 if c > stop - i:
                     c = stop - i
                 s = run.step
-                if run.packed[: c * s] == packed[i * s : (i + c) * s]:
+                # (startswith compares in place: no copy of the prompt's bytes, nor of the run's
+                # when the whole run is compared; keys are full blocks, so the lengths suffice)
+                if packed.startswith(run.packed if c == len(run.keys) else run.packed[: c * s], i * s):
                     segs.append((run, 0, c))
                     i += c
                     parent = keys[i - 1]
