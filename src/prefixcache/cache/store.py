@@ -781,13 +781,14 @@ class BlockStore:
             victim = next(it, None)
             if victim is None:
                 return False
-            if victim is protect:
+            lead = victim is not protect  # the victim is the LRU's first run
+            if lead:
+                front = next(it, None)
+            else:
                 front = victim
                 victim = next(it, None)
                 if victim is None:
                     return False
-            else:
-                front = next(it, None)
             queued = True
             while True:
                 # Block by block, each parent left inside the run is the next victim when it is
@@ -812,16 +813,23 @@ class BlockStore:
                     if queued:
                         # Move it to where _enter(ordered=True) would put it after leaving: the
                         # front of each queue when it is at least as early as the first other
-                        # run there, else the back.
+                        # run there, else the back. (Usually it is at the front and stays.)
                         if front is not None:
-                            lru.move_to_end(victim, last=not victim.last_used <= front.last_used)
+                            if not victim.last_used <= front.last_used:
+                                lru.move_to_end(victim)
+                            elif not lead:
+                                lru.move_to_end(victim, last=False)
                         queue = expiry[victim.ttl_s]
                         it = iter(queue)
                         r = next(it)
-                        if r is victim:
+                        lead_q = r is victim
+                        if lead_q:
                             r = next(it, None)
                         if r is not None:
-                            queue.move_to_end(victim, last=not victim.last_used + victim.ttl_s <= r.last_used + r.ttl_s)
+                            if not victim.last_used + victim.ttl_s <= r.last_used + r.ttl_s:
+                                queue.move_to_end(victim)
+                            elif not lead_q:
+                                queue.move_to_end(victim, last=False)
                     else:
                         self._enter(victim, ordered=True)
                     break
