@@ -172,7 +172,7 @@ class PrefixCache:
         store = self.store
         with self._lock:
             store.sweep()
-            n_hit, segs = self._lookup(keys, packed, max_blocks)
+            n_hit, segs = store.walk(keys, packed, max_blocks)
             # Only a leaf can be due (ancestors' freshness is their subtree's), so one check.
             if n_hit and store.is_due(segs[-1][0], n_hit - 1 - segs[-1][0].depth, self.clock()):
                 n_hit -= 1
@@ -195,35 +195,13 @@ class PrefixCache:
             tc.count(n, usable * B, outcome)
         return m
 
-    def _lookup(
-        self, keys: list[BlockHash], packed: bytes, max_blocks: int
-    ) -> tuple[int, list[tuple[Run, int, int]]]:
-        """How many leading ``keys`` are cached, verified, and the runs holding them: (run,
-        first index, count) each.
-
-        Tokens (and parents) are compared so that even a hash collision cannot serve another
-        prompt's state. A run is compared in bulk (one bytes comparison, in C).
-        """
-        match_run = self.store.match_run
-        n = 0
-        parent: BlockHash | None = None
-        segs: list[tuple[Run, int, int]] = []
-        while n < max_blocks:
-            run, c, collided = match_run(keys, packed, n, max_blocks, parent)
-            if c:
-                segs.append((run, n - run.depth, c))  # type: ignore[union-attr]
-                n += c
-                parent = keys[n - 1]
-            if collided or not c:
-                break
-        return n, segs
-
     def cached_prefix(self, keys: list[BlockHash], packed: bytes) -> int:
         """Blocks of this prompt that a request would find cached now (live, verified), without
         touching anything: what a cache-aware router asks each replica."""
+        store = self.store
         with self._lock:
-            n, segs = self._lookup(keys, packed, len(keys))
-            if n and self.store.is_due(segs[-1][0], n - 1 - segs[-1][0].depth, self.clock()):
+            n, segs = store.walk(keys, packed, len(keys))
+            if n and store.is_due(segs[-1][0], n - 1 - segs[-1][0].depth, self.clock()):
                 n -= 1
             return n
 
@@ -395,9 +373,16 @@ class PrefixCache:
         with self._lock:
             # match
             store.sweep()
-            n_hit, segs = self._lookup(keys, packed, max_blocks)
-            if n_hit and store.is_due(segs[-1][0], n_hit - 1 - segs[-1][0].depth, clock()):
-                n_hit -= 1
+            n_hit, segs = store.walk(keys, packed, max_blocks)
+            if n_hit:
+                # store.is_due (only a leaf can be due: ancestors' freshness is their subtree's)
+                run = segs[-1][0]
+                if (
+                    n_hit - run.depth == len(run.keys)
+                    and run in store._lru
+                    and run.last_used + run.ttl_s <= clock()
+                ):
+                    n_hit -= 1
             usable = (n_hit * B // align) * align // B
             outcome = "miss" if not usable else "hit" if usable == max_blocks else "partial"
             self._totals.count(n, usable * B, outcome)
@@ -408,18 +393,37 @@ class PrefixCache:
             held = None
             lru = store._lru
             if usable:  # hold and touch the deepest hit block (no TTL class to raise: see above)
-                held = store.split(*_at(segs, usable - 1))
+                held, first, _ = segs[-1]  # _at(segs, usable - 1): most often in the last run
+                j = usable - 1 - held.depth
+                if j < first:
+                    held, j = _at(segs, usable - 1)
+                if j < len(held.keys) - 1:
+                    held = store.split(held, j)
                 if held in lru:
                     store._leave(held)
                 held.ref_count += 1
                 held.last_used = clock()
             # commit
             stop = nk if upto_tokens is None else min(nk, max(upto_tokens, 0) // B)
-            prev = (held, len(held.keys) - 1) if held is not None else None  # block usable - 1
-            i, ranges, prev, _ = self._write(ns, keys, packed, usable, stop, prev, None, [base] * nk, nbytes)
-            written = sum(c for _, c in ranges)
+            if usable < stop and keys[usable] not in store._index:
+                # The usual case: the prompt leaves the cache where the hit ends, so its new blocks
+                # are one chain off the held block (what _write's first step would insert).
+                written, no_room, tail = store._insert_uniform(keys, held, packed, usable, stop, 4 * B, nbytes,
+                                                               ns.root, ns.tenant, base)
+                i = usable + written  # when i > usable, block i - 1 is the tail of ``tail``
+                if written and not no_room and i < stop:  # stopped at a stored key: a hash collision
+                    store._enter(tail)  # more follows before the hold: queued as a leaf meanwhile
+                    prev = (tail, len(tail.keys) - 1)  # type: ignore[union-attr]
+                    i, ranges, prev, _ = self._write(ns, keys, packed, i, stop, prev, None, [base] * nk, nbytes)
+                    written += sum(c for _, c in ranges)
+                    tail = store.split(*prev)  # type: ignore[misc]
+            else:
+                prev = (held, len(held.keys) - 1) if held is not None else None  # block usable - 1
+                i, ranges, prev, _ = self._write(ns, keys, packed, usable, stop, prev, None, [base] * nk, nbytes)
+                written = sum(c for _, c in ranges)
+                if i > usable:
+                    tail = store.split(*prev)  # type: ignore[misc]
             if i > usable:  # hold the chain's deepest block instead, touched
-                tail = store.split(*prev)  # type: ignore[misc]
                 if tail in lru:
                     store._leave(tail)
                 tail.ref_count += 1
@@ -430,9 +434,13 @@ class PrefixCache:
             if written:
                 self._totals.written_tokens += written * B
                 tc.written_tokens += written * B
-            # release
+            # release: store.release, inlined (the reference is ours, so there is one to drop)
             if held is not None:
-                store.release(held)
+                held.ref_count -= 1
+                if held.ref_count == 0 and held.keys:
+                    held.last_used = clock()
+                    if held.pin_count == 0 and held.n_children == 0:
+                        store._enter(held)
         return usable * B, written * B
 
     def release(self, m: Match) -> None:
@@ -453,7 +461,7 @@ class PrefixCache:
         packed = pack_tokens(tokens)
         store = self.store
         with self._lock:
-            n, segs = self._lookup(keys, packed, len(keys))
+            n, segs = store.walk(keys, packed, len(keys))
             if n and store.is_due(segs[-1][0], n - 1 - segs[-1][0].depth, self.clock()):
                 n -= 1
             if not n:

@@ -151,14 +151,6 @@ class StoreCounters:
     rejected: int = 0  # inserts refused for lack of room
 
 
-def _first(od: OrderedDict[Run, None], skip: Run | None = None) -> Run | None:
-    """The front entry of ``od`` other than ``skip``."""
-    for r in od:
-        if r is not skip:
-            return r
-    return None
-
-
 class BlockStore:
     """Blocks under a byte budget, a TTL per block, and a separate budget for pinned blocks.
 
@@ -283,6 +275,46 @@ class BlockStore:
             return run, lo, False  # the prompt leaves the run here
         return run, c, False
 
+    def walk(self, keys: list[BlockHash], packed: bytes, stop: int) -> tuple[int, list[tuple[Run, int, int]]]:
+        """How many leading ``keys[:stop]`` of a prompt are stored, verified, and the runs holding
+        them: (run, first index, count) each. :meth:`match_run` run after run from the root, with
+        its usual outcome inlined.
+
+        Tokens (and parents) are compared so that even a hash collision cannot serve another
+        prompt's state. A run is compared in bulk (one bytes comparison, in C).
+        """
+        index = self._index
+        segs: list[tuple[Run, int, int]] = []
+        i = 0
+        parent: BlockHash | None = None
+        while i < stop:
+            run = index.get(keys[i])
+            if run is None:
+                break
+            # What match_run finds almost always: the run starts at block i (the index maps each
+            # run's first key to it), hangs off ``parent``, and its tokens agree up to ``stop``.
+            if run.depth == i and run.parent == parent:
+                c = len(run.keys)
+                if c > stop - i:
+                    c = stop - i
+                s = run.step
+                # (startswith compares in place: no copy of the prompt's bytes, nor of the run's
+                # when the whole run is compared; keys are full blocks, so the lengths suffice)
+                if packed.startswith(run.packed if c == len(run.keys) else run.packed[: c * s], i * s):
+                    segs.append((run, 0, c))
+                    i += c
+                    parent = keys[i - 1]
+                    continue
+            # Anything else (the prompt leaves the run, a collision) is match_run's to sort out.
+            run, c, collided = self.match_run(keys, packed, i, stop, parent)
+            if c:
+                segs.append((run, i - run.depth, c))  # type: ignore[union-attr]
+                i += c
+                parent = keys[i - 1]
+            if collided or not c:
+                break
+        return i, segs
+
     def is_due(self, run: Run, j: int, now: float) -> bool:
         """True when block ``j`` of ``run`` is an expired leaf that a sweep has not removed yet."""
         return j == len(run.keys) - 1 and run in self._lru and run.last_used + run.ttl_s <= now
@@ -406,6 +438,58 @@ class BlockStore:
         return self._insert_slow(keys, parent, parent_run, packed, j, stop, step, payload_fn, namespace, tenant,
                                  ttls, uniform_nbytes, 0, enter)
 
+    def _insert_uniform(
+        self, keys: list[BlockHash], parent_run: Run | None, packed: bytes, first: int, stop: int, step: int,
+        nbytes: int, namespace: bytes, tenant: str, ttl: float,
+    ) -> tuple[int, bool, Run | None]:
+        """The simulator's insert: ``insert_chain(keys, parent, packed, first, step, None,
+        uniform_nbytes=nbytes, ttls=[ttl] * len(keys), stop=stop, enter=False,
+        parent_run=parent_run)`` (``parent``: ``keys[first - 1]``, None when ``first`` is 0), the
+        same operations in the same order. The caller has walked the chain: ``first < stop``,
+        ``keys[first]`` is not stored, and ``parent_run`` is the run whose tail is block
+        ``first - 1`` (None when ``first`` is 0).
+
+        Every block has one size and one TTL class, so when room for all of them can be made they
+        go in as one run, with no per-block lists to build; else this is insert_chain itself.
+        """
+        parent = keys[first - 1] if first else None
+        cap = self.capacity_bytes
+        if nbytes > cap:  # (no block fits: rejected)
+            return self.insert_chain(keys, parent, packed, first, step, None, namespace=namespace, tenant=tenant,
+                                     ttls=[ttl] * len(keys), uniform_nbytes=nbytes, stop=stop, enter=False,
+                                     parent_run=parent_run)
+        k = stop - first
+        total = k * nbytes
+        if self.bytes + total > cap and not self._make_room(total, protect=parent_run):
+            # Block by block from here, as insert_chain goes on (asking _make_room again would
+            # change nothing: everything it could evict is gone).
+            return self._insert_slow(keys, parent, parent_run, packed, first, stop, step, None, namespace, tenant,
+                                     [ttl] * len(keys), nbytes, 0, False)
+        if parent_run is not None:  # _attach: its tail is no longer a leaf
+            if parent_run.n_children == 0 and parent_run in self._lru:
+                self._leave(parent_run)
+            parent_run.n_children += 1
+        # _new_runs for one TTL class: one run.
+        ttl = float(ttl)
+        if ttl < self.min_ttl_s:
+            self.min_ttl_s = ttl
+        rk = keys[first:stop]
+        run = Run(rk, packed[first * step : stop * step], [None] * k, [nbytes] * k, nbytes, first, parent,
+                  namespace, tenant, ttl, self.clock(), parent_run)
+        index = self._index
+        if rk[0] not in index:  # (taken only by a hash collision: then unreachable by key)
+            index[rk[0]] = run
+        self._runs[run] = None
+        self._nblocks += k
+        if self._listeners:
+            self._notify_inserted(keys, first, stop)
+        self.bytes += total
+        tenant_blocks = self.tenant_blocks
+        tenant_blocks[tenant] = tenant_blocks.get(tenant, 0) + k
+        tenant_bytes = self.tenant_bytes
+        tenant_bytes[tenant] = tenant_bytes.get(tenant, 0) + total
+        return k, False, run
+
     def _insert_slow(
         self, keys: list[BlockHash], parent: BlockHash | None, parent_run: Run | None, packed: bytes, j: int,
         stop: int, step: int, payload_fn: Callable[[int], tuple[Any, int]] | None, namespace: bytes, tenant: str,
@@ -482,11 +566,15 @@ class BlockStore:
             s = e
         assert run is not None
         if self._listeners:
-            for r, _, _ in self.chain(keys, a, b):
-                for jj in range(len(r.keys)):
-                    for fn in self._listeners:
-                        fn("insert", r.block(jj))
+            self._notify_inserted(keys, a, b)
         return run
+
+    def _notify_inserted(self, keys: list[BlockHash], a: int, b: int) -> None:
+        """Tell the listeners of the blocks just stored in the runs holding ``keys[a:b]``."""
+        for r, _, _ in self.chain(keys, a, b):
+            for jj in range(len(r.keys)):
+                for fn in self._listeners:
+                    fn("insert", r.block(jj))
 
     def _account(self, tenant: str, n: int, nbytes: int) -> None:
         self.tenant_blocks[tenant] = self.tenant_blocks.get(tenant, 0) + n
@@ -588,24 +676,29 @@ class BlockStore:
         """Remove every unreferenced, unpinned block whose TTL has passed. O(expired)."""
         now = self.clock()
         removed = 0
+        lru = self._lru
+        expiry = self._expiry
         # Removing a leaf can make its parent a due leaf (in this class or a longer one), so
         # repeat until a pass removes nothing. Each pass is O(removed + classes).
         progress = True
         while progress:
             progress = False
             for ttl in self._classes:
-                queue = self._expiry[ttl]
+                queue = expiry[ttl]
                 while queue:
-                    run = next(iter(queue))
-                    if run.last_used + run.ttl_s > now:
+                    it = iter(queue)
+                    run = next(it)
+                    due = run.last_used + run.ttl_s
+                    if due > now:
                         break
-                    self._leave(run)
+                    front = next(it, None)  # the queue's front once ``run`` has left
+                    del lru[run]  # _leave (this queue is its class's)
+                    del queue[run]
                     progress = True
                     # Block by block, the tail's parent would be a due leaf of this class with the
                     # same expiry; it is removed at once when it is at least as early as the
                     # queue's front (else it is queued, at the back).
-                    front = _first(queue)
-                    k = len(run.keys) if front is None or run.last_used + run.ttl_s <= _expires(front) else 1
+                    k = len(run.keys) if front is None or due <= front.last_used + front.ttl_s else 1
                     removed += k
                     orphan = self._drop(run, k, "ttl", requeue=False)
                     if run.keys:  # part of the run is left: its new tail is queued
@@ -673,33 +766,41 @@ class BlockStore:
         del self._expiry[run.ttl_s][run]
 
     def _make_room(self, nbytes: int, protect: Run | None = None) -> bool:
+        """Evict LRU leaves until ``nbytes`` more fit; False when nothing (but ``protect``) is left
+        to evict. The victims, their order and where the rest is queued are those of evicting
+        one leaf block at a time; a run's blocks go in one step where that changes nothing."""
         cap = self.capacity_bytes
         lru = self._lru
+        expiry = self._expiry
+        drop = self._drop
         while self.bytes + nbytes > cap:
             # The front is the victim; the protected block is the parent of the block being
-            # inserted, which must survive its child's insertion.
-            victim = None
-            for r in lru:
-                if r is not protect:
-                    victim = r
-                    break
+            # inserted, which must survive its child's insertion. ``front``: the first queued run
+            # other than the victim (one iterator, before anything moves).
+            it = iter(lru)
+            victim = next(it, None)
             if victim is None:
                 return False
+            lead = victim is not protect  # the victim is the LRU's first run
+            if lead:
+                front = next(it, None)
+            else:
+                front = victim
+                victim = next(it, None)
+                if victim is None:
+                    return False
             queued = True
             while True:
                 # Block by block, each parent left inside the run is the next victim when it is
                 # at least as old as the front (it inherits the tail's time); else it is queued.
-                front = None
-                for r in lru:
-                    if r is not victim:
-                        front = r
-                        break
                 n = len(victim.keys)
                 if front is None or victim.last_used <= front.last_used:
                     need = self.bytes + nbytes - cap
                     unit = victim.unit
                     if unit:
-                        k = min(n, -(-need // unit))
+                        k = -(-need // unit)
+                        if k > n:
+                            k = n
                     else:
                         k, freed, sizes = 0, 0, victim.sizes
                         while freed < need and k < n:
@@ -708,15 +809,34 @@ class BlockStore:
                 else:
                     k = 1
                 if k < n:  # part of the run is left: its new tail is queued where a leaf entering goes
-                    self._drop(victim, k, "capacity", requeue=False)
+                    drop(victim, k, "capacity", requeue=False)  # (touches no queue: front stands)
                     if queued:
-                        self._requeue(victim)
+                        # Move it to where _enter(ordered=True) would put it after leaving: the
+                        # front of each queue when it is at least as early as the first other
+                        # run there, else the back. (Usually it is at the front and stays.)
+                        if front is not None:
+                            if not victim.last_used <= front.last_used:
+                                lru.move_to_end(victim)
+                            elif not lead:
+                                lru.move_to_end(victim, last=False)
+                        queue = expiry[victim.ttl_s]
+                        it = iter(queue)
+                        r = next(it)
+                        lead_q = r is victim
+                        if lead_q:
+                            r = next(it, None)
+                        if r is not None:
+                            if not victim.last_used + victim.ttl_s <= r.last_used + r.ttl_s:
+                                queue.move_to_end(victim)
+                            elif not lead_q:
+                                queue.move_to_end(victim, last=False)
                     else:
                         self._enter(victim, ordered=True)
                     break
                 if queued:
-                    self._leave(victim)
-                orphan = self._drop(victim, k, "capacity", requeue=False)
+                    del lru[victim]
+                    del expiry[victim.ttl_s][victim]
+                orphan = drop(victim, k, "capacity", requeue=False)
                 # The run is gone; its parent, if now an evictable leaf, is the next victim
                 # while room is needed and it is at least as old as the front.
                 if orphan is None:
@@ -727,25 +847,12 @@ class BlockStore:
                     and orphan is not protect
                     and (front is None or orphan.last_used <= front.last_used)
                 ):
+                    # The orphan is in no queue, so ``front`` is also the first run other than it.
                     victim, queued = orphan, False
                     continue
                 self._enter(orphan, ordered=True)
                 break
         return True
-
-    def _requeue(self, run: Run) -> None:
-        """Move a queued run to where :meth:`_enter` (``ordered``) would put it after leaving."""
-        lru = self._lru
-        for r in lru:
-            if r is not run:
-                lru.move_to_end(run, last=not run.last_used <= r.last_used)
-                break
-        queue = self._expiry[run.ttl_s]
-        exp = run.last_used + run.ttl_s
-        for r in queue:
-            if r is not run:
-                queue.move_to_end(run, last=not exp <= r.last_used + r.ttl_s)
-                break
 
     def _drop(self, run: Run, k: int, reason: str, *, requeue: bool) -> Run | None:
         """Remove the last ``k`` blocks of an unqueued ``run`` (tail first). When the run empties,
