@@ -1,6 +1,8 @@
 """Reference model for the differential tests: the block-per-object BlockStore that the run-based
 store in ``prefixcache.cache.store`` replaced (prefixcache 0.1.0, kept verbatim apart from this
-line and its imports). ``test_runs_match_reference.py`` replays random operation sequences through
+line, its imports and one fix both stores share: a leaf queued out of expiry order is also kept
+in its class's *late* heap, so a sweep removes it when it is due; before, it waited behind
+later-expiring leaves and lookups served it past its TTL). ``test_runs_match_reference.py`` replays random operation sequences through
 both and requires identical hits, writes, evictions (which blocks, in which order, for which
 reason), counters and per-block state.
 
@@ -18,12 +20,15 @@ rule also makes every per-request operation O(1) instead of O(prefix length):
   A block that becomes a leaf because its child was evicted from the front inherits the
   child's time, which is the oldest, so it enters at the front: the order stays exact.
 * ``_expiry``: one ordered dict per TTL class (300 s, 3600 s, ...) of the same leaves, in order
-  of expiry, so a sweep pops only what is due. Lookups also check expiry, so a block that a
-  sweep has not reached yet is never served.
+  of expiry, so a sweep pops only what is due. A leaf that enters behind leaves that expire
+  after it (a parent touched below its child, which outlives the child) is also pushed on the
+  class's ``_late`` heap; a sweep takes the earlier of the queue's front and the heap's top.
+  Lookups also check expiry, so a block that a sweep has not reached yet is never served.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -104,6 +109,9 @@ class BlockStore:
         self._blocks: dict[BlockHash, Block] = {}
         self._lru: OrderedDict[BlockHash, Block] = OrderedDict()
         self._expiry: dict[float, OrderedDict[BlockHash, Block]] = {}
+        self._late: dict[float, list[tuple[float, int, BlockHash]]] = {}  # per class: (expiry, seq, key)
+        self._latest: dict[float, float] = {}  # per class: the latest expiry queued in order
+        self._seq = 0
         self._listeners: list[Listener] = []
         self.bytes = 0  # unpinned blocks
         self.pinned_bytes = 0
@@ -320,8 +328,7 @@ class BlockStore:
             if queued:
                 queue = self._expiry.setdefault(block.ttl_s, OrderedDict())
                 queue[block.key] = block
-                if len(queue) > 1 and block.expires_at <= next(iter(queue.values())).expires_at:
-                    queue.move_to_end(block.key, last=False)
+                self._place(queue, block)
 
     def acquire(self, block: Block) -> None:
         """Take a reference: neither ``block`` nor any ancestor can be evicted or expired until
@@ -401,7 +408,7 @@ class BlockStore:
             for ttl in sorted(self._expiry):
                 queue = self._expiry[ttl]
                 while queue:
-                    block = next(iter(queue.values()))
+                    block = self._next(ttl)
                     if block.expires_at > now:
                         break
                     parent = self._remove(block, "ttl", requeue=False)
@@ -413,7 +420,7 @@ class BlockStore:
                         parent is not None
                         and parent.ttl_s == ttl
                         and parent.expires_at <= now
-                        and (not queue or parent.expires_at <= next(iter(queue.values())).expires_at)
+                        and (not queue or parent.expires_at <= self._next(ttl).expires_at)
                     ):
                         parent = self._remove(parent, "ttl", requeue=False, queued=False)
                         removed += 1
@@ -451,11 +458,38 @@ class BlockStore:
         if queue is None:
             queue = self._expiry[block.ttl_s] = OrderedDict()
         queue[block.key] = block
-        if ordered:
-            if len(self._lru) > 1 and block.last_used <= next(iter(self._lru.values())).last_used:
-                self._lru.move_to_end(block.key, last=False)
-            if len(queue) > 1 and block.expires_at <= next(iter(queue.values())).expires_at:
-                queue.move_to_end(block.key, last=False)
+        if ordered and len(self._lru) > 1 and block.last_used <= next(iter(self._lru.values())).last_used:
+            self._lru.move_to_end(block.key, last=False)
+        self._place(queue, block, ordered)
+
+    def _place(self, queue: OrderedDict[BlockHash, Block], block: Block, ordered: bool = True) -> None:
+        """``block`` was just queued at the back of its class's ``queue``: to the front if
+        ``ordered`` and it expires no later than the front; else, if it expires before the latest
+        expiry queued in order, it stays at the back and goes on the class's late heap too."""
+        ttl = block.ttl_s
+        exp = block.expires_at
+        if ordered and len(queue) > 1 and exp <= next(iter(queue.values())).expires_at:
+            queue.move_to_end(block.key, last=False)
+        elif exp < self._latest.get(ttl, exp):
+            self._seq += 1
+            heapq.heappush(self._late.setdefault(ttl, []), (exp, self._seq, block.key))
+        else:
+            self._latest[ttl] = exp
+
+    def _next(self, ttl: float) -> Block:
+        """The next leaf of a non-empty class to expire: the queue's front or, when earlier, the
+        late heap's top (entries whose leaf left or was refreshed are dropped on the way)."""
+        queue = self._expiry[ttl]
+        front = next(iter(queue.values()))
+        late = self._late.get(ttl)
+        while late:
+            exp, _, key = late[0]
+            b = queue.get(key)
+            if b is None or b.expires_at != exp:
+                heapq.heappop(late)
+                continue
+            return b if exp < front.expires_at else front
+        return front
 
     def _leave(self, block: Block) -> None:
         del self._lru[block.key]

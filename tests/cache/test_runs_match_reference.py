@@ -199,3 +199,29 @@ class Differential(RuleBasedStateMachine):
 
 TestDifferential = Differential.TestCase
 TestDifferential.settings = settings(max_examples=400, stateful_step_count=50, deadline=None)
+
+
+def test_both_stores_expire_a_leaf_queued_behind_later_leaves_on_time() -> None:
+    """The late-heap fix, in both stores: a prefix touched below its child becomes a leaf after
+    the child expires, behind a leaf that expires later; at its own expiry it is gone."""
+    for cls in (ReferenceCache, PrefixCache):
+        clock = FakeClock()
+        cache = cls(block_size=4, capacity_bytes=1000, pinned_capacity_bytes=0, default_ttl_s=300, clock=clock)
+        ns = cache.namespace("m")
+
+        def req(tokens: list[int], at: float, cache: Any = cache, ns: Any = ns, clock: FakeClock = clock) -> int:
+            clock.set(at)
+            m = cache.match(tokens, ns)
+            cache.commit(m, lambda i: (None, 10))
+            cache.release(m)
+            cache.check_integrity()
+            return m.cached_tokens
+
+        p = list(range(8))
+        req([*p, 100], 0)
+        req([*p, 1, 2, 3, 4, 101], 10)  # P's child
+        req([50, 51, 52, 53, 102], 50)  # due at 350
+        assert req([*p, 103], 100) == 8  # P touched below its child
+        req([60, 61, 62, 63, 104], 200)  # due at 500
+        req([70, 71, 72, 73, 105], 320)  # the child has expired: P is a leaf, due at 400
+        assert req([*p, 106], 450) == 0, cls.__module__

@@ -240,3 +240,27 @@ def test_expired_chain_goes_tail_first_and_whole() -> None:
     assert cache.sweep() == 3
     keys = cache.block_keys(a, cache.namespace("m"))
     assert evicted == keys[::-1]
+
+
+def test_a_prefix_touched_below_its_child_expires_ttl_after_that_touch() -> None:
+    # P is touched at t=100 while its child C (t=10) is cached; when C expires (t=310) P becomes
+    # a leaf due at 400, behind Q (due at 500) in the expiry queue. The sweep must still remove P
+    # at its time: at t=450 nothing of P may be served (it was once served up to t=700, the time
+    # Q's expiry let the sweep reach it).
+    cache, clock = make(ttl=300)
+    p = prompt(1, 2)[: 2 * B]
+    run(cache, p + [1])  # t=0: P
+    clock.set(10)
+    run(cache, p + prompt(2, 1))  # C, P's child
+    clock.set(50)
+    run(cache, prompt(3, 1))  # S: due at 350
+    clock.set(100)
+    assert run(cache, p + [2]).cached_tokens == 8  # P touched below C
+    clock.set(200)
+    run(cache, prompt(4, 1))  # Q: due at 500
+    clock.set(320)
+    run(cache, prompt(5, 1))  # C expired at 310: P is a leaf, due at 400
+    clock.set(450)
+    assert run(cache, p + [3]).cached_tokens == 0
+    clock.set(460)
+    assert run(cache, prompt(4, 1)).cached_tokens == 4  # Q is still there

@@ -33,6 +33,7 @@ methods are for :class:`~prefixcache.cache.manager.PrefixCache`, which holds a l
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -176,6 +177,11 @@ class BlockStore:
         self._lru: OrderedDict[Run, None] = OrderedDict()  # runs whose tail is an evictable leaf
         self._expiry: dict[float, OrderedDict[Run, None]] = {}
         self._classes: list[float] = []  # the keys of _expiry, sorted
+        # Per class: leaves queued behind leaves that expire after them, as (expiry, seq, run)
+        # (see _place), and the latest expiry queued in order.
+        self._late: dict[float, list[tuple[float, int, Run]]] = {}
+        self._latest: dict[float, float] = {}
+        self._seq = 0
         self._listeners: list[Listener] = []
         self.bytes = 0  # unpinned blocks
         self.pinned_bytes = 0
@@ -605,8 +611,7 @@ class BlockStore:
             if queued:
                 queue = self._expiry.get(run.ttl_s) or self._new_class(run.ttl_s)
                 queue[run] = None
-                if len(queue) > 1 and run.last_used + run.ttl_s <= _expires(next(iter(queue))):
-                    queue.move_to_end(run, last=False)
+                self._place(queue, run, True)
 
     def acquire(self, run: Run) -> None:
         """Take a reference on ``run``'s tail: neither it nor any ancestor can be evicted or
@@ -685,15 +690,25 @@ class BlockStore:
             progress = False
             for ttl in self._classes:
                 queue = expiry[ttl]
+                late = self._late[ttl]  # (one list per class: it may fill while this loop runs)
                 while queue:
-                    it = iter(queue)
-                    run = next(it)
-                    due = run.last_used + run.ttl_s
-                    if due > now:
-                        break
-                    front = next(it, None)  # the queue's front once ``run`` has left
-                    del lru[run]  # _leave (this queue is its class's)
-                    del queue[run]
+                    if late:  # the earlier of the queue's front and the late heap's top
+                        run = self._next(ttl)
+                        due = run.last_used + run.ttl_s
+                        if due > now:
+                            break
+                        del lru[run]
+                        del queue[run]
+                        front = self._next(ttl) if queue else None
+                    else:
+                        it = iter(queue)
+                        run = next(it)
+                        due = run.last_used + run.ttl_s
+                        if due > now:
+                            break
+                        front = next(it, None)  # the queue's front once ``run`` has left
+                        del lru[run]  # _leave (this queue is its class's)
+                        del queue[run]
                     progress = True
                     # Block by block, the tail's parent would be a due leaf of this class with the
                     # same expiry; it is removed at once when it is at least as early as the
@@ -708,7 +723,7 @@ class BlockStore:
                         orphan is not None
                         and orphan.ttl_s == ttl
                         and orphan.last_used + orphan.ttl_s <= now
-                        and (not queue or orphan.last_used + orphan.ttl_s <= _expires(next(iter(queue))))
+                        and (not queue or orphan.last_used + orphan.ttl_s <= _expires(self._next(ttl)))
                     ):
                         removed += len(orphan.keys)
                         orphan = self._drop(orphan, len(orphan.keys), "ttl", requeue=False)
@@ -750,14 +765,43 @@ class BlockStore:
         if queue is None:
             queue = self._new_class(run.ttl_s)
         queue[run] = None
-        if ordered:
-            if len(lru) > 1 and run.last_used <= next(iter(lru)).last_used:
-                lru.move_to_end(run, last=False)
-            if len(queue) > 1 and run.last_used + run.ttl_s <= _expires(next(iter(queue))):
-                queue.move_to_end(run, last=False)
+        if ordered and len(lru) > 1 and run.last_used <= next(iter(lru)).last_used:
+            lru.move_to_end(run, last=False)
+        self._place(queue, run, ordered)
+
+    def _place(self, queue: OrderedDict[Run, None], run: Run, ordered: bool) -> None:
+        """``run`` was just queued at the back of its class's ``queue``: to the front if
+        ``ordered`` and it expires no later than the front. Else, when it expires before the
+        latest expiry queued in order (a parent touched below its child outlives the child, then
+        becomes a leaf), it stays at the back and also goes on the class's late heap, where
+        :meth:`sweep` finds it in time; else it is the latest."""
+        exp = run.last_used + run.ttl_s
+        ttl = run.ttl_s
+        if ordered and len(queue) > 1 and exp <= _expires(next(iter(queue))):
+            queue.move_to_end(run, last=False)
+        elif exp < self._latest.get(ttl, exp):
+            self._seq += 1
+            heapq.heappush(self._late[ttl], (exp, self._seq, run))
+        else:
+            self._latest[ttl] = exp
+
+    def _next(self, ttl: float) -> Run:
+        """The next leaf of a non-empty class to expire: the queue's front or, when it expires
+        earlier, the late heap's top (entries whose leaf left or was refreshed are dropped)."""
+        queue = self._expiry[ttl]
+        front = next(iter(queue))
+        late = self._late[ttl]
+        while late:
+            exp, _, run = late[0]
+            if run not in queue or run.last_used + run.ttl_s != exp:
+                heapq.heappop(late)
+                continue
+            return run if exp < _expires(front) else front
+        return front
 
     def _new_class(self, ttl: float) -> OrderedDict[Run, None]:
         queue = self._expiry[ttl] = OrderedDict()
+        self._late[ttl] = []
         self._classes = sorted(self._expiry)
         return queue
 
@@ -828,8 +872,11 @@ class BlockStore:
                         if r is not None:
                             if not victim.last_used + victim.ttl_s <= r.last_used + r.ttl_s:
                                 queue.move_to_end(victim)
+                                self._place(queue, victim, False)  # (late, or the latest)
                             elif not lead_q:
                                 queue.move_to_end(victim, last=False)
+                        else:
+                            self._place(queue, victim, False)
                     else:
                         self._enter(victim, ordered=True)
                     break
