@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from analysis_traces import fixed_gap_trace, make_trace
 
@@ -45,9 +46,11 @@ def test_clean_trace_has_no_busting_finding(tmp_path: Path) -> None:
     assert _row(res, "a")["prefix_versions"] == 1 and _row(res, "a")["dominant_prefix_share"] == 1.0
 
 
-def test_ttl_shorter_than_gaps_quiet_endpoint_near_zero_busy_near_full(tmp_path: Path) -> None:
+@pytest.mark.parametrize("always_replay", [False, True], ids=["scan", "replay"])
+def test_ttl_shorter_than_gaps_quiet_endpoint_near_zero_busy_near_full(tmp_path: Path, always_replay: bool) -> None:
     trace = load_trace(fixed_gap_trace(tmp_path / "g.jsonl"))
-    res = audit(trace, AuditConfig(ttl_s=300))  # replay through the real PrefixCache
+    res = audit(trace, AuditConfig(ttl_s=300, always_replay=always_replay))  # the scan's hits, or a PrefixCache replay's
+    assert res.achieved_source.startswith("replay" if always_replay else "PrefixCache with TTL 300 s")
     busy, quiet = _row(res, "busy"), _row(res, "quiet")
     # quiet: every gap (900 s) exceeds the TTL, so nothing is ever served from the cache.
     assert quiet["hit_rate"] == 0.0
@@ -108,9 +111,10 @@ def test_replay_in_a_forked_child_matches_in_process(tmp_path: Path, monkeypatch
         pytest.skip("no fork on this platform")
     trace = load_trace(fixed_gap_trace(tmp_path / "g.jsonl"))
     seen: list[tuple[str, int]] = []
-    inproc = audit(trace, AuditConfig(ttl_s=300))
+    cfg = AuditConfig(ttl_s=300, always_replay=True)
+    inproc = audit(trace, cfg)
     monkeypatch.setattr(audit_mod, "_FORK_MIN_REQUESTS", 0)
-    forked = audit(trace, AuditConfig(ttl_s=300), progress=lambda stage, k: seen.append((stage, k)))
+    forked = audit(trace, cfg, progress=lambda stage, k: seen.append((stage, k)))
     _same(inproc, forked)
     assert forked.achieved.sum() > 0 and ("scan", 0) in seen and ("replay", len(trace)) in seen
 
@@ -118,7 +122,41 @@ def test_replay_in_a_forked_child_matches_in_process(tmp_path: Path, monkeypatch
         raise SystemExit(3)
 
     monkeypatch.setattr(audit_mod, "_replay_child_main", broken)  # the child dies: replay in-process
-    _same(inproc, audit(trace, AuditConfig(ttl_s=300)))
+    _same(inproc, audit(trace, cfg))
+
+
+@pytest.mark.parametrize(("ttl", "align", "block"), [(300, None, 16), (30, None, 16), (5, None, 16), (60, 64, 16),
+                                                     (45, 512, 16), (20, None, 4), (45, 32, 4)])
+def test_the_scans_hits_are_the_prefixcache_replays(tmp_path: Path, ttl: float, align: int | None, block: int) -> None:
+    """The audit's achieved hits without a replay (the scan's within-TTL depths) equal, request
+    for request, a replay through the real PrefixCache: busy and quiet endpoints, tenants,
+    multi-turn chats, deploys, busting, bursts."""
+    trace = load_trace(make_trace(tmp_path / "mix.jsonl", [
+        "a:rate=0.3,system=300,turns=4,tenant=x", "b:rate=0.1,system=64,user=8,tenant=y,arrival=bursty",
+        "c:rate=0.05,system=2000,bust=hex_id,bust_at=bottom", "d:rate=0.02,system=500,deploys=3000;9000,turns=2,tenant=x",
+        "e:rate=0.004,system=900,arrival=diurnal",
+    ], 3000, seed=9))
+    cfg = AuditConfig(ttl_s=ttl, align_tokens=align, block_size=block)
+    scan = audit(trace, cfg)
+    replay = audit(trace, AuditConfig(ttl_s=ttl, align_tokens=align, block_size=block, always_replay=True))
+    assert scan.achieved_source.startswith("PrefixCache") and replay.achieved_source.startswith("replay")
+    assert np.array_equal(scan.achieved, replay.achieved)
+    assert 0 < scan.achieved.sum() < scan.achievable.sum()  # the TTL costs something here
+
+
+def test_a_trace_with_its_own_ttls_is_replayed(tmp_path: Path) -> None:
+    from prefixcache.analysis.trace import TraceWriter
+
+    p = tmp_path / "t.jsonl"
+    with TraceWriter(p) as w:
+        for i in range(30):
+            w.request(400.0 * i, tokens=list(range(64)) + [i], ttl=3600 if i % 2 else None)
+    res = audit(load_trace(p), AuditConfig(ttl_s=300))
+    assert res.achieved_source.startswith("replay")
+    # Requests 400 s apart, 65 tokens (4 blocks of 16 may hit): only the 1 h class keeps the prefix,
+    # written by request 1 (its blocks from request 0 had expired) and refreshed from then on; a
+    # scan of 300 s reuse gaps alone would say 0 throughout.
+    assert res.achieved.tolist() == [0, 0] + [64] * 28
 
 
 def test_scan_matches_across_block_sizes_and_alignment(scenario_trace: Path) -> None:

@@ -16,14 +16,20 @@ key; last-use times and each endpoint's first requests are staircases per run, a
 index of keys is hashed (see ``_scan``). Work per request is O(new blocks) plus O(log blocks)
 lookups and O(runs on its shared prefix): never proportional to the cache or trace size.
 
-The achieved hit rate comes from the trace's ``cached_tokens`` when every line has it, else from
-replaying the trace through the real PrefixCache (:func:`~prefixcache.analysis.simulate.simulate`,
-unbounded capacity, the given TTL); from 20,000 requests on, that replay runs in a forked child
-process while the scan runs (it sends back only the cached-token array), where fork exists.
+The achieved hit rate comes from the trace's ``cached_tokens`` when every line has it. Else it is
+what the real PrefixCache serves with unbounded capacity and the given TTL, and the scan already
+has it: the within-TTL depth is, request for request, the hit such a cache gives (a block lives
+while something in its subtree was used within the TTL, and a hit is capped and aligned the same
+way). ``tests/analysis/test_audit.py`` holds the two equal against a replay through the real
+PrefixCache (:func:`~prefixcache.analysis.simulate.simulate`) over TTLs, alignments and block
+sizes. A trace whose requests ask for their own TTL (``ttl``: TTL classes, which the scan does not
+model) is replayed; from 20,000 requests on that replay runs in a forked child process while the
+scan runs (it sends back only the cached-token array), where fork exists. ``always_replay``
+replays in every case.
 
 :func:`audit_file` streams: a reader process parses the file and computes the keys once, and
-sends them to the scan (this process) and to the replay child as it reads, so reading, scanning
-and replaying overlap (see :mod:`~prefixcache.analysis.feed`).
+sends them to the scan (this process), and to the replay child when there is one, as it reads,
+so reading, scanning and replaying overlap (see :mod:`~prefixcache.analysis.feed`).
 """
 
 from __future__ import annotations
@@ -70,7 +76,8 @@ class AuditConfig:
     stable_quantile: float = 10.0  # percentile of shared depth taken as an endpoint's stable prefix
     version_min_share: float = 0.01  # a prefix version must serve this share of requests (and 2)
     fingerprint: str = model_fingerprint("audit", "float32", 16)
-    replay: bool = True  # False: skip the PrefixCache replay (achieved = trace's cached_tokens or 0)
+    replay: bool = True  # False: achieved = the trace's cached_tokens (0 where absent), nothing derived
+    always_replay: bool = False  # replay through PrefixCache even where the scan gives the same hits
 
 
 @dataclass(slots=True)
@@ -107,7 +114,7 @@ class AuditResult:
 
 def audit(trace: Trace, cfg: AuditConfig, *, progress: Callable[[str, int], None] | None = None) -> AuditResult:
     """Audit ``trace`` (contract in the module docstring). ``progress(stage, done)`` reports."""
-    replay = cfg.replay and not bool(trace.has_cached.all())
+    replay = _needs_replay(cfg, bool(trace.has_cached.all()), bool(np.isfinite(trace.ttl_s).any()))
     feed = TraceFeed.of(trace, cfg.fingerprint, cfg.block_size)
     # The replay runs beside the scan, in a forked child, when the trace is big enough to pay for it.
     child = _ReplayChild.start(trace, cfg) if replay and len(trace) >= _FORK_MIN_REQUESTS else None
@@ -129,7 +136,7 @@ def audit_file(
     the reader's window is loaded whole instead. ``progress(stage, done, total)``: bytes of the
     file read (streams) or requests. Raises TraceFormatError naming a bad line."""
     if can_stream():
-        replay = cfg.replay and not _head_has_cached(path)
+        replay = _needs_replay(cfg, *_head(path))
         child = None
         try:
             feeds = stream(path, fingerprint=cfg.fingerprint, block_size=cfg.block_size, tokenizer=tokenizer,
@@ -164,23 +171,29 @@ def audit_file(
         stage, k, len(trace.endpoints) if stage == "endpoints" else n)) if progress is not None else None)
 
 
-def _head_has_cached(path: str | Path, lines: int = 1000) -> bool:
-    """Whether the first request lines all carry ``cached_tokens`` (a server's trace log): then
-    the audit takes the achieved hit rate from the trace and starts no replay (if a later line
-    lacks it after all, the replay runs after the scan)."""
+def _needs_replay(cfg: AuditConfig, all_cached: bool, own_ttls: bool) -> bool:
+    """Whether the achieved hits need a replay through PrefixCache (see the module docstring)."""
+    return cfg.replay and not all_cached and (own_ttls or cfg.always_replay)
+
+
+def _head(path: str | Path, lines: int = 1000) -> tuple[bool, bool]:
+    """From the first request lines: (every one carries ``cached_tokens``, some ask for a
+    ``ttl``), to decide on a replay child before streaming. Should later lines say otherwise,
+    the replay runs after the scan instead."""
     seen = 0
+    all_cached, ttls = True, False
     try:
         for _, obj in iter_lines(path):
             if obj.get("type", "request") != "request":
                 continue
-            if obj.get("cached_tokens") is None:
-                return False
+            all_cached = all_cached and obj.get("cached_tokens") is not None
+            ttls = ttls or isinstance(obj.get("ttl"), int | float)
             seen += 1
             if seen >= lines:
                 break
     except TraceFormatError:
-        return False  # the reader reports it, with its line
-    return seen > 0
+        return False, False  # the reader reports it, with its line
+    return all_cached and seen > 0, ttls
 
 
 def _audit(
@@ -191,6 +204,9 @@ def _audit(
     trace = feed.trace()
     if not cfg.replay or bool(trace.has_cached.all()):
         achieved, source = trace.cached_tokens.astype(np.int64), "trace cached_tokens"
+    elif not _needs_replay(cfg, False, bool(np.isfinite(trace.ttl_s).any())):
+        achieved = within_ttl
+        source = f"PrefixCache with TTL {ttl:g} s and unbounded capacity (the scan's within-TTL hits)"
     else:
         achieved = child.result() if child is not None else None
         if achieved is None:
@@ -198,6 +214,8 @@ def _audit(
         elif progress is not None:
             progress("replay", len(trace))
         source = f"replay through PrefixCache (TTL {ttl:g} s, unbounded capacity)"
+    if child is not None:
+        child.close()  # (a replay that turned out not to be needed is stopped)
 
     pricing = pricing_profile(cfg.pricing)
     tok_cache: list[Any] = []
