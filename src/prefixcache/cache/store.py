@@ -13,8 +13,11 @@ rule makes every per-request operation O(1) in the prefix length:
   A block that becomes a leaf because its child was evicted from the front inherits the child's
   time, which is the oldest, so it enters at the front.
 * ``_expiry``: one ordered dict per TTL class (300 s, 3600 s, ...) of the same leaves, in order
-  of expiry, so a sweep pops only what is due. Lookups also check expiry, so a block that a
-  sweep has not reached yet is never served.
+  of expiry, so a sweep pops only what is due. A leaf can enter behind leaves that expire after
+  it (a block touched while it had a child, which it outlives, becomes a leaf when the child
+  goes); such a leaf also goes on the class's ``_late`` heap, and a sweep takes the earlier of
+  the queue's front and the heap's top, so it is removed on time. Lookups also check expiry, so
+  a block that a sweep has not reached yet is never served.
 
 **Runs.** Blocks are stored in *runs*: chains of blocks inserted together in which every block
 but the last has exactly one child (the next), no reference, the run's TTL class and pin count,
