@@ -50,7 +50,7 @@ def test_clean_trace_has_no_busting_finding(tmp_path: Path) -> None:
 def test_ttl_shorter_than_gaps_quiet_endpoint_near_zero_busy_near_full(tmp_path: Path, always_replay: bool) -> None:
     trace = load_trace(fixed_gap_trace(tmp_path / "g.jsonl"))
     res = audit(trace, AuditConfig(ttl_s=300, always_replay=always_replay))  # the scan's hits, or a PrefixCache replay's
-    assert res.achieved_source.startswith("replay" if always_replay else "PrefixCache with TTL 300 s")
+    assert res.achieved_source.startswith("replay" if always_replay else "PrefixCache, TTL 300 s")
     busy, quiet = _row(res, "busy"), _row(res, "quiet")
     # quiet: every gap (900 s) exceeds the TTL, so nothing is ever served from the cache.
     assert quiet["hit_rate"] == 0.0

@@ -206,7 +206,7 @@ def _audit(
         achieved, source = trace.cached_tokens.astype(np.int64), "trace cached_tokens"
     elif not _needs_replay(cfg, False, bool(np.isfinite(trace.ttl_s).any())):
         achieved = within_ttl
-        source = f"PrefixCache with TTL {ttl:g} s and unbounded capacity (the scan's within-TTL hits)"
+        source = f"PrefixCache, TTL {ttl:g} s, unbounded capacity: the scan's within-TTL hits"
     else:
         achieved = child.result() if child is not None else None
         if achieved is None:
