@@ -214,8 +214,6 @@ def _audit(
         elif progress is not None:
             progress("replay", len(trace))
         source = f"replay through PrefixCache (TTL {ttl:g} s, unbounded capacity)"
-    if child is not None:
-        child.close()  # (a replay that turned out not to be needed is stopped)
 
     pricing = pricing_profile(cfg.pricing)
     tok_cache: list[Any] = []

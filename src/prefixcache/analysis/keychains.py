@@ -127,7 +127,6 @@ class KeyChains:
         self._empty = np.zeros(0, dtype=np.uint32)
         self._next_id = 0  # trie node ids (walk)
         self._dropped: list[int] | None = None  # where _batch records dropped node ids (walk)
-        self._seg_list: list[int] = []
         # Powers of the lane multipliers and of their inverses (uint64 tables per lane, and the
         # powers as Python ints too); they grow on demand.
         self._n_pw = 0
@@ -164,11 +163,11 @@ class KeyChains:
             return
         it = iter(requests)
         while True:
-            out, new = self._batch(it)
+            out, new, seg_list = self._batch(it)
             if not out:
                 return
             if new:
-                allkeys, counts = self._compute(new)
+                allkeys, counts = self._compute(new, seg_list)
                 keys = allkeys.view("V16").ravel().tolist()  # 16-byte bytes objects
                 pos = 0
                 for (node, parent, _), q in zip(new, counts, strict=True):
@@ -194,12 +193,12 @@ class KeyChains:
         self._dropped = w.dropped
         try:
             while True:
-                out, new = self._batch(it)
+                out, new, seg_list = self._batch(it)
                 if not out:
                     return w
                 w.final.extend([n[5] for n in out])
                 if new:
-                    allkeys, counts = self._compute(new)
+                    allkeys, counts = self._compute(new, seg_list)
                     w.node.extend([n[5] for n, _, _ in new])
                     w.parent.extend([p[5] for _, p, _ in new])
                     w.count.extend(counts)
@@ -253,10 +252,13 @@ class KeyChains:
         self._pw_py = [t.tolist() for t in self._pw]
         self._n_pw = n
 
-    def _batch(self, it: Iterator[tuple[bytes, tuple[int, ...]]]) -> tuple[list[_Node], list[tuple[_Node, _Node, int]]]:
+    def _batch(
+        self, it: Iterator[tuple[bytes, tuple[int, ...]]]
+    ) -> tuple[list[_Node], list[tuple[_Node, _Node, int]], list[int]]:
         """Walk the next requests through the trie (creating nodes for new prefixes) until the new
-        segments' tokens reach the batch budget: each request's final node, and the new nodes
-        (node, parent, batch segment index), parents first, for :meth:`_compute`."""
+        segments' tokens reach the batch budget: each request's final node, the new nodes (node,
+        parent, batch segment index), parents first, and the batch's distinct new segments, for
+        :meth:`_compute`."""
         segments = self.segments
         out: list[_Node] = []  # each request's final node
         new: list[tuple[_Node, _Node, int]] = []  # (node, parent, batch segment index), parents first
@@ -293,14 +295,12 @@ class KeyChains:
             if tokens >= _BATCH_TOKENS or len(out) >= 8192:
                 break
         self._next_id = next_id
-        self._seg_list = seg_list
-        return out, new
+        return out, new, seg_list
 
-    def _compute(self, new: list[tuple[_Node, _Node, int]]) -> tuple[np.ndarray, list[int]]:
+    def _compute(self, new: list[tuple[_Node, _Node, int]], seg_list: list[int]) -> tuple[np.ndarray, list[int]]:
         """Chain states of the batch's new nodes; returns their new keys, laid end to end in
         ``new`` order (uint64 [keys, 2]: the two lanes), and how many each node adds."""
         B = self.B
-        seg_list = self._seg_list
         segs = [self.segments[s] for s in seg_list]
         lens = np.fromiter(map(len, segs), dtype=np.int64, count=len(segs))
         starts = np.zeros(len(segs), dtype=np.int64)

@@ -233,7 +233,6 @@ def _simulate(feed: TraceFeed, cfg: SimConfig, progress: Callable[[int], None] |
     block_bytes = cfg.cost.block_bytes(B)
     # Keys come from the feed: fingerprints (see keychains.py), which never leave this process;
     # every hit is still verified token by token.
-    chains = KeyChains(feed.segments, B, hasher="fingerprint")  # keep-warm prefixes only
 
     align = cfg.align_tokens or B
     tps = cfg.cost.prefill_tps
@@ -242,6 +241,7 @@ def _simulate(feed: TraceFeed, cfg: SimConfig, progress: Callable[[int], None] |
     # Keep-warm (a loaded trace): endpoint code -> prefix tokens; refreshes come due on a heap.
     warm = {feed.endpoints.index(e): p for e, p in cfg.keep_warm.items() if e in feed.endpoints}
     last_ts = _last_ts(feed.trace()) if warm else {}
+    chains = KeyChains(feed.segments, B, hasher="fingerprint") if warm else None  # refreshes' prefixes
     current_prefix: dict[int, tuple[np.ndarray, Namespace]] = {}
     due: list[tuple[float, int]] = []
     next_due: dict[int, float] = {}
@@ -253,7 +253,7 @@ def _simulate(feed: TraceFeed, cfg: SimConfig, progress: Callable[[int], None] |
         clock.set(max(at, clock.now))
         toks, ns = current_prefix[ep]
         targets = [router.affinity(toks, ns)] if cfg.routing == "prefix-affinity" and len(caches) > 1 else range(len(caches))
-        keys = chains.token_keys(ns.root, toks)
+        keys = chains.token_keys(ns.root, toks)  # type: ignore[union-attr]
         packed = pack_tokens(toks)
         for r in targets:
             hit, _ = caches[r].replay(ns, keys, packed, nbytes=block_bytes, align_tokens=align)
