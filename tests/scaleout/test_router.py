@@ -152,7 +152,9 @@ def test_round_robin_scatters_a_shared_prefix(fake_replicas) -> None:  # noqa: A
 
 def test_killed_replica_fails_over_with_no_failed_request(fake_replicas) -> None:  # noqa: ANN001
     reps = fake_replicas(3, delay_s=0.05)
-    app = create_router_app(RouterConfig([r.url for r in reps], policy="cache-aware", health_interval_s=0.2))
+    # Health checks only at start: the requests themselves must find the dead replica (with
+    # frequent checks a check could mark it down before any request tried it).
+    app = create_router_app(RouterConfig([r.url for r in reps], policy="cache-aware", health_interval_s=60))
     statuses: list[int] = []
     lock = threading.Lock()
     killed = threading.Event()
