@@ -119,6 +119,9 @@ class PrefixCache:
         self._written_tokens: dict[str, int] = {}
         self._tier_hits = 0
         self._pins: dict[tuple[bytes, BlockHash], list[BlockHash]] = {}
+        #: Set by an engine with a KV pool: turns a payload promoted from a tier into the
+        #: engine's own kind (a pool block). None keeps tier payloads as they come.
+        self.adopt: Callable[[Any], Any] | None = None
 
     @property
     def default_ttl_s(self) -> float:
@@ -567,6 +570,8 @@ class PrefixCache:
             base = i
             tokens = [packed[j * step : (j + 1) * step] for j in range(base, stop)]
             for payload, nbytes in tier.get_many(keys[base:stop], tokens):
+                if self.adopt is not None:
+                    payload = self.adopt(payload)
                 n, _, _ = self.store.insert_chain(
                     keys, keys[i - 1] if i else None, packed, i, step, lambda _j, p=payload, nb=nbytes: (p, nb),
                     namespace=ns.root, tenant=ns.tenant, ttls=ttls, stop=i + 1,

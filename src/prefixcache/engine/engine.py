@@ -1,19 +1,22 @@
-"""Engine: one request's lifecycle over a ModelRunner and a PrefixCache, behind one worker.
+"""Engine: requests over a runner and a PrefixCache, behind one worker thread.
 
     engine = Engine()                                   # embedded SmolLM2, cache on
     r = engine.generate(messages=[...], max_tokens=32)  # or prompt="...", or prompt_token_ids=[...]
     for item in engine.stream(prompt="Hi"):             # str deltas, then the GenerationResult
         ...
 
-Lifecycle (on the worker thread): match (acquire) -> KV of the hit blocks into a DynamicCache
--> prefill the rest in chunks on absolute multiples of ``prefill_chunk`` -> sample the first
-token -> commit the prompt blocks of complete chunks -> decode -> release (in a finally).
+Two runners, chosen by the model (``runner="auto"``):
 
-Exactness: a chunk's forward pass has the same shape whether the request hit or missed, because
-chunk boundaries depend only on absolute positions and a hit ends on one (``match`` aligns to
-``prefill_chunk``). Only blocks inside *complete* chunks are committed: a block from the last,
-partial chunk was computed in a shorter forward than a longer prompt would use for it, so its
-bits differ from what that prompt computes with the cache off (see docs/engine.md).
+* **The own Llama runner** (:class:`~prefixcache.engine.llama.LlamaRunner`; Llama, SmolLM2,
+  Mistral, Qwen2): continuous batching over a paged KV pool (``engine/scheduler.py``). Its
+  forward is row- and batch-invariant, so a hit may end on any block boundary, every full block
+  of a prompt is stored, and hits are bitwise exact also when batched with other requests.
+* **The Hugging Face runner** (any other causal LM, or ``runner="hf"``): one request at a time.
+  Lifecycle: match (acquire) -> KV of the hit blocks into a DynamicCache -> prefill the rest in
+  chunks on absolute multiples of ``prefill_chunk`` -> sample the first token -> commit the
+  prompt blocks of complete chunks -> decode -> release (in a finally). Its bits depend on the
+  rows a pass computes, so a hit is rounded down to a chunk boundary (the runner's alignment)
+  and only blocks inside complete chunks are committed (see docs/engine.md).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from typing import Any
 from prefixcache.cache import CacheStats, FakeClock, Match, PrefixCache
 from prefixcache.engine import kv
 from prefixcache.engine.detok import TextAssembler
-from prefixcache.engine.model import ModelRunner
+from prefixcache.engine.llama import LlamaRunner, unsupported_reason
+from prefixcache.engine.model import ModelRunner, default_dtype
 from prefixcache.engine.prompts import EmptyPromptError, encode, render_chat
 from prefixcache.engine.sampling import InvalidRequestError, Sampler, SamplingParams
 from prefixcache.engine.types import (
@@ -36,15 +40,38 @@ from prefixcache.engine.types import (
     GenerationResult,
     PromptTooLongError,
     QueueFullError,
+    Request,
     Usage,
 )
 from prefixcache.engine.worker import Job, Worker
 
 log = logging.getLogger(__name__)
 
-#: Chosen from measurements on SmolLM2/2 cores (docs/engine.md): >= 90% of single-pass prefill
-#: throughput; the hit granularity is this many tokens.
+#: Prefill tokens per step (own runner) or per forward pass (HF runner). For the HF runner it is
+#: also the hit granularity: chosen from measurements on SmolLM2/2 cores (docs/engine.md), >= 90%
+#: of single-pass prefill throughput.
 DEFAULT_PREFILL_CHUNK = 512
+RUNNERS = ("auto", "llama", "hf")
+
+
+def select_runner(base: ModelRunner, runner: str = "auto", dtype: str | None = None) -> ModelRunner:
+    """The runner an engine uses for ``base``: the own Llama runner where it can compute the
+    model (``auto``, ``llama``), else (or with ``hf``) the Hugging Face one."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {runner!r}")
+    if isinstance(base, LlamaRunner):
+        if runner == "hf":
+            raise ValueError("runner='hf' needs a ModelRunner with its Hugging Face model, not a LlamaRunner")
+        return LlamaRunner.from_model_runner(base, dtype=dtype)
+    if runner == "hf":
+        return base
+    reason = unsupported_reason(base.config)
+    if reason is None:
+        return LlamaRunner.from_model_runner(base, dtype=dtype or default_dtype(base.device))
+    if runner == "llama":
+        raise ValueError(f"the own runner cannot compute this model ({reason}); use runner='hf' or 'auto'")
+    log.info("using the Hugging Face runner: %s", reason)
+    return base
 
 CancelSignal = threading.Event | Callable[[], bool] | None
 
@@ -58,16 +85,17 @@ def chunk_schedule(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
 
 class Engine:
     """Generation with exact prefix caching. Thread-safe: calls from any thread are queued to
-    one worker, in arrival order. See the module docstring for the request lifecycle."""
+    one worker. See the module docstring for the two runners and the request lifecycle."""
 
     def __init__(
         self,
         model: str | os.PathLike[str] | ModelRunner | None = None,
         *,
+        runner: str = "auto",
         enable_cache: bool = True,
         block_size: int = 16,
         prefill_chunk: int | None = None,
-        dtype: str = "float32",
+        dtype: str | None = None,
         cache: PrefixCache | None = None,
         capacity_bytes: int = 2 << 30,
         pinned_capacity_bytes: int = 256 << 20,
@@ -75,11 +103,23 @@ class Engine:
         clock: Callable[[], float] | None = None,
         threads: int | None = None,
         max_queue: int = 64,
+        max_batch: int = 16,
+        kv_reserve_tokens: int | None = None,
     ) -> None:
         """``model``: a .gguf path, an HF folder, a loaded :class:`ModelRunner` (shared weights),
-        or None (embedded SmolLM2). ``cache``: an existing PrefixCache to share (its block size
-        wins); otherwise one is created from the capacity/TTL/clock arguments."""
-        self.runner = model if isinstance(model, ModelRunner) else ModelRunner.load(model, dtype=dtype, threads=threads)
+        or None (embedded SmolLM2). ``runner``: ``auto`` (the own Llama runner where it can
+        compute the model), ``llama`` or ``hf``. ``dtype``: None picks bfloat16 on CPUs with
+        bf16 instructions and on CUDA, float32 elsewhere (the HF runner: float32).
+        ``cache``: an existing PrefixCache to share (its block size wins); otherwise one is
+        created from the capacity/TTL/clock arguments. ``max_batch``: requests running at once
+        (own runner). ``kv_reserve_tokens``: KV pool room for running requests beyond the
+        cache's budget (default 4x the context)."""
+        if isinstance(model, ModelRunner):
+            base = model
+        else:
+            load_dtype = dtype if (runner == "hf" and dtype) else "float32"
+            base = ModelRunner.load(model, dtype=load_dtype, threads=threads)
+        self.runner = select_runner(base, runner, dtype)
         if cache is not None:
             block_size = cache.block_size
         chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK
@@ -87,7 +127,10 @@ class Engine:
             raise ValueError(f"prefill_chunk ({chunk}) must be a positive multiple of block_size ({block_size})")
         self.block_size = block_size
         self.prefill_chunk = chunk
-        self._scratch = kv.Scratch()  # hit KV is assembled here; used by the worker thread only
+        self.batched = isinstance(self.runner, LlamaRunner)
+        #: Where a hit may end: any block for the own runner, a chunk boundary for the HF one.
+        self.alignment = block_size if self.batched else chunk
+        self._scratch = kv.Scratch()  # HF runner: hit KV is assembled here (worker thread only)
         self.clock = clock or (cache.clock if cache is not None else time.monotonic)
         self.cache: PrefixCache | None = None
         if enable_cache:
@@ -99,7 +142,33 @@ class Engine:
                 clock=self.clock,
             )
         self.fingerprint = self.runner.fingerprint(block_size, chunk)
-        self._worker = Worker(self._run, max_queue=max_queue)
+        self.pool = None
+        self._worker: Worker
+        if isinstance(self.runner, LlamaRunner):
+            from prefixcache.engine.scheduler import BatchWorker
+
+            self.pool, reserve = self._new_pool(kv_reserve_tokens)
+            if self.cache is not None and self.cache.adopt is None:
+                self.cache.adopt = self.pool.adopt  # blocks promoted from a tier land in the pool
+            self._worker = BatchWorker(self, self.pool, reserve_blocks=reserve, max_batch=max_batch,
+                                       token_budget=chunk, max_queue=max_queue)
+        else:
+            self._worker = Worker(self._run, max_queue=max_queue)
+
+    def _new_pool(self, reserve_tokens: int | None) -> tuple[Any, int]:
+        """The KV pool: the cache's byte budget (pinned included) plus the running reserve."""
+        runner = self.runner
+        assert isinstance(runner, LlamaRunner)
+        B = self.block_size
+        nbytes = runner.block_nbytes(B)
+        cached = 0
+        if self.cache is not None:
+            store = self.cache.store
+            cached = (store.capacity_bytes + store.pinned_capacity_bytes) // nbytes + 1
+        reserve = -(-(reserve_tokens or 4 * self.context_len) // B)
+        if reserve * B < self.context_len:
+            raise ValueError(f"kv_reserve_tokens must be at least the context ({self.context_len})")
+        return runner.new_pool(cached + reserve + 1, B), reserve
 
     @classmethod
     def tiny(cls, seed: int = 0, **kwargs: Any) -> Engine:
@@ -252,15 +321,16 @@ class Engine:
         if ttl_s is not None and not ttl_s > 0:
             raise InvalidRequestError(f"ttl_s must be > 0 seconds; got {ttl_s!r}")
         salt_b = salt.encode() if isinstance(salt, str) else bytes(salt)
-        return Job(dict(ids=ids, max_tokens=max_tokens, params=params, stop=stops, tenant=tenant, salt=salt_b,
-                        ttl_s=ttl_s, ttl_plan=list(ttl_plan) if ttl_plan else None, return_logits=return_logits),
+        return Job(Request(ids=ids, max_tokens=max_tokens, params=params, stop=stops, tenant=tenant, salt=salt_b,
+                           ttl_s=ttl_s, ttl_plan=list(ttl_plan) if ttl_plan else None,
+                           return_logits=return_logits),
                    cancel=cancel)
 
     # ------------------------------------------------------------------ the worker's side
     def _run(self, job: Job) -> None:
-        """Process one job on the worker thread; posts deltas and the result to ``job``."""
-        r = job.request
-        ids: list[int] = r["ids"]
+        """HF runner: process one job on the worker thread; posts deltas and the result to ``job``."""
+        r: Request = job.request
+        ids: list[int] = r.ids
         n = len(ids)
         t0 = time.perf_counter()
         queue_s = t0 - job.submitted
@@ -269,8 +339,8 @@ class Engine:
         try:
             hit = 0
             if cache is not None:
-                ns = cache.namespace(self.fingerprint, tenant=r["tenant"], salt=r["salt"])
-                m = cache.match(ids, ns, align_tokens=self.prefill_chunk, ttl_s=r["ttl_s"], ttl_plan=r["ttl_plan"])
+                ns = cache.namespace(self.fingerprint, tenant=r.tenant, salt=r.salt)
+                m = cache.match(ids, ns, align_tokens=self.alignment, ttl_s=r.ttl_s, ttl_plan=r.ttl_plan)
                 hit = m.cached_tokens
             past = (kv.build_cache(self.runner, [b.payload for b in m.blocks], self._scratch)
                     if m and m.blocks else self.runner.new_cache())
@@ -280,7 +350,7 @@ class Engine:
                     return job.finish_cancelled()
                 logits = self.runner.forward(ids[a:b], past)
             t_prefill = time.perf_counter()
-            sampler = Sampler(r["params"])
+            sampler = Sampler(r.params)
             token = sampler(logits)
             ttft = time.perf_counter() - t0
             commit_s = self._commit(m, past, n) if m is not None else 0.0
@@ -294,7 +364,7 @@ class Engine:
                 usage=Usage(n, usage.cached_tokens if usage else 0, usage.cache_write_tokens if usage else 0, len(tokens)),
                 ttft_s=ttft, prefill_s=t_prefill - t0, decode_s=decode_s, queue_s=queue_s, commit_s=commit_s,
                 outcome=str(m.outcome.value) if m is not None else "miss", prompt_token_ids=ids,
-                stop_sequence=stop_seq, first_logits=logits.clone() if r["return_logits"] else None,
+                stop_sequence=stop_seq, first_logits=logits.clone() if r.return_logits else None,
             ))
         finally:
             if m is not None and cache is not None:
@@ -323,10 +393,10 @@ class Engine:
 
     def _decode(self, job: Job, past: Any, token: int, sampler: Sampler, n: int) -> tuple[str, list[int], str, str | None, float] | None:
         """Decode from the first sampled token. Returns None when cancelled."""
-        r = job.request
+        r: Request = job.request
         t = time.perf_counter()
         eos = self.runner.eos_token_ids
-        text = TextAssembler(self.tokenizer, r["stop"])
+        text = TextAssembler(self.tokenizer, r.stop)
         tokens: list[int] = []
         reason = "length"
         while True:
@@ -340,7 +410,7 @@ class Engine:
             if text.stop_sequence is not None:
                 reason = "stop"
                 break
-            if len(tokens) >= r["max_tokens"] or n + len(tokens) >= self.context_len:
+            if len(tokens) >= r.max_tokens or n + len(tokens) >= self.context_len:
                 break
             if job.cancelled():
                 return None

@@ -96,6 +96,26 @@ def weights_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX): then bf16 is the fast
+    path; elsewhere (AVX2) bf16 GEMMs are converted and run slower than float32."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = line.split()
+                    return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        pass
+    return False
+
+
+def default_dtype(device: Any = "cpu") -> str:
+    """The own runner's default dtype: bfloat16 on CUDA and on CPUs with bf16 instructions."""
+    kind = getattr(device, "type", str(device))
+    return "bfloat16" if kind == "cuda" or (kind == "cpu" and cpu_has_bf16()) else "float32"
+
+
 def _torch_dtype(name: str) -> Any:
     import torch
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from prefixcache.engine.model import ModelNotFoundError
 from prefixcache.engine.prompts import EmptyPromptError
-from prefixcache.engine.sampling import InvalidRequestError
+from prefixcache.engine.sampling import InvalidRequestError, SamplingParams
 
 __all__ = [
     "EmptyPromptError",
@@ -17,6 +17,7 @@ __all__ = [
     "ModelNotFoundError",
     "PromptTooLongError",
     "QueueFullError",
+    "Request",
     "Usage",
 ]
 
@@ -31,6 +32,24 @@ class QueueFullError(RuntimeError):
 
 class EngineClosedError(RuntimeError):
     """The engine was closed; create a new one."""
+
+
+@dataclass(slots=True)
+class Request:
+    """A validated request as the worker runs it (built by ``Engine.stream``)."""
+
+    ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    tenant: str = "default"
+    salt: bytes = b""
+    ttl_s: float | None = None
+    ttl_plan: list[tuple[int, float]] | None = None
+    return_logits: bool = False
+    #: Filled by the batch scheduler once: block keys and packed tokens of ``ids``.
+    keys: list[Any] | None = field(default=None, repr=False)
+    packed: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,9 +79,12 @@ class RequestCancelledError(RuntimeError):
 
 
 class Worker:
-    """A daemon thread running ``run(job)`` for each job, in submission order."""
+    """A daemon thread running ``run(job)`` for each job, in submission order (one at a time).
 
-    def __init__(self, run: Callable[[Job], None], max_queue: int = 64) -> None:
+    Subclasses replace :meth:`_loop` (the batch scheduler runs many jobs per step); admission,
+    the bounded queue and the consumer side (:meth:`submit`) are shared."""
+
+    def __init__(self, run: Callable[[Job], None] | None = None, max_queue: int = 64) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1; got {max_queue}")
         self.run = run
@@ -132,6 +135,7 @@ class Worker:
                 job.cancel_and_wait()
 
     def _loop(self) -> None:
+        assert self.run is not None
         while True:
             job = self._jobs.get()
             if job is None:
@@ -142,16 +146,24 @@ class Worker:
                 else:
                     job.finish_cancelled()
             except BaseException as exc:  # handed to the caller; the worker keeps serving
-                if not isinstance(exc, ValueError):
-                    log.exception("request failed")
-                job.terminal = exc
+                self._failed(job, exc)
             finally:
-                with self._lock:
-                    self._depth -= 1
-                job.done.set()
-                if job.terminal is not None:
-                    job.post(job.terminal)
-                job.post(_DONE)
+                self._retire(job)
+
+    @staticmethod
+    def _failed(job: Job, exc: BaseException) -> None:
+        if not isinstance(exc, ValueError):
+            log.exception("request failed")
+        job.terminal = exc
+
+    def _retire(self, job: Job) -> None:
+        """The job is over (result, error or cancellation set): hand out its last items."""
+        with self._lock:
+            self._depth -= 1
+        job.done.set()
+        if job.terminal is not None:
+            job.post(job.terminal)
+        job.post(_DONE)
 
     def close(self) -> None:
         with self._lock:

@@ -74,9 +74,12 @@ class TensorCodec:
     """
 
     def encode(self, key: bytes, parent: bytes | None, tokens: bytes, payload: Any) -> bytes:
-        """Serialize one block. Raises TypeError if ``payload`` is not a torch tensor."""
+        """Serialize one block. ``payload``: a torch tensor, or an object whose ``as_tensor()``
+        gives one (the engine's pool blocks). Raises TypeError otherwise."""
         import torch
 
+        if not isinstance(payload, torch.Tensor) and callable(getattr(payload, "as_tensor", None)):
+            payload = payload.as_tensor()
         if not isinstance(payload, torch.Tensor):
             raise TypeError(f"TensorCodec encodes torch tensors; got {type(payload).__name__}")
         name = str(payload.dtype).removeprefix("torch.")
