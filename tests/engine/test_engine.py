@@ -45,13 +45,24 @@ def test_exact_blocks_hit_and_written(tiny_engine: Engine) -> None:
     tiny_engine.cache.check_integrity()
 
 
-def test_hits_align_to_the_prefill_chunk(tiny_runner: Any) -> None:
-    engine = Engine(tiny_runner, prefill_chunk=32)
+def test_hf_runner_hits_align_to_the_prefill_chunk(tiny_runner: Any) -> None:
+    engine = Engine(tiny_runner, prefill_chunk=32, runner="hf")
+    assert engine.alignment == 32 and not engine.batched
     ids = list(range(70))
     r = engine.generate(prompt_token_ids=ids, max_tokens=1)
     assert r.usage.cache_write_tokens == 64  # complete chunks only
     r = engine.generate(prompt_token_ids=ids[:50] + [1] * 10, max_tokens=1)
     assert r.usage.cached_tokens == 32  # 48 tokens match, rounded down to the chunk
+
+
+def test_own_runner_hits_and_writes_every_full_block(tiny_runner: Any) -> None:
+    engine = Engine(tiny_runner, prefill_chunk=32)
+    assert engine.alignment == 16 and engine.batched
+    ids = list(range(70))
+    r = engine.generate(prompt_token_ids=ids, max_tokens=1)
+    assert r.usage.cache_write_tokens == 64  # every full block, the last partial chunk's too
+    r = engine.generate(prompt_token_ids=ids[:50] + [1] * 10, max_tokens=1)
+    assert (r.usage.cached_tokens, r.usage.cache_write_tokens) == (48, 0)  # 48 tokens match: all read
 
 
 def test_tenants_and_ttl(tiny_engine: Engine, fake_clock: Any) -> None:

@@ -49,10 +49,18 @@ def serve(
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per cache block.")] = 16,
     prefill_chunk: Annotated[
         int | None,
-        typer.Option(min=1, help="Prefill chunk in tokens (a multiple of the block size; the hit granularity). "
-                     "Default: the engine's (512)."),
+        typer.Option(min=1, help="Prefill tokens per engine step (a multiple of the block size; with "
+                     "--runner hf also the hit granularity). Default: 512."),
     ] = None,
-    dtype: Annotated[str, typer.Option(help="Compute (and KV) dtype: float32 or bfloat16.")] = "float32",
+    runner: Annotated[
+        str, typer.Option(help="auto (the own batched runner for Llama-family models, else Hugging Face), "
+                          "llama, or hf (the 0.1 runner: one request at a time, 512-token hit granularity).")
+    ] = "auto",
+    dtype: Annotated[
+        str | None, typer.Option(help="Compute (and KV) dtype: float32 or bfloat16. Default: bfloat16 on CPUs "
+                                 "with bf16 instructions and on CUDA, float32 elsewhere.")
+    ] = None,
+    max_batch: Annotated[int, typer.Option(min=1, help="Requests computed together in each engine step.")] = 16,
     model_name: Annotated[
         str | None, typer.Option(help="The model id clients must send. Default: the model's name.")
     ] = None,
@@ -106,10 +114,12 @@ def serve(
             model,
             block_size=block_size,
             prefill_chunk=prefill_chunk,
+            runner=runner,
             dtype=dtype,
             capacity_bytes=capacity_bytes,
             default_ttl_s=ttl,
             max_queue=max_queue,
+            max_batch=max_batch,
         )
     except ValueError as e:  # a missing model file, a bad chunk size or dtype: say which
         raise typer.BadParameter(str(e)) from e

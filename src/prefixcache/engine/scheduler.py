@@ -156,6 +156,9 @@ class BatchWorker(Worker):
                 continue  # waits (in-flight prefix or no room): try the next one
             self.waiting.remove(job)
             self.running.append(seq)
+            if seq.match is not None:  # the next ones in this pass see what it will compute
+                for key in seq.keys[seq.computed // self.block_size :]:
+                    inflight.setdefault(key, seq)
 
     def _priority(self, job: Job, now: float) -> tuple[int, int, float]:
         if now - job.submitted > self.max_wait_s:

@@ -1,0 +1,164 @@
+"""The own runner's rows do not depend on the pass that computes them (docs/engine.md).
+
+Each check compares, with ``torch.equal``, logits and pool KV of the same prompt computed in one
+pass, in irregular chunks, one row at a time, after a hit at a non-aligned block, and batched
+with other requests' prefill and decode rows. A negative control (SDPA, whose split depends on
+the query length) shows the same checks catch a non-invariant attention.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prefixcache.engine.llama import LlamaRunner, Segment, padded_rows
+from prefixcache.engine.model import ModelRunner
+
+
+class _Prompt:
+    """A prompt with its own blocks in ``pool``."""
+
+    def __init__(self, runner: LlamaRunner, pool: Any, ids: list[int], extra: int = 64) -> None:
+        self.ids = ids
+        self.blocks = [pool.alloc() for _ in range(-(-(len(ids) + extra) // pool.block_size))]
+        self.table = [b.index for b in self.blocks]
+
+
+def _run(runner: LlamaRunner, pool: Any, p: _Prompt, cuts: Sequence[int]) -> torch.Tensor:
+    """Prefill ``p`` in passes cut at ``cuts``; the last pass's logits."""
+    out = None
+    bounds = [*cuts, len(p.ids)]
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        out = runner.step(pool, [Segment(p.ids[a:b], a, p.table, want_logits=b == len(p.ids))])
+    assert out is not None
+    return out[0]
+
+
+def _kv(pool: Any, p: _Prompt, upto: int) -> torch.Tensor:
+    return pool.data[:, :, :, p.table[: upto // pool.block_size]].clone()
+
+
+def _check_invariance(runner: LlamaRunner, n: int, seed: int) -> list[str]:
+    """The names of the checks that found a difference (empty: invariant)."""
+    rng = random.Random(seed)
+    pool = runner.new_pool(8 * (n // 16 + 8))
+    ids = [rng.randrange(0, runner.vocab_size) for _ in range(n)]
+    ref = _Prompt(runner, pool, ids)
+    one = _run(runner, pool, ref, [0])
+    full_kv = _kv(pool, ref, n)
+    failed = []
+    for name, cuts in [
+        ("irregular chunks", [0, 37, 300 % n, (300 % n) + 1, n - 1]),
+        ("16-row chunks", list(range(0, n, 16))),
+        ("tail of one row", [0, n - 1]),
+    ]:
+        p = _Prompt(runner, pool, ids)
+        cuts = sorted(set(c for c in cuts if 0 <= c < n) | {0})
+        if not torch.equal(_run(runner, pool, p, cuts), one) or not torch.equal(_kv(pool, p, n), full_kv):
+            failed.append(name)
+    # a hit at a block boundary that is not a multiple of anything else: shares ref's blocks
+    hit = (n // 3) // 16 * 16
+    p = _Prompt(runner, pool, ids)
+    p.table[: hit // 16] = ref.table[: hit // 16]
+    if not torch.equal(_run(runner, pool, p, [hit]), one):
+        failed.append("hit at a block")
+    # batched: another prompt's prefill and two decode rows share every pass
+    other = _Prompt(runner, pool, [rng.randrange(0, runner.vocab_size) for _ in range(93)])
+    runner.step(pool, [Segment(other.ids, 0, other.table, want_logits=True)])
+    p = _Prompt(runner, pool, ids)
+    got = None
+    for step, (a, b) in enumerate([(0, n // 2), (n // 2, n)]):
+        segs = [Segment([5 + step], 93 + step, other.table, decode=True, want_logits=True),
+                Segment(ids[a:b], a, p.table, want_logits=b == n)]
+        got = runner.step(pool, segs)
+    assert got is not None
+    if not torch.equal(got[1], one) or not torch.equal(_kv(pool, p, n), full_kv):
+        failed.append("batched prefill")
+    # decode: alone, then batched with other decode rows and a prefill
+    alone = runner.step(pool, [Segment([9], n, ref.table, decode=True, want_logits=True)])[0]
+    mixed = runner.step(pool, [
+        Segment([11], 95, other.table, decode=True, want_logits=True),
+        Segment([9], n, p.table, decode=True, want_logits=True),
+        Segment(ids[:40], 0, _Prompt(runner, pool, ids).table, want_logits=True),
+    ])
+    if not torch.equal(mixed[1], alone):
+        failed.append("batched decode")
+    return failed
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_runner_rows_are_invariant(tiny_runner: ModelRunner, dtype: str) -> None:
+    runner = LlamaRunner.from_model_runner(tiny_runner, dtype=dtype)
+    for seed, n in enumerate([70, 333, 700]):
+        assert _check_invariance(runner, n, seed) == [], (dtype, n)
+
+
+def test_logits_match_the_hugging_face_forward(tiny_runner: ModelRunner) -> None:
+    """Not bitwise (other kernels), but the same model: close logits, same argmax."""
+    runner = LlamaRunner.from_model_runner(tiny_runner)
+    ids = list(range(5, 205))
+    pool = runner.new_pool(64)
+    ours = _run(runner, pool, _Prompt(runner, pool, ids), [0, 77])
+    with torch.inference_mode():
+        theirs = tiny_runner.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert int(ours.argmax()) == int(theirs.argmax())
+
+
+def test_gemm_row_counts_the_runner_uses_are_invariant() -> None:
+    """The measured rule behind ``padded_rows``: float32 GEMM rows agree for multiples of 4 from
+    16 up at any offset (SmolLM2's projection shapes)."""
+    torch.manual_seed(0)
+    counts = sorted({padded_rows(n) for n in range(1, 530)})
+    for out_f, in_f in [(960, 576), (576, 576), (3072, 576), (576, 1536)]:
+        w = torch.randn(out_f, in_f) * 0.05
+        x = torch.randn(600, in_f)
+        ref = F.linear(x, w)
+        for m in counts:
+            for off in (0, 3):
+                if off + m <= 600:
+                    assert torch.equal(F.linear(x[off : off + m], w), ref[off : off + m]), (out_f, in_f, m, off)
+
+
+class _SdpaRunner(LlamaRunner):
+    """Negative control: attention by SDPA over the step's own query rows (its kernel splits the
+    work by query length), everything else as the own runner."""
+
+    def _attend(self, q: torch.Tensor, plan: Any, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
+        KV, D, G = self.num_kv_heads, self.head_dim, self.group
+        n = plan.rows.numel()
+        T = plan.tiles * 256
+        keys = kp.index_select(1, plan.index).view(KV, plan.S, T, D).float()
+        values = vp.index_select(1, plan.index).view(KV, plan.S, T, D).float()
+        qr = q[plan.rows].float()
+        outs = []
+        if plan.decode:
+            for s in range(plan.S):
+                qs = qr[s].view(KV, G, D)
+                mask = ~plan.mask[s, :1].expand(G, T)
+                o = F.scaled_dot_product_attention(qs, keys[:, s], values[:, s], attn_mask=mask, scale=1.0)
+                outs.append(o.reshape(KV * G, D))
+            return torch.stack(outs).to(q.dtype)
+        qs = qr.view(n, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * n, D)
+        mask = ~plan.mask[0].view(-1, G, T)[:n].permute(1, 0, 2).reshape(G * n, T)
+        o = F.scaled_dot_product_attention(qs, keys[:, 0], values[:, 0], attn_mask=mask, scale=1.0)
+        return o.view(KV, G, n, D).permute(2, 0, 1, 3).reshape(n, KV * G, D).to(q.dtype)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_smollm2_rows_are_invariant(real_runner: ModelRunner, dtype: str) -> None:
+    runner = LlamaRunner.from_model_runner(real_runner, dtype=dtype)
+    assert _check_invariance(runner, 611, 1) == []
+
+
+@pytest.mark.model
+def test_the_checks_catch_a_non_invariant_attention(real_runner: ModelRunner) -> None:
+    control = _SdpaRunner(real_runner)
+    failed = _check_invariance(control, 611, 1)
+    assert "irregular chunks" in failed and "16-row chunks" in failed
