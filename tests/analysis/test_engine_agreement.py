@@ -56,7 +56,7 @@ def _agree(engine: Any, tmp_path: Path) -> None:
         cache.store.clock = clock
     cache.policy = type(cache.policy)(default_ttl_s=TTL)
     block = cache.block_size
-    align = int(getattr(engine, "prefill_chunk", block) or block)
+    align = int(getattr(engine, "alignment", None) or getattr(engine, "prefill_chunk", block) or block)
     vocab = int(getattr(getattr(engine, "tokenizer", None), "vocab_size", 0) or 200)
     trace = load_trace(_trace(tmp_path / "agree.jsonl", min(vocab, 5000), max(block, align)))
     live = []
@@ -86,8 +86,9 @@ def test_simulator_matches_real_engine(request: pytest.FixtureRequest, tmp_path:
         pytest.skip("the engine's real_runner fixture is not there yet (tests/conftest.py)")
     from prefixcache.engine.engine import Engine
 
-    # A 64-token prefill chunk (hits in multiples of 64) keeps the prompts short on SmolLM2.
+    # The own runner: hits at any 16-token block, exactly as the simulator aligned to 16 predicts.
     engine = Engine(runner, prefill_chunk=64, clock=FakeClock(0.0))
+    assert engine.alignment == 16
     try:
         _agree(engine, tmp_path)
     finally:

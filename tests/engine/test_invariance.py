@@ -2,8 +2,8 @@
 
 Each check compares, with ``torch.equal``, logits and pool KV of the same prompt computed in one
 pass, in irregular chunks, one row at a time, after a hit at a non-aligned block, and batched
-with other requests' prefill and decode rows. A negative control (SDPA, whose split depends on
-the query length) shows the same checks catch a non-invariant attention.
+with other requests' prefill and decode rows. A negative control (``attention="sdpa"``, whose split
+depends on the query length) shows the same checks catch a non-invariant attention.
 """
 
 from __future__ import annotations
@@ -125,31 +125,6 @@ def test_gemm_row_counts_the_runner_uses_are_invariant() -> None:
                     assert torch.equal(F.linear(x[off : off + m], w), ref[off : off + m]), (out_f, in_f, m, off)
 
 
-class _SdpaRunner(LlamaRunner):
-    """Negative control: attention by SDPA over the step's own query rows (its kernel splits the
-    work by query length), everything else as the own runner."""
-
-    def _attend(self, q: torch.Tensor, plan: Any, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
-        KV, D, G = self.num_kv_heads, self.head_dim, self.group
-        n = plan.rows.numel()
-        T = plan.tiles * 256
-        keys = kp.index_select(1, plan.index).view(KV, plan.S, T, D).float()
-        values = vp.index_select(1, plan.index).view(KV, plan.S, T, D).float()
-        qr = q[plan.rows].float()
-        outs = []
-        if plan.decode:
-            for s in range(plan.S):
-                qs = qr[s].view(KV, G, D)
-                mask = ~plan.mask[s, :1].expand(G, T)
-                o = F.scaled_dot_product_attention(qs, keys[:, s], values[:, s], attn_mask=mask, scale=1.0)
-                outs.append(o.reshape(KV * G, D))
-            return torch.stack(outs).to(q.dtype)
-        qs = qr.view(n, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * n, D)
-        mask = ~plan.mask[0].view(-1, G, T)[:n].permute(1, 0, 2).reshape(G * n, T)
-        o = F.scaled_dot_product_attention(qs, keys[:, 0], values[:, 0], attn_mask=mask, scale=1.0)
-        return o.view(KV, G, n, D).permute(2, 0, 1, 3).reshape(n, KV * G, D).to(q.dtype)
-
-
 @pytest.mark.model
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_smollm2_rows_are_invariant(real_runner: ModelRunner, dtype: str) -> None:
@@ -159,6 +134,11 @@ def test_smollm2_rows_are_invariant(real_runner: ModelRunner, dtype: str) -> Non
 
 @pytest.mark.model
 def test_the_checks_catch_a_non_invariant_attention(real_runner: ModelRunner) -> None:
-    control = _SdpaRunner(real_runner)
+    control = LlamaRunner(real_runner, attention="sdpa")
     failed = _check_invariance(control, 611, 1)
     assert "irregular chunks" in failed and "16-row chunks" in failed
+
+
+def test_the_checks_catch_a_non_invariant_attention_on_the_tiny_model(tiny_runner: ModelRunner) -> None:
+    control = LlamaRunner(tiny_runner, attention="sdpa")
+    assert {"irregular chunks", "16-row chunks"} <= set(_check_invariance(control, 700, 0))

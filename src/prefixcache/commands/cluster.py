@@ -162,7 +162,9 @@ def cluster(
     keep_warm: Annotated[
         Path | None, typer.Option("--keep-warm", help="Keep-warm policy file for the router.")
     ] = None,
-    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    dtype: Annotated[
+        str | None, typer.Option(help="float32 or bfloat16 (default: the replicas' own default).")
+    ] = None,
     capacity: Annotated[str, typer.Option(help="Memory KV budget per replica.")] = "2GiB",
     ttl: Annotated[float, typer.Option(min=1.0, help="Default cache TTL in seconds.")] = 300.0,
     ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for each replica to load.")] = 300.0,
@@ -217,8 +219,6 @@ def cluster(
                 "serve",
                 "--port",
                 str(rp),
-                "--dtype",
-                dtype,
                 "--capacity",
                 capacity,
                 "--ttl",
@@ -228,6 +228,8 @@ def cluster(
             ]
             if model:
                 cmd.insert(4, model)
+            if dtype:
+                cmd += ["--dtype", dtype]
             if redis_url and not no_redis:
                 cmd += ["--redis", redis_url]
                 if redis_sync_writes:

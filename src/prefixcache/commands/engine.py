@@ -16,7 +16,14 @@ import typer
 ModelOpt = Annotated[
     str | None, typer.Option("--model", "-m", help="A .gguf file or Hugging Face model folder (default: embedded SmolLM2-135M-Instruct).")
 ]
-DtypeOpt = Annotated[str, typer.Option(help="Compute dtype: float32 or bfloat16.")]
+DtypeOpt = Annotated[
+    str | None,
+    typer.Option(help="Compute dtype: float32 or bfloat16 (default: bfloat16 on CPUs with bf16 instructions "
+                 "and on CUDA, else float32; the hf runner: float32)."),
+]
+RunnerOpt = Annotated[
+    str, typer.Option(help="auto (the own batched runner for Llama-family models), llama, or hf (the 0.1 runner).")
+]
 ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads (default: all cores).")]
 
 
@@ -34,7 +41,8 @@ def generate(
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
     seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
     model: ModelOpt = None,
-    dtype: DtypeOpt = "float32",
+    runner: RunnerOpt = "auto",
+    dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Run with the prefix cache off.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, usage, ttft_s.")] = False,
@@ -48,7 +56,7 @@ def generate(
     if prompt is None and user is None:
         raise typer.BadParameter("pass a prompt, or --user (and optionally --system)", param_hint="PROMPT")
     try:
-        engine = Engine(model, dtype=dtype, threads=threads, enable_cache=not no_cache)
+        engine = Engine(model, runner=runner, dtype=dtype, threads=threads, enable_cache=not no_cache)
         if prompt is not None and user is None:
             r = engine.generate(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
         else:
@@ -75,7 +83,8 @@ def generate(
 def demo(
     max_tokens: Annotated[int, typer.Option(help="Tokens generated per request (kept short).")] = 4,
     model: ModelOpt = None,
-    dtype: DtypeOpt = "float32",
+    runner: RunnerOpt = "auto",
+    dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """Run the prompt-caching flows on the real model and print one table, a row per flow:
@@ -84,17 +93,21 @@ def demo(
     from rich.table import Table
 
     from prefixcache.engine.demo import run_demo
+    from prefixcache.engine.engine import select_runner
+    from prefixcache.engine.llama import LlamaRunner
     from prefixcache.engine.model import ModelRunner
 
     console = Console(width=None if sys.stdout.isatty() else 120)
     with console.status("loading the model") as status:
         try:
-            runner = ModelRunner.load(model, dtype=dtype, threads=threads)
+            base = ModelRunner.load(model, threads=threads)
+            chosen = select_runner(base, runner, dtype)
         except ValueError as exc:
             _fail(exc)
             return
-        rows, cold = run_demo(runner, max_tokens=max_tokens, progress=lambda m: status.update(f"flow {m}"))
-    t = Table(title=f"prefix caching flows ({runner.name}, {dtype}, chunk 512)")
+        rows, cold = run_demo(chosen, max_tokens=max_tokens, progress=lambda m: status.update(f"flow {m}"))
+    kind = "own runner, any 16-token block" if isinstance(chosen, LlamaRunner) else "HF runner, chunk 512"
+    t = Table(title=f"prefix caching flows ({chosen.name}, {chosen.dtype_name}, {kind})")
     for col, just in (("flow", "left"), ("requests", "right"), ("hit rate", "right"), ("cached tokens", "right"),
                       ("TTFT (s)", "right"), ("speedup", "right"), ("what it shows", "left")):
         t.add_column(col, justify=just)  # type: ignore[arg-type]
@@ -112,14 +125,17 @@ def bench(
     prefill_chunk: Annotated[int | None, typer.Option(help="Prefill chunk (default: the engine's).")] = None,
     out: Annotated[Path, typer.Option(help="Where engine.md, engine_ttft.png, calibration.json go.")] = Path("benchmarks/results"),
     model: ModelOpt = None,
-    dtype: DtypeOpt = "float32",
+    runners: Annotated[str, typer.Option(help="Comma-separated runners to measure in this run: llama, hf.")] = "llama,hf",
+    dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """Measure cold/warm/floor TTFT over prefix lengths, the 0%-hit overhead, exact vs
-    single-pass prefill and hashing+lookup time; print a table and write benchmarks/results/."""
+    single-pass prefill, decode and hashing+lookup time, for each runner in one run; print a
+    table and write benchmarks/results/."""
     from rich.console import Console
 
     from prefixcache.engine.bench import markdown, run_bench, write_results
+    from prefixcache.engine.engine import select_runner
     from prefixcache.engine.model import ModelRunner
 
     console = Console()
@@ -127,14 +143,18 @@ def bench(
         sizes = [int(x) for x in lengths.split(",") if x.strip()]
     except ValueError as exc:
         raise typer.BadParameter("lengths must be integers, e.g. 256,512,1024", param_hint="--lengths") from exc
+    kinds = [k.strip() for k in runners.split(",") if k.strip()]
+    if not kinds or any(k not in ("llama", "hf") for k in kinds):
+        raise typer.BadParameter("runners must be a comma-separated list of llama and hf", param_hint="--runners")
     with console.status("loading the model") as status:
         try:
-            runner = ModelRunner.load(model, dtype=dtype, threads=threads)
+            base = ModelRunner.load(model, threads=threads)
+            res = [run_bench(select_runner(base, kind, dtype if kind == "llama" else None), kind=kind,
+                             lengths=sizes, tail=tail, repeats=repeats, prefill_chunk=prefill_chunk,
+                             progress=lambda m: status.update(m)) for kind in kinds]
         except ValueError as exc:
             _fail(exc)
             return
-        res = run_bench(runner, lengths=sizes, tail=tail, repeats=repeats, prefill_chunk=prefill_chunk,
-                        progress=lambda m: status.update(m))
     command = "prefixcache " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     files = write_results(res, out, command)
     console.print(markdown(res, command))

@@ -1,8 +1,8 @@
 """``prefixcache demo``: the caching flows on a real model, one row each.
 
 Every flow runs on a fresh Engine (its own cache and simulated clock) over one shared runner,
-so flows do not warm each other. Prompts are long enough for the default 512-token chunk to
-give hits (a hit is a multiple of ``prefill_chunk``).
+so flows do not warm each other. The own runner hits at any 16-token block; prompts are also
+long enough for the HF runner's 512-token chunk to give hits.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 from prefixcache.cache import FakeClock
 from prefixcache.engine.engine import Engine
+from prefixcache.engine.llama import LlamaRunner
 from prefixcache.engine.model import ModelRunner
 from prefixcache.engine.types import GenerationResult
 
@@ -75,6 +76,11 @@ class FlowRow:
         return cold / self.ttft_s if self.ttft_s else 0.0
 
 
+def _engine(runner: ModelRunner, **kw: Any) -> Engine:
+    """An engine over ``runner`` as chosen (the own runner, or the HF one as it is)."""
+    return Engine(runner, runner="llama" if isinstance(runner, LlamaRunner) else "hf", **kw)
+
+
 def _ask(engine: Engine, system: str, question: str, max_tokens: int, **kw: Any) -> GenerationResult:
     msgs = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     return engine.generate(messages=msgs, max_tokens=max_tokens, **kw)
@@ -82,7 +88,7 @@ def _ask(engine: Engine, system: str, question: str, max_tokens: int, **kw: Any)
 
 def flow_warm(runner: ModelRunner, max_tokens: int = 4, questions: int = 4) -> FlowRow:
     row = FlowRow("a. warm", "stable system prompt + few-shot, then questions")
-    with Engine(runner, clock=FakeClock()) as e:
+    with _engine(runner, clock=FakeClock()) as e:
         sys = system_prompt("Acme Home")
         row.results = [_ask(e, sys, q, max_tokens) for q in QUESTIONS[:questions]]
     return row
@@ -90,7 +96,7 @@ def flow_warm(runner: ModelRunner, max_tokens: int = 4, questions: int = 4) -> F
 
 def flow_deploy(runner: ModelRunner, max_tokens: int = 4) -> FlowRow:
     row = FlowRow("b. cold after deploy", "policy v1 warm; v2 deployed: one miss, then warm")
-    with Engine(runner, clock=FakeClock()) as e:
+    with _engine(runner, clock=FakeClock()) as e:
         _ask(e, system_prompt("Acme Home", 1), QUESTIONS[0], max_tokens)
         _ask(e, system_prompt("Acme Home", 1), QUESTIONS[1], max_tokens)
         v2 = system_prompt("Acme Home", 2)
@@ -114,7 +120,7 @@ def flow_busting(
     rows = []
     for where in ("top", "bottom"):
         row = FlowRow(f"c. busting: id+time at {where}", "hit rate collapses" if where == "top" else "moved down: hits")
-        with Engine(runner, clock=FakeClock()) as e:
+        with _engine(runner, clock=FakeClock()) as e:
             row.results = [_ask(e, s, QUESTIONS[0], max_tokens) for s in busting_prompts(requests, where, repeat)]
         rows.append(row)
     return rows[0], rows[1]
@@ -129,7 +135,7 @@ def flow_ttl(runner: ModelRunner, max_tokens: int = 4, requests: int = 4, pin: b
                   "pinned prefix survives the TTL" if pin else "gaps > TTL: every request misses")
     sys_high, sys_low = system_prompt("Acme Home", repeat=3), system_prompt("Acme Garden", repeat=3)
     events = sorted([(i * 10.0, "high", i) for i in range(requests)] + [(i * 600.0 + 5, "low", i) for i in range(requests)])
-    with Engine(runner, clock=clock, default_ttl_s=60.0) as e:
+    with _engine(runner, clock=clock, default_ttl_s=60.0) as e:
         for t, which, i in events:
             clock.set(t)
             if which == "high":

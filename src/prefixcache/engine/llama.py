@@ -29,6 +29,7 @@ KV is stored in the compute dtype (post-RoPE); attention arithmetic runs in floa
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -107,7 +108,13 @@ class LlamaRunner(ModelRunner):
 
     kind = "llama"
 
-    def __init__(self, base: ModelRunner, *, dtype: str | None = None) -> None:
+    def __init__(self, base: ModelRunner, *, dtype: str | None = None, attention: str = "invariant") -> None:
+        """``attention="sdpa"`` swaps in torch's SDPA per call (not invariant: its work split
+        depends on the query length): for measuring what invariance costs, and as the negative
+        control of the exactness tests. Never for serving."""
+        if attention not in ("invariant", "sdpa"):
+            raise ValueError(f"attention must be 'invariant' or 'sdpa'; got {attention!r}")
+        self.attention = attention
         hf = base.model
         reason = unsupported_reason(hf.config)
         if reason is not None:
@@ -164,13 +171,23 @@ class LlamaRunner(ModelRunner):
     @classmethod
     def from_model_runner(cls, base: ModelRunner, *, dtype: str | None = None) -> LlamaRunner:
         """The own runner for ``base``'s model, built once per (base, dtype) and reused."""
-        if isinstance(base, LlamaRunner) and (dtype is None or dtype == base.dtype_name):
-            return base
+        if isinstance(base, LlamaRunner):
+            if dtype is None or dtype == base.dtype_name:
+                return base
+            raise ValueError(f"this runner computes in {base.dtype_name}; build a {dtype} one from the ModelRunner")
         key = dtype or base.dtype_name
         made = base.__dict__.setdefault("_own_runners", {})
         if key not in made:
             made[key] = cls(base, dtype=key)
         return made[key]
+
+    def with_attention(self, attention: str) -> LlamaRunner:
+        """The same runner (shared weights) with another attention (see ``__init__``)."""
+        if attention not in ("invariant", "sdpa"):
+            raise ValueError(f"attention must be 'invariant' or 'sdpa'; got {attention!r}")
+        clone = copy.copy(self)
+        clone.attention = attention
+        return clone
 
     # ------------------------------------------------------------------ identity
     @property
@@ -182,7 +199,7 @@ class LlamaRunner(ModelRunner):
         """The model part of the cache namespace: weights, dtype, block size, the invariant
         layout (tile) and device/threads (kernels may differ across them). The prefill chunk is
         not part of it: chunking does not change a row's bits."""
-        layout = f"{KV_LAYOUT_VERSION}|paged|tile{TILE}|{self.device.type}"
+        layout = f"{KV_LAYOUT_VERSION}|paged|{self.attention}{TILE}|{self.device.type}"
         if self.device.type == "cpu":
             layout += f"|t{self.threads}"
         return model_fingerprint(self.weights_id, self.dtype_name, block_size, layout)
@@ -249,8 +266,9 @@ class LlamaRunner(ModelRunner):
             kp.view(KV, nb * B, D).index_copy_(1, slot_t, k[:n].transpose(0, 1))
             vp.view(KV, nb * B, D).index_copy_(1, slot_t, v[:n].transpose(0, 1).to(vp.dtype))
             attn = torch.zeros(R, H, D, dtype=q.dtype, device=dev)
+            attend = self._attend if self.attention == "invariant" else self._attend_sdpa
             for plan in plans:
-                attn[plan.rows] = self._attend(q, plan, kp, vp)
+                attn[plan.rows] = attend(q, plan, kp, vp)
             x = x + F.linear(attn.view(R, H * D), lw["o"], lw["o_b"])
             h = self._rms(x, lw["ln2"])
             gate, up = F.linear(h, lw["gu"], lw["gu_b"]).chunk(2, dim=-1)
@@ -344,3 +362,20 @@ class LlamaRunner(ModelRunner):
         else:
             res = out.view(KV, M // G, G, D)[:, :n].permute(1, 0, 2, 3).reshape(n, KV * G, D)
         return res.to(q.dtype)
+
+    def _attend_sdpa(self, q: torch.Tensor, plan: _Attention, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
+        """Not invariant (see ``attention``): SDPA over the plan's gathered keys, causal mask."""
+        KV, D, G = self.num_kv_heads, self.head_dim, self.group
+        n, T = plan.rows.numel(), plan.tiles * TILE
+        keys = kp.index_select(1, plan.index).view(KV, plan.S, T, D)
+        values = vp.index_select(1, plan.index).view(KV, plan.S, T, D)
+        qr = q[plan.rows]
+        if plan.decode:
+            qs = qr.view(plan.S, KV, G, D).permute(1, 0, 2, 3)  # [KV, S, G, D]
+            allowed = ~plan.mask[:, :1].expand(plan.S, G, T)
+            out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=allowed, scale=1.0)
+            return out.permute(1, 0, 2, 3).reshape(plan.S, KV * G, D)
+        qs = qr.view(n, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * n, D)
+        allowed = ~plan.mask[0].view(-1, G, T)[:n].permute(1, 0, 2).reshape(G * n, T)
+        out = F.scaled_dot_product_attention(qs, keys[:, 0], values[:, 0], attn_mask=allowed, scale=1.0)
+        return out.view(KV, G, n, D).permute(2, 0, 1, 3).reshape(n, KV * G, D)
