@@ -61,6 +61,9 @@ def serve(
                                  "with bf16 instructions and on CUDA, float32 elsewhere.")
     ] = None,
     max_batch: Annotated[int, typer.Option(min=1, help="Requests computed together in each engine step.")] = 16,
+    threads: Annotated[
+        int | None, typer.Option(min=1, help="Compute threads (default: all cores).")
+    ] = None,
     model_name: Annotated[
         str | None, typer.Option(help="The model id clients must send. Default: the model's name.")
     ] = None,
@@ -120,6 +123,7 @@ def serve(
             default_ttl_s=ttl,
             max_queue=max_queue,
             max_batch=max_batch,
+            threads=threads,
         )
     except ValueError as e:  # a missing model file, a bad chunk size or dtype: say which
         raise typer.BadParameter(str(e)) from e

@@ -12,10 +12,12 @@ before it: never on the chunk it is in, how many rows the step has, or which req
 step. That is what makes every full 16-token block reusable and storable with bitwise-exact hits
 (see docs/engine.md for the measurements behind each rule):
 
-- Row counts: every GEMM runs on a multiple of 4 rows and at least 16 (padding rows are zeros).
-  Measured on torch 2.13 CPU (MKL): float32 ``F.linear``/``bmm`` rows agree bitwise for those
-  counts at any offset, and differ for 1-3, 5-7 and 9-11 rows (small-M kernels); bfloat16 agrees
-  everywhere. Reductions over a row (RMSNorm, softmax sums) then run one row per output element.
+- Row counts: every GEMM runs on a multiple of 4 rows (padding rows are zeros). Measured on
+  torch 2.13 CPU (MKL): float32 ``F.linear``/``bmm`` rows agree bitwise for those counts at any
+  offset, and differ for 1-3, 5-7 and 9-11 rows (M=1 is a GEMV, other small counts other
+  kernels); bfloat16 agrees everywhere. ``tests/engine/test_invariance.py`` checks every count
+  the runner uses. Reductions over a row (RMSNorm, softmax sums) have many outputs, so torch runs
+  each one whole on one thread.
 - Attention reads keys in tiles of ``TILE`` positions at absolute multiples of ``TILE``. Scores
   ``q @ K^T`` reduce over ``head_dim`` only; the row max is exact in any order; ``exp`` is
   elementwise; each tile's ``P @ V`` is a GEMM of fixed shape, accumulated tile by tile in
@@ -51,8 +53,8 @@ SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
 
 def padded_rows(n: int) -> int:
-    """Rows a GEMM runs for ``n`` real rows: a multiple of 4, at least 16 (see the module doc)."""
-    return max(16, (n + 3) // 4 * 4)
+    """Rows a GEMM runs for ``n`` real rows: a multiple of 4 (see the module doc)."""
+    return max(4, (n + 3) // 4 * 4)
 
 
 @dataclass(slots=True)
@@ -89,15 +91,18 @@ class _Attention:
     """One attention call's plan, shared by every layer of a step: which rows, their positions,
     the gathered block indices and the causal mask. Query layout ``[kv_heads, S, M, head_dim]``."""
 
-    __slots__ = ("rows", "S", "M", "G", "decode", "index", "mask", "tiles")
+    __slots__ = ("rows", "S", "M", "G", "decode", "index", "mask", "mask_from", "tiles")
 
     def __init__(self, rows: torch.Tensor, S: int, M: int, G: int, decode: bool, index: torch.Tensor,
-                 mask: torch.Tensor, tiles: int) -> None:
+                 qpos: torch.Tensor, tiles: int) -> None:
         self.rows = rows  # step rows this call computes (real ones), in query order
         self.S, self.M, self.G, self.decode = S, M, G, decode
         self.index = index  # [S * T / B] block indices, padded with block 0
-        self.mask = mask  # [S, M, T] True where a key is after the query (masked)
         self.tiles = tiles
+        # Keys before every query's position are visible to all: only [mask_from, T) is masked.
+        self.mask_from = int(qpos.min()) + 1
+        keys = torch.arange(self.mask_from, tiles * TILE, device=qpos.device)
+        self.mask = keys[None, None, :] > qpos[:, :, None]  # [S, M, T - mask_from]: True = masked
 
 
 class LlamaRunner(ModelRunner):
@@ -312,9 +317,8 @@ class LlamaRunner(ModelRunner):
             for j, (_, s) in enumerate(decode):
                 used = -(-s.end // B)
                 index[j, :used] = torch.tensor(list(s.table[:used]), dtype=torch.long)
-            mask = torch.arange(tiles * TILE)[None, None, :] > qpos[:, :, None]
             rows = torch.tensor([offsets[i] for i, _ in decode], dtype=torch.long)
-            plans.append(_Attention(rows.to(dev), S, M, G, True, index.reshape(-1).to(dev), mask.to(dev), tiles))
+            plans.append(_Attention(rows.to(dev), S, M, G, True, index.reshape(-1).to(dev), qpos.to(dev), tiles))
         for i, s in enumerate(segments):
             if s.decode:
                 continue
@@ -326,9 +330,8 @@ class LlamaRunner(ModelRunner):
             used = -(-s.end // B)
             index = torch.zeros(tiles * per_tile, dtype=torch.long)
             index[:used] = torch.tensor(list(s.table[:used]), dtype=torch.long)
-            mask = torch.arange(tiles * TILE)[None, None, :] > qpos[:, :, None]
             rows = torch.arange(offsets[i], offsets[i] + n)
-            plans.append(_Attention(rows.to(dev), 1, M, G, False, index.to(dev), mask.to(dev), tiles))
+            plans.append(_Attention(rows.to(dev), 1, M, G, False, index.to(dev), qpos.to(dev), tiles))
         return plans
 
     def _attend(self, q: torch.Tensor, plan: _Attention, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
@@ -349,7 +352,7 @@ class LlamaRunner(ModelRunner):
         keys = kp.index_select(1, plan.index).view(KV * S, T, D).float()
         values = vp.index_select(1, plan.index).view(KV * S, T, D).float()
         scores = torch.bmm(qa.view(KV * S, M, D), keys.transpose(1, 2)).view(KV, S, M, T)
-        scores.masked_fill_(plan.mask, float("-inf"))
+        scores[..., plan.mask_from :].masked_fill_(plan.mask, float("-inf"))
         scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # unnormalised P; masked entries exactly 0
         mass = scores.view(KV, S, M, plan.tiles, TILE).sum(-1).cumsum(-1)[..., -1:]  # [KV, S, M, 1]
         probs = scores.view(KV * S, M, T)
@@ -370,12 +373,14 @@ class LlamaRunner(ModelRunner):
         keys = kp.index_select(1, plan.index).view(KV, plan.S, T, D)
         values = vp.index_select(1, plan.index).view(KV, plan.S, T, D)
         qr = q[plan.rows]
+        masked = torch.zeros(plan.S, plan.M, T, dtype=torch.bool, device=q.device)
+        masked[..., plan.mask_from :] = plan.mask
         if plan.decode:
             qs = qr.view(plan.S, KV, G, D).permute(1, 0, 2, 3)  # [KV, S, G, D]
-            allowed = ~plan.mask[:, :1].expand(plan.S, G, T)
+            allowed = ~masked[:, :1].expand(plan.S, G, T)
             out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=allowed, scale=1.0)
             return out.permute(1, 0, 2, 3).reshape(plan.S, KV * G, D)
         qs = qr.view(n, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * n, D)
-        allowed = ~plan.mask[0].view(-1, G, T)[:n].permute(1, 0, 2).reshape(G * n, T)
+        allowed = ~masked[0].view(-1, G, T)[:n].permute(1, 0, 2).reshape(G * n, T)
         out = F.scaled_dot_product_attention(qs, keys[:, 0], values[:, 0], attn_mask=allowed, scale=1.0)
         return out.view(KV, G, n, D).permute(2, 0, 1, 3).reshape(n, KV * G, D)
