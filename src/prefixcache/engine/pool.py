@@ -23,6 +23,7 @@ only once touched, so a pool sized for a 2 GiB cache costs what is used.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 from typing import Any
@@ -40,7 +41,8 @@ class PoolBlock:
         self.index = index
 
     def __del__(self) -> None:
-        self.pool._release(self.index)
+        with contextlib.suppress(Exception):  # at interpreter shutdown the pool may be gone first
+            self.pool._release(self.index)
 
     def __repr__(self) -> str:
         return f"PoolBlock({self.index})"

@@ -92,9 +92,12 @@ class BatchWorker(Worker):
         self.waiting: list[Job] = []
         self.running: list[Sequence] = []
         self.reserved = 0
-        #: Counters for tests and metrics: prompt tokens prefilled (computed, not read), steps run.
+        #: Counters for tests, metrics and benchmarks: prompt tokens prefilled (computed, not read),
+        #: steps run, decode rows computed, seconds spent in steps.
         self.prefilled_tokens = 0
         self.steps = 0
+        self.decoded_rows = 0
+        self.step_s = 0.0
         self._closing = False
 
     # ------------------------------------------------------------------ the loop
@@ -259,6 +262,7 @@ class BatchWorker(Worker):
                 plan.append((seq, Segment(seq.request.ids[seq.computed : stop], seq.computed,
                                           [b.index for b in seq.blocks], want_logits=stop == seq.prompt_len)))
                 budget -= stop - seq.computed
+        started = time.perf_counter()
         try:
             logits = self.engine.runner.step(self.pool, [seg for _, seg in plan])
         except BaseException as exc:  # every request of the step fails; the loop goes on
@@ -267,9 +271,12 @@ class BatchWorker(Worker):
                 self._end(seq)
             return
         self.steps += 1
+        self.step_s += time.perf_counter() - started
         row = 0
         for seq, seg in plan:
-            if not seg.decode:
+            if seg.decode:
+                self.decoded_rows += 1
+            else:
                 self.prefilled_tokens += len(seg.tokens)
                 seq.computed = seg.end
                 self._commit(seq)
