@@ -216,3 +216,23 @@ def test_stop_string_and_eos(tiny_engine: Engine) -> None:
         r = tiny_engine.generate(prompt="stop test", max_tokens=30, temperature=1.0, seed=7, stop=[stop])
         assert r.finish_reason == "stop" and r.stop_sequence == stop and stop not in r.text
         assert visible.startswith(r.text)
+
+
+def test_a_request_that_fails_after_its_step_fails_alone(tiny_runner: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error while committing one request's blocks ends that request with the error; the
+    step loop keeps serving, and nothing stays held."""
+    engine = Engine(tiny_runner, prefill_chunk=16)
+    real_commit = engine.cache.commit
+
+    def commit(m: Any, *args: Any, **kwargs: Any) -> Any:
+        if m.prompt_tokens == 77:
+            raise RuntimeError("the tier is on fire")
+        return real_commit(m, *args, **kwargs)
+
+    monkeypatch.setattr(engine.cache, "commit", commit)
+    with pytest.raises(RuntimeError, match="on fire"):
+        engine.generate(prompt_token_ids=list(range(77)), max_tokens=2)
+    r = engine.generate(prompt_token_ids=list(range(40)), max_tokens=2)
+    assert r.usage.cache_write_tokens == 32
+    assert _refs(engine) == 0 and engine.queue_depth == 0 and engine._worker.reserved == 0
+    engine.close()

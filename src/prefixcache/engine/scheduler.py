@@ -274,15 +274,20 @@ class BatchWorker(Worker):
         self.step_s += time.perf_counter() - started
         row = 0
         for seq, seg in plan:
-            if seg.decode:
-                self.decoded_rows += 1
-            else:
-                self.prefilled_tokens += len(seg.tokens)
-                seq.computed = seg.end
-                self._commit(seq)
-            if seg.want_logits:
-                self._sampled(seq, logits[row])
-                row += 1
+            out = logits[row] if seg.want_logits else None
+            row += seg.want_logits
+            try:
+                if seg.decode:
+                    self.decoded_rows += 1
+                else:
+                    self.prefilled_tokens += len(seg.tokens)
+                    seq.computed = seg.end
+                    self._commit(seq)
+                if out is not None:
+                    self._sampled(seq, out)
+            except BaseException as exc:  # this request fails alone; the loop goes on
+                self._failed(seq.job, exc)
+                self._end(seq)
 
     def _grow(self, seq: Sequence, upto: int) -> None:
         """Give ``seq`` blocks for positions ``[0, upto)``."""
@@ -345,9 +350,10 @@ class BatchWorker(Worker):
         self._end(seq)
 
     def _end(self, seq: Sequence) -> None:
-        """Release everything ``seq`` holds and hand out its last items."""
-        if seq in self.running:
-            self.running.remove(seq)
+        """Release everything ``seq`` holds and hand out its last items (once)."""
+        if seq not in self.running:
+            return
+        self.running.remove(seq)
         cache = self.engine.cache
         if seq.match is not None and cache is not None:
             cache.release(seq.match)
