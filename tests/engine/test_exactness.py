@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -145,9 +146,9 @@ def test_a_burst_sharing_a_prefix_prefills_it_once(tiny_runner: Any) -> None:
                    for p in prompts]
         for t in threads:
             t.start()
-        deadline = threading.Event()
-        while engine.queue_depth < len(prompts) and not deadline.wait(0.01):
-            pass
+        deadline = time.monotonic() + 60
+        while engine.queue_depth < len(prompts) and time.monotonic() < deadline:
+            time.sleep(0.01)
     for t in threads:
         t.join(60)
     assert engine._worker.prefilled_tokens == 180 + 4 * 20

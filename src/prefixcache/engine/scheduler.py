@@ -52,8 +52,6 @@ class Sequence:
     request: Request
     reserved: int  # pool blocks reserved for it
     match: Match | None = None
-    keys: list[BlockHash] = field(default_factory=list)
-    packed: bytes = b""
     blocks: list[PoolBlock] = field(default_factory=list)  # its block table, position // B
     computed: int = 0  # prompt tokens whose KV is in its blocks
     committed: int = 0  # prompt tokens committed to the cache
@@ -68,6 +66,11 @@ class Sequence:
     @property
     def prompt_len(self) -> int:
         return len(self.request.ids)
+
+    @property
+    def keys(self) -> list[BlockHash]:
+        """The prompt's block keys (empty with the cache off)."""
+        return self.request.keys or []
 
     @property
     def prefilling(self) -> bool:
@@ -218,7 +221,7 @@ class BatchWorker(Worker):
             self.waiting.remove(job)
             self._retire(job)
             return None
-        seq = Sequence(job=job, request=req, reserved=need, match=match, keys=keys, packed=packed,
+        seq = Sequence(job=job, request=req, reserved=need, match=match,
                        sampler=Sampler(req.params), text=TextAssembler(self.engine.tokenizer, req.stop),
                        started=time.perf_counter())
         self.reserved += need
@@ -233,9 +236,9 @@ class BatchWorker(Worker):
 
     def _copy_in(self, payload: Any) -> PoolBlock:
         """A hit block held elsewhere (a tier's tensor, another engine's pool): a private copy."""
-        block = self._alloc()
-        tensor = payload.as_tensor() if isinstance(payload, PoolBlock) else payload
-        self.pool.data[:, :, :, block.index].copy_(tensor)
+        block = self.pool.adopt(payload)
+        if not (isinstance(block, PoolBlock) and block.pool is self.pool):
+            raise RuntimeError("a cached block could not be copied into the KV pool (full, or another layout)")
         return block
 
     def _alloc(self) -> PoolBlock:
