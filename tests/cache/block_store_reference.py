@@ -379,7 +379,7 @@ class BlockStore:
             block.pin_count -= 1
             return
         room = self._make_room(block.nbytes, protect=block)
-        if not room and block.ref_count:
+        if not room and (block.ref_count or block.n_children):
             raise CacheFullError(
                 "cannot unpin a block that a running request holds while the cache is full; "
                 "retry after the request ends"

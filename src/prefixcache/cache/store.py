@@ -655,8 +655,9 @@ class BlockStore:
 
         When the last pin goes, the bytes return to the main budget, evicting LRU leaves if
         needed; if no room can be made the block itself is evicted. A block still referenced by
-        a request cannot be squeezed out that way: then :class:`CacheFullError` is raised and
-        nothing changes (retry once the request has ended).
+        a request, or with cached children that cannot be evicted (held or pinned), cannot be
+        squeezed out that way: then :class:`CacheFullError` is raised and nothing changes (retry
+        once the request has ended). Before, such a block's bytes went back over the budget.
         """
         if run.pin_count <= 0:
             raise RuntimeError(f"unpin of block {run.keys[-1].hex()[:12]} that is not pinned")
@@ -664,7 +665,7 @@ class BlockStore:
             run.pin_count -= 1
             return
         room = self._make_room(run.nbytes, protect=run)
-        if not room and run.ref_count:
+        if not room and (run.ref_count or run.n_children):
             raise CacheFullError(
                 "cannot unpin a block that a running request holds while the cache is full; "
                 "retry after the request ends"
