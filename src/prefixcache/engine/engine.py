@@ -128,8 +128,9 @@ class Engine:
         self.block_size = block_size
         self.prefill_chunk = chunk
         self.batched = isinstance(self.runner, LlamaRunner)
-        #: Where a hit may end: any block for the own runner, a chunk boundary for the HF one.
-        self.alignment = block_size if self.batched else chunk
+        #: Where a hit may end, as the runner reports it: any block for the own runner, a
+        #: prefill-chunk boundary for the HF one.
+        self.alignment = self.runner.hit_alignment(block_size, chunk)
         self._scratch = kv.Scratch()  # HF runner: hit KV is assembled here (worker thread only)
         self.clock = clock or (cache.clock if cache is not None else time.monotonic)
         self.cache: PrefixCache | None = None

@@ -195,10 +195,9 @@ class LlamaRunner(ModelRunner):
         return clone
 
     # ------------------------------------------------------------------ identity
-    @property
-    def alignment(self) -> int:
-        """Hits may end on any block boundary (the runner is row-invariant)."""
-        return 1
+    def hit_alignment(self, block_size: int, prefill_chunk: int) -> int:
+        """Hits may end on any block boundary: a row's bits do not depend on its pass."""
+        return block_size
 
     def fingerprint(self, block_size: int, prefill_chunk: int = 0) -> str:
         """The model part of the cache namespace: weights, dtype, block size, the invariant

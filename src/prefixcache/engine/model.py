@@ -271,6 +271,11 @@ class ModelRunner:
         return frozenset(ids)
 
     # ------------------------------------------------------------------ identity
+    def hit_alignment(self, block_size: int, prefill_chunk: int) -> int:
+        """Where a cache hit may end, in tokens: this runner's bits depend on the rows a pass
+        computes, so only on a boundary of the absolute ``prefill_chunk`` schedule."""
+        return prefill_chunk
+
     def fingerprint(self, block_size: int, prefill_chunk: int) -> str:
         """The model part of the cache namespace.
 
