@@ -15,20 +15,29 @@ class Outcome(StrEnum):
 
 
 @dataclass(slots=True)
-class RequestUsage:
-    """One request's prompt accounting, in tokens. ``cached_tokens`` were read from the cache
-    (not prefilled); ``cache_write_tokens`` were prefilled and stored."""
+class Usage:
+    """A request's accounting in tokens, the one usage record of the project (cache, engine and
+    server). ``cached_tokens`` were read from the cache (not prefilled); ``cache_write_tokens``
+    were prefilled and stored; the rest of ``prompt_tokens`` was prefilled and not stored.
+    ``completion_tokens`` were generated (an EOS that ended the generation counts, as in
+    OpenAI's usage); the cache, which sees only prompts, leaves it at 0."""
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cache_write_tokens: int = 0
+    completion_tokens: int = 0
 
     @property
-    def uncached_tokens(self) -> int:
-        return self.prompt_tokens - self.cached_tokens
+    def uncached_unwritten_tokens(self) -> int:
+        """Anthropic's ``input_tokens``: neither read from nor written to the cache."""
+        return max(self.prompt_tokens - self.cached_tokens - self.cache_write_tokens, 0)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+#: The cache's name for :class:`Usage` (the same type).
+RequestUsage = Usage
 
 
 @dataclass(slots=True)

@@ -82,10 +82,6 @@ def build_cache(runner: Any, payloads: Sequence[torch.Tensor], scratch: Scratch 
     return cache
 
 
-def cache_length(cache: Any) -> int:
-    return int(cache.get_seq_length())
-
-
 def slice_blocks(cache: Any, start: int, stop: int, block_size: int) -> list[torch.Tensor]:
     """Payloads of the full blocks covering token positions ``[start, stop)`` of ``cache``.
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
+from prefixcache.cache.stats import Usage
 from prefixcache.engine.model import ModelNotFoundError
 from prefixcache.engine.prompts import EmptyPromptError
 from prefixcache.engine.sampling import InvalidRequestError, SamplingParams
@@ -50,21 +51,6 @@ class Request:
     #: Filled by the batch scheduler once: block keys and packed tokens of ``ids``.
     keys: list[Any] | None = field(default=None, repr=False)
     packed: bytes = field(default=b"", repr=False)
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """A request's accounting in tokens: ``cached_tokens`` were read from the cache,
-    ``cache_write_tokens`` were prefilled and stored, ``completion_tokens`` were generated
-    (an EOS that ended the generation counts, as in OpenAI's usage)."""
-
-    prompt_tokens: int
-    cached_tokens: int = 0
-    cache_write_tokens: int = 0
-    completion_tokens: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 @dataclass(slots=True)

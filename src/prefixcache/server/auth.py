@@ -96,10 +96,6 @@ class Authenticator:
         for name in names:
             self._tenants[name] = Tenant(name, self.salt_for(name))
 
-    @property
-    def enabled(self) -> bool:
-        return self.api_keys is not None
-
     def salt_for(self, tenant: str) -> bytes:
         return hmac.new(self._secret, tenant.encode("utf-8"), hashlib.sha256).digest()
 

@@ -9,34 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
+from prefixcache.cache.stats import Usage
+from prefixcache.engine.types import GenerationResult, QueueFullError
 from prefixcache.server.errors import APIError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """A request's accounting in tokens. ``cached_tokens`` were read from the cache,
-    ``cache_write_tokens`` were prefilled and stored; the rest was prefilled and not stored."""
-
-    prompt_tokens: int
-    cached_tokens: int
-    cache_write_tokens: int
-    completion_tokens: int
-
-    @property
-    def uncached_unwritten_tokens(self) -> int:
-        """Anthropic's ``input_tokens``: neither read from nor written to the cache."""
-        return max(self.prompt_tokens - self.cached_tokens - self.cache_write_tokens, 0)
 
 
 @dataclass(slots=True)
@@ -62,53 +47,27 @@ def queue_full_error() -> APIError:
     )
 
 
-def _engine_error_types() -> tuple[type[BaseException], ...]:
-    try:
-        from prefixcache.engine import QueueFullError  # type: ignore[attr-defined]
-    except ImportError:  # the engine has no such class: only our own admission applies
-        return ()
-    return (QueueFullError,)
-
-
 def translate_error(exc: BaseException) -> APIError | None:
     """An engine exception as the APIError a client should see, or None for a real bug."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, _engine_error_types()):
+    if isinstance(exc, QueueFullError):
         return queue_full_error()
     if isinstance(exc, ValueError):  # the engine's bad-input errors subclass ValueError
         return APIError(400, str(exc) or type(exc).__name__, code=type(exc).__name__)
     return None
 
 
-def _outcome(result: Any, usage: Usage) -> str:
-    outcome = getattr(result, "outcome", None)
-    if outcome is not None:
-        return str(getattr(outcome, "value", outcome))
-    if usage.cached_tokens == 0:
-        return "miss"
-    return "hit" if usage.cache_write_tokens == 0 else "partial"
-
-
-def normalize(result: Any) -> Finished:
+def normalize(result: GenerationResult) -> Finished:
     """The engine's GenerationResult as a :class:`Finished`."""
-    u = result.usage
-    usage = Usage(
-        prompt_tokens=int(u.prompt_tokens),
-        cached_tokens=int(getattr(u, "cached_tokens", 0) or 0),
-        cache_write_tokens=int(getattr(u, "cache_write_tokens", 0) or 0),
-        completion_tokens=int(getattr(u, "completion_tokens", 0) or 0),
-    )
-    ids = getattr(result, "prompt_token_ids", None) or []
-    reason = str(getattr(result, "finish_reason", "stop") or "stop")
     return Finished(
-        text=str(result.text),
-        finish_reason="length" if reason == "length" else "stop",
-        usage=usage,
-        ttft_s=getattr(result, "ttft_s", None),
-        outcome=_outcome(result, usage),
-        prompt_token_ids=list(ids) if isinstance(ids, Sequence) else [],
-        stop_sequence=getattr(result, "stop_sequence", None),
+        text=result.text,
+        finish_reason="length" if result.finish_reason == "length" else "stop",
+        usage=result.usage,
+        ttft_s=result.ttft_s,
+        outcome=result.outcome,
+        prompt_token_ids=list(result.prompt_token_ids),
+        stop_sequence=result.stop_sequence,
     )
 
 
@@ -124,17 +83,6 @@ async def _watch(disconnected: Callable[[], Awaitable[bool]], cancel: threading.
             cancel.set()
             return
         await asyncio.sleep(every_s)
-
-
-def _accepts(fn: Any, name: str) -> bool:
-    """Whether callable ``fn`` takes keyword ``name`` (or any keyword)."""
-    if fn is None:
-        return False
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 class Admission:
@@ -176,7 +124,6 @@ class EngineBridge:
         self.engine = engine
         self.admission = Admission(max_queue)
         self._streams: set[threading.Thread] = set()
-        self._takes_cancel = _accepts(getattr(engine, "stream", None), "cancel")
 
     # ------------------------------------------------------------------ generation
     async def generate(
@@ -187,7 +134,7 @@ class EngineBridge:
         release = self.admission.enter()
         cancel = threading.Event()
         watcher: asyncio.Task[None] | None = None
-        if disconnected is not None and _accepts(getattr(self.engine, "generate", None), "cancel"):
+        if disconnected is not None:
             kwargs = {**kwargs, "cancel": cancel}
             watcher = asyncio.create_task(_watch(disconnected, cancel))
         try:
@@ -219,10 +166,9 @@ class EngineBridge:
             with contextlib.suppress(RuntimeError):  # the loop is gone (server shutting down)
                 loop.call_soon_threadsafe(items.put_nowait, (kind, value))
 
-        if self._takes_cancel:
-            # The engine's worker checks it at every step: a disconnect stops the generation
-            # at once, even while this thread waits for the next delta.
-            kwargs = {**kwargs, "cancel": cancel}
+        # The engine's worker checks it at every step: a disconnect stops the generation at
+        # once, even while this thread waits for the next delta.
+        kwargs = {**kwargs, "cancel": cancel}
 
         def drive() -> None:
             gen: Iterator[Any] | None = None
