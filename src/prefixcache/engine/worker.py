@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prefixcache.engine.types import EngineClosedError, QueueFullError
+from prefixcache.engine.types import EngineClosedError, QueueFullError, Request
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,9 @@ _DONE = object()
 class Job:
     """One request: its prepared arguments, its output queue and its cancellation state."""
 
-    def __init__(self, request: dict[str, Any], cancel: threading.Event | Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self, request: Request, cancel: threading.Event | Callable[[], bool] | None = None
+    ) -> None:
         self.request = request
         self.submitted = time.perf_counter()
         self._external = cancel
