@@ -54,4 +54,3 @@ class ResponsesRequest(_CachedGeneration):
     text: Any = None
     include: list[StrictStr] | None = None
     top_logprobs: Any = None
-    max_tool_calls: Any = None
