@@ -124,11 +124,11 @@ def held_refs(cache: Any) -> int:
 
 class Scripted:
     """Wraps an engine so that its replies are scripted: the real engine still runs every
-    request (prefill, cache, usage), then its text is replaced by ``reply``, streamed in
-    ``chunk``-character deltas. ``requests`` keeps each call's keyword arguments and
+    request (prefill, cache, usage), then its text is replaced by ``reply`` (None: kept),
+    streamed in ``chunk``-character deltas. ``requests`` keeps each call's keyword arguments and
     ``results`` each real :class:`GenerationResult` (``prompt_token_ids`` included)."""
 
-    def __init__(self, engine: Any, reply: str = "", chunk: int = 3) -> None:
+    def __init__(self, engine: Any, reply: str | None = "", chunk: int = 3) -> None:
         self.engine = engine
         self.reply = reply
         self.chunk = chunk
@@ -144,6 +144,8 @@ class Scripted:
         self.requests.append({k: v for k, v in kw.items() if k != "cancel"})
         result = self.engine.generate(**kw)
         self.results.append(result)
+        if self.reply is None:
+            return result
         return dataclasses.replace(result, text=self.reply, finish_reason="stop", stop_sequence=None)
 
     def generate(self, **kw: Any) -> Any:
@@ -151,6 +153,6 @@ class Scripted:
 
     def stream(self, **kw: Any) -> Iterator[Any]:
         result = self._run(kw)
-        for i in range(0, len(self.reply), self.chunk):
-            yield self.reply[i : i + self.chunk]
+        for i in range(0, len(result.text), self.chunk):
+            yield result.text[i : i + self.chunk]
         yield result
