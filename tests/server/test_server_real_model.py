@@ -60,20 +60,23 @@ TOOLS = [{"type": "function", "function": {
 
 
 @pytest.mark.model
-def test_tool_loop_with_the_real_model_reads_tools_and_system_from_the_cache(serve, real_engine, one_torch_thread):
+def test_tool_loop_with_the_real_model_reads_tools_and_system_from_the_cache(
+    serve, real_engine, one_torch_thread
+):
     from server_helpers import Scripted
 
     recorder = Scripted(real_engine, reply=None)  # the model's own replies; prompts recorded
     server = serve(recorder, model_name=MODEL)
     oa = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Are you open on Saturday?"}]
-    first = oa.chat.completions.create(model=MODEL, max_tokens=24, temperature=0, messages=messages, tools=TOOLS)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Open on Saturday?"}]
+    ask = {"model": MODEL, "temperature": 0, "tools": TOOLS}
+    first = oa.chat.completions.create(max_tokens=24, messages=messages, **ask)
     assert first.choices[0].finish_reason in ("stop", "length", "tool_calls")
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_opening_hours", "arguments": '{"day": "Saturday"}'}}
     messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
                  {"role": "tool", "tool_call_id": "call_1", "content": "10:00-16:00"}]
-    second = oa.chat.completions.create(model=MODEL, max_tokens=16, temperature=0, messages=messages, tools=TOOLS)
+    second = oa.chat.completions.create(max_tokens=16, messages=messages, **ask)
     assert second.choices[0].message.content
     ids = recorder.results[0].prompt_token_ids
     im_end = real_engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -110,7 +113,14 @@ def test_a_template_that_renders_tools_is_used_and_keeps_turns_a_prefix_of_the_n
     from prefixcache.engine.prompts import encode
     from prefixcache.server.errors import APIError
     from prefixcache.server.tool_prompt import (
-        CallSyntax, FunctionTool, PromptRenderer, ToolCall, ToolChoice, ToolConfig, assistant_turn, tool_turn,
+        CallSyntax,
+        FunctionTool,
+        PromptRenderer,
+        ToolCall,
+        ToolChoice,
+        ToolConfig,
+        assistant_turn,
+        tool_turn,
     )
 
     tok = copy.copy(real_runner.tokenizer)
@@ -123,11 +133,12 @@ def test_a_template_that_renders_tools_is_used_and_keeps_turns_a_prefix_of_the_n
     assert renderer.uses_template(turn1) and renderer.syntax is CallSyntax.TAGGED
     text1, text2 = renderer.render(turn1).text, renderer.render(turn2).text
     assert text1.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n<tools>\n{\"type\": \"function\"")
-    assert '<tool_call>\n{"name": "get_opening_hours", "arguments": {"day": "Saturday"}}\n</tool_call>' in text2
+    call = '{"name": "get_opening_hours", "arguments": {"day": "Saturday"}}'
+    assert f"<tool_call>\n{call}\n</tool_call>" in text2
     ids1, ids2 = encode(tok, text1), encode(tok, text2)
     assert ids2[: len(ids1)] == ids1  # turn 1's prompt is a token prefix of turn 2's: its blocks are reused
-    forced = PromptRenderer(ToolConfig(tools, ToolChoice.REQUIRED), tok, lambda m, gen: "unused").render(turn1)
-    assert forced.assistant_prefix == "<tool_call>"
+    forced = PromptRenderer(ToolConfig(tools, ToolChoice.REQUIRED), tok, lambda m, gen: "unused")
+    assert forced.render(turn1).assistant_prefix == "<tool_call>"
     tok.chat_template = TOOL_TEMPLATE.replace("<tool_call>", "<call>")  # another call syntax
     json_renderer = PromptRenderer(ToolConfig(tools, ToolChoice.REQUIRED), tok, lambda m, gen: "unused")
     assert json_renderer.syntax is CallSyntax.JSON

@@ -86,7 +86,10 @@ def test_json_syntax_takes_only_a_whole_json_reply():
     assert parse(call, CallSyntax.JSON).calls == [PARIS]
     assert parse(f" [{call}, {call}] ", CallSyntax.JSON).calls == [PARIS, PARIS]
     assert parse("Sure: " + call, CallSyntax.JSON).calls == []
-    assert parse('{"name": "nope", "arguments": {}}', CallSyntax.JSON).text == '{"name": "nope", "arguments": {}}'
+    assert (
+        parse('{"name": "nope", "arguments": {}}', CallSyntax.JSON).text
+        == '{"name": "nope", "arguments": {}}'
+    )
 
 
 def test_arguments_are_written_by_one_json_writer():

@@ -25,7 +25,10 @@ def test_breakpoints_map_to_the_token_ends_of_their_blocks(make_engine):
     messages, bps = to_messages(req)
     assert messages == [{"role": "system", "content": "AAAABBBB"}, {"role": "user", "content": "CCDD"}]
     full = engine.render_ids(messages)
-    plan = ttl_plan(messages, bps, full, lambda m, _: engine.render_ids(list(m), add_generation_prompt=False), 0)
+    def render_cut(cut, _tools_end):
+        return engine.render_ids(list(cut), add_generation_prompt=False)
+
+    plan = ttl_plan(messages, bps, full, render_cut, 0)
     text = engine.render(messages)
 
     def upto(marker: str) -> int:

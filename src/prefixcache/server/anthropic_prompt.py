@@ -32,7 +32,9 @@ from prefixcache.server.tool_prompt import (
 )
 
 #: Anthropic ``tool_choice.type`` -> the server's choice.
-CHOICES = {"auto": ToolChoice.AUTO, "any": ToolChoice.REQUIRED, "tool": ToolChoice.NAMED, "none": ToolChoice.NONE}
+CHOICES = {
+    "auto": ToolChoice.AUTO, "any": ToolChoice.REQUIRED, "tool": ToolChoice.NAMED, "none": ToolChoice.NONE,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +67,17 @@ def anthropic_tool_config(req: _Prompt) -> ToolConfig:
                 param=f"tools[{i}].type",
             )
         if t.input_schema is None:
-            raise bad_request(f"Missing required parameter 'tools[{i}].input_schema'.", param=f"tools[{i}].input_schema")
+            param = f"tools[{i}].input_schema"
+            raise bad_request(f"Missing required parameter '{param}'.", param=param)
         tools.append(FunctionTool(t.name, t.description, t.input_schema))
     choice = req.tool_choice
     if choice is None:
         return tool_config(tools, None)
     if choice.type == "tool" and choice.name is None:
-        raise bad_request("Missing required parameter 'tool_choice.name' (tool_choice type 'tool').", param="tool_choice.name")
+        raise bad_request(
+            "Missing required parameter 'tool_choice.name' (tool_choice type 'tool').",
+            param="tool_choice.name",
+        )
     parallel = not choice.disable_parallel_tool_use
     return tool_config(tools, CHOICES[choice.type], choice.name, parallel)
 
@@ -118,9 +124,10 @@ def to_messages(req: _Prompt) -> tuple[list[Message], list[Breakpoint]]:
             where = f"messages[{mi}].content[{bi}]"
             if block.type == "tool_result":
                 if m.role != "user":
-                    raise bad_request(f"'{where}': tool_result blocks belong in user messages.", param=f"{where}.type")
+                    raise bad_request(f"'{where}': tool_result blocks belong in user messages.", param=where)
                 name = conv.ledger.name_of(block.tool_use_id, f"{where}.tool_use_id")
-                conv.open_turn(tool_turn(block.tool_use_id, name, block.text(), is_error=bool(block.is_error)))
+                result = tool_turn(block.tool_use_id, name, block.text(), is_error=bool(block.is_error))
+                conv.open_turn(result)
                 current = None
             else:
                 if current is None:
@@ -128,7 +135,8 @@ def to_messages(req: _Prompt) -> tuple[list[Message], list[Breakpoint]]:
                 if block.type == "text":
                     current["content"] += block.text
                 elif m.role != "assistant":
-                    raise bad_request(f"'{where}': tool_use blocks belong in assistant messages.", param=f"{where}.type")
+                    message = f"'{where}': tool_use blocks belong in assistant messages."
+                    raise bad_request(message, param=where)
                 else:
                     call = conv.ledger.add(ToolCall(block.id, block.name, dumps(block.input)))
                     current.setdefault("tool_calls", []).append(call.as_hf())
@@ -142,7 +150,8 @@ def to_messages(req: _Prompt) -> tuple[list[Message], list[Breakpoint]]:
         breakpoints.append(Breakpoint(conv.snapshot(), n_tools, _ttl(req.cache_control), whole=True))
     if len(breakpoints) > MAX_BREAKPOINTS:
         raise bad_request(
-            f"A request may have at most {MAX_BREAKPOINTS} cache_control breakpoints; it has {len(breakpoints)}. "
+            f"A request may have at most {MAX_BREAKPOINTS} cache_control breakpoints; "
+            f"it has {len(breakpoints)}. "
             "Remove some (one breakpoint covers everything before it)."
         )
     turns = conv.turns
@@ -159,7 +168,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def cut_ids(renderer: PromptRenderer, tokenize: Callable[[str], list[int]]) -> Callable[[Sequence[Message], int], list[int]]:
+def cut_ids(
+    renderer: PromptRenderer, tokenize: Callable[[str], list[int]]
+) -> Callable[[Sequence[Message], int], list[int]]:
     """``(cut, tools_end) -> ids`` of a cut prompt (no assistant opening). A chat template that
     cannot render the cut (tools and no message) gives no ids: that breakpoint covers nothing
     beyond automatic caching."""
@@ -197,10 +208,14 @@ def ttl_plan(
 
 
 def plan_for(
-    conversation: list[Message], breakpoints: list[Breakpoint], full_ids: Sequence[int], renderer: PromptRenderer,
+    conversation: list[Message],
+    breakpoints: list[Breakpoint],
+    full_ids: Sequence[int],
+    renderer: PromptRenderer,
     tokenize: Callable[[str], list[int]],
 ) -> list[tuple[int, float]]:
     """:func:`ttl_plan` with cut prompts rendered like the request's (blocking: a worker thread)."""
     if not breakpoints:
         return []
-    return ttl_plan(conversation, breakpoints, full_ids, cut_ids(renderer, tokenize), len(renderer.config.tools))
+    render_cut = cut_ids(renderer, tokenize)
+    return ttl_plan(conversation, breakpoints, full_ids, render_cut, len(renderer.config.tools))

@@ -77,7 +77,9 @@ def chat_tool_config(body: ChatCompletionRequest) -> ToolConfig:
             )
         tools.append(FunctionTool(t.function.name, t.function.description, t.function.parameters))
     choice, name = _choice(body.tool_choice)
-    return tool_config(tools, choice, name, body.parallel_tool_calls, tool_path=lambda i: f"tools[{i}].function.name")
+    return tool_config(
+        tools, choice, name, body.parallel_tool_calls, tool_path=lambda i: f"tools[{i}].function.name"
+    )
 
 
 def responses_tool_config(body: ResponsesRequest) -> ToolConfig:
@@ -85,7 +87,8 @@ def responses_tool_config(body: ResponsesRequest) -> ToolConfig:
     for i, t in enumerate(body.tools or []):
         if t.type != "function":
             raise bad_request(
-                f"'tools[{i}].type' is '{t.type[:40]}': only function tools are supported.", param=f"tools[{i}].type"
+                f"'tools[{i}].type' is '{t.type[:40]}': only function tools are supported.",
+                param=f"tools[{i}].type",
             )
         if t.name is None:
             raise bad_request(f"Missing required parameter 'tools[{i}].name'.", param=f"tools[{i}].name")
@@ -118,7 +121,8 @@ def _content_text(content: Any, where: str) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             raise bad_request(
-                f"'{where}[{j}].type' is '{str(kind)[:40]}': only text parts (input_text, output_text) are supported.",
+                f"'{where}[{j}].type' is '{str(kind)[:40]}': only text parts (input_text, output_text) "
+                "are supported.",
                 param=f"{where}[{j}].type",
             )
         parts.append(part["text"])
@@ -149,12 +153,20 @@ def responses_conversation(instructions: str | None, items: str | list[dict[str,
                     f"'{where}.role' must be user, system, developer or assistant; got '{str(role)[:40]}'.",
                     param=f"{where}.role",
                 )
-            out.append({"role": ROLE_MAP.get(role, role), "content": _content_text(item.get("content"), f"{where}.content")})
+            out.append(
+                {
+                    "role": ROLE_MAP.get(role, role),
+                    "content": _content_text(item.get("content"), f"{where}.content"),
+                }
+            )
         elif kind == "function_call":
-            call = ledger.add(ToolCall(
-                _str_field(item, "call_id", where), _str_field(item, "name", where),
-                _str_field(item, "arguments", where),
-            ))
+            call = ledger.add(
+                ToolCall(
+                    _str_field(item, "call_id", where),
+                    _str_field(item, "name", where),
+                    _str_field(item, "arguments", where),
+                )
+            )
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call.as_hf())

@@ -82,8 +82,9 @@ class _ContentBlocks:
 
     def open_text(self) -> str:
         self.text_open = True
-        block = {"type": "content_block_start", "index": self.index, "content_block": {"type": "text", "text": ""}}
-        return _event("content_block_start", block)
+        start = {"type": "text", "text": ""}
+        event = {"type": "content_block_start", "index": self.index, "content_block": start}
+        return _event("content_block_start", event)
 
     def close(self) -> str:
         event = _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
@@ -190,10 +191,9 @@ async def create_message(body: MessagesRequest, request: Request, tenant: Tenant
             if isinstance(item, str):
                 if not blocks.text_open:
                     yield blocks.open_text()
-                yield _event(
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": blocks.index, "delta": {"type": "text_delta", "text": item}},
-                )
+                delta = {"type": "text_delta", "text": item}
+                event = {"type": "content_block_delta", "index": blocks.index, "delta": delta}
+                yield _event("content_block_delta", event)
                 continue
             if isinstance(item, CallsFound):
                 for event in blocks.tool_uses(item):

@@ -75,10 +75,13 @@ def generation_kwargs(req: _CachedGeneration, tenant: Tenant) -> dict[str, Any]:
 
 def sampling_kwargs(req: _Sampling, tenant: Tenant) -> dict[str, Any]:
     """Engine keyword arguments common to the chat and completions routes."""
-    return {**generation_kwargs(req, tenant), "top_k": req.top_k or 0, "seed": req.seed, "stop": req.stop_list() or None}
+    sampling = {"top_k": req.top_k or 0, "seed": req.seed, "stop": req.stop_list() or None}
+    return {**generation_kwargs(req, tenant), **sampling}
 
 
-async def render_prompt(state: ServerState, config: ToolConfig, conversation: list[Message]) -> RenderedPrompt:
+async def render_prompt(
+    state: ServerState, config: ToolConfig, conversation: list[Message]
+) -> RenderedPrompt:
     """The request's prompt under its tools (in a worker thread when a template renders it)."""
     renderer = state.bridge.renderer(config)
     if not config.tools and not has_tool_turns(conversation):

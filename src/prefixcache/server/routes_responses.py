@@ -25,7 +25,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -57,26 +57,67 @@ HARMLESS_INCLUDES = frozenset({"reasoning.encrypted_content"})
 def refuse_unsupported(body: ResponsesRequest) -> None:
     """400 naming the first field set to something this server cannot honour."""
     refusals = [
-        (body.store is True, "store", "'store': true is not supported: this server keeps no responses; "
-         "send 'store': false (or omit it) and resend the conversation in 'input'."),
-        (body.previous_response_id is not None, "previous_response_id", "'previous_response_id' is not "
-         "supported: this server keeps no responses; resend the conversation in 'input'."),
-        (body.conversation is not None, "conversation", "'conversation' is not supported: this server keeps no "
-         "conversations; resend the conversation in 'input'."),
-        (body.background is True, "background", "'background': true is not supported: send the request "
-         "without it (stream it to see progress)."),
-        (body.prompt is not None, "prompt", "'prompt' (a stored prompt template) is not supported: send the "
-         "text in 'instructions' and 'input'."),
-        (body.prompt_cache_options is not None, "prompt_cache_options", "'prompt_cache_options' is not "
-         "supported: use 'prompt_cache_retention' ('in_memory' or '24h')."),
-        (_set(body.reasoning), "reasoning", "'reasoning' is not supported: this model does not reason; remove it."),
-        (not _plain_text(body.text), "text", "'text' may only ask for plain text ({'format': {'type': 'text'}}); "
-         "structured output is not supported."),
-        (bool(set(body.include or ()) - HARMLESS_INCLUDES), "include", "'include' values other than "
-         "'reasoning.encrypted_content' are not supported: remove them."),
-        (bool(body.top_logprobs), "top_logprobs", "'top_logprobs' is not supported on /v1/responses: remove it."),
-        (body.truncation == "auto", "truncation", "'truncation': 'auto' is not supported: a prompt over the "
-         "context is refused; send 'disabled' and a shorter input."),
+        (
+            body.store is True,
+            "store",
+            "'store': true is not supported: this server keeps no responses; "
+            "send 'store': false (or omit it) and resend the conversation in 'input'.",
+        ),
+        (
+            body.previous_response_id is not None,
+            "previous_response_id",
+            "'previous_response_id' is not "
+            "supported: this server keeps no responses; resend the conversation in 'input'.",
+        ),
+        (
+            body.conversation is not None,
+            "conversation",
+            "'conversation' is not supported: this server keeps no "
+            "conversations; resend the conversation in 'input'.",
+        ),
+        (
+            body.background is True,
+            "background",
+            "'background': true is not supported: send the request without it (stream it to see progress).",
+        ),
+        (
+            body.prompt is not None,
+            "prompt",
+            "'prompt' (a stored prompt template) is not supported: send the "
+            "text in 'instructions' and 'input'.",
+        ),
+        (
+            body.prompt_cache_options is not None,
+            "prompt_cache_options",
+            "'prompt_cache_options' is not supported: use 'prompt_cache_retention' ('in_memory' or '24h').",
+        ),
+        (
+            _set(body.reasoning),
+            "reasoning",
+            "'reasoning' is not supported: this model does not reason; remove it.",
+        ),
+        (
+            not _plain_text(body.text),
+            "text",
+            "'text' may only ask for plain text ({'format': {'type': 'text'}}); "
+            "structured output is not supported.",
+        ),
+        (
+            bool(set(body.include or ()) - HARMLESS_INCLUDES),
+            "include",
+            "'include' values other than 'reasoning.encrypted_content' are not supported: remove them.",
+        ),
+        (
+            bool(body.top_logprobs),
+            "top_logprobs",
+            "'top_logprobs' is not supported on /v1/responses: remove it.",
+        ),
+        (
+            body.truncation == "auto",
+            "truncation",
+            "'truncation': 'auto' is not supported: a prompt over the "
+            "context is refused; send 'disabled' and a shorter input.",
+        ),
     ]
     for refused, param, message in refusals:
         if refused:
@@ -104,7 +145,10 @@ def _plain_text(text: Any) -> bool:
 def responses_usage(u: Usage) -> dict[str, Any]:
     return {
         "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": u.cache_write_tokens},
+        "input_tokens_details": {
+            "cached_tokens": u.cached_tokens,
+            "cache_write_tokens": u.cache_write_tokens,
+        },
         "output_tokens": u.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u.prompt_tokens + u.completion_tokens,
@@ -116,10 +160,15 @@ def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
 
 
-def function_call_item(item_id: str, call_id: str, call: ParsedCall, arguments: str | None = None) -> dict[str, Any]:
+def function_call_item(
+    item_id: str, call_id: str, call: ParsedCall, arguments: str | None = None
+) -> dict[str, Any]:
     """A ``function_call`` output item (``arguments`` "": the stream's empty start)."""
     return {
-        "type": "function_call", "id": item_id, "call_id": call_id, "name": call.name,
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": call.name,
         "arguments": call.arguments if arguments is None else arguments,
         "status": "completed" if arguments is None else "in_progress",
     }
@@ -132,15 +181,31 @@ class ResponseShell:
         self.id = f"resp_{uuid.uuid4().hex[:24]}"
         self.created_at = int(time.time())
         self.base: dict[str, Any] = {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": "in_progress",
-            "background": False, "error": None, "incomplete_details": None, "instructions": body.instructions,
-            "max_output_tokens": body.max_output_tokens, "model": model, "output": [],
-            "parallel_tool_calls": parallel, "previous_response_id": None,
-            "prompt_cache_key": body.prompt_cache_key, "prompt_cache_retention": body.prompt_cache_retention,
-            "reasoning": {"effort": None, "summary": None}, "store": False,
-            "temperature": kwargs["temperature"], "text": {"format": {"type": "text"}},
-            "tool_choice": _tool_choice_echo(body), "tools": [t.model_dump() for t in body.tools or []],
-            "top_p": kwargs["top_p"], "truncation": "disabled", "usage": None, "user": body.user,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": "in_progress",
+            "background": False,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "model": model,
+            "output": [],
+            "parallel_tool_calls": parallel,
+            "previous_response_id": None,
+            "prompt_cache_key": body.prompt_cache_key,
+            "prompt_cache_retention": body.prompt_cache_retention,
+            "reasoning": {"effort": None, "summary": None},
+            "store": False,
+            "temperature": kwargs["temperature"],
+            "text": {"format": {"type": "text"}},
+            "tool_choice": _tool_choice_echo(body),
+            "tools": [t.model_dump() for t in body.tools or []],
+            "top_p": kwargs["top_p"],
+            "truncation": "disabled",
+            "usage": None,
+            "user": body.user,
             "metadata": body.metadata or {},
         }
 
@@ -150,10 +215,12 @@ class ResponseShell:
     def done(self, fin: Finished, output: list[dict[str, Any]], called: bool) -> dict[str, Any]:
         incomplete = fin.finish_reason == "length" and not called
         return {
-            **self.base, "status": "incomplete" if incomplete else "completed",
+            **self.base,
+            "status": "incomplete" if incomplete else "completed",
             "completed_at": None if incomplete else int(time.time()),
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "output": output, "usage": responses_usage(fin.usage),
+            "output": output,
+            "usage": responses_usage(fin.usage),
         }
 
 
@@ -167,20 +234,27 @@ def _tool_choice_echo(body: ResponsesRequest) -> Any:
 def output_items(reply: ParsedReply, incomplete: bool) -> list[dict[str, Any]]:
     items = []
     if reply.text or not reply.calls:
-        items.append(message_item(new_call_id("msg_"), reply.text, "incomplete" if incomplete else "completed"))
-    items.extend(function_call_item(new_call_id("fc_"), call_id, c) for call_id, c in with_ids(reply.calls, "call_"))
+        items.append(
+            message_item(new_call_id("msg_"), reply.text, "incomplete" if incomplete else "completed")
+        )
+    items.extend(
+        function_call_item(new_call_id("fc_"), call_id, c) for call_id, c in with_ids(reply.calls, "call_")
+    )
     return items
 
 
 @router.post("/v1/responses", summary="Create a model response (OpenAI Responses shape)")
-async def create_response(body: ResponsesRequest, request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
+async def create_response(
+    body: ResponsesRequest, request: Request, tenant: Annotated[Tenant, Depends(get_tenant)]
+) -> Any:
     state = get_state(request)
     state.check_model(body.model)
     refuse_unsupported(body)
     config = responses_tool_config(body)
     rendered = await render_prompt(state, config, responses_conversation(body.instructions, body.input))
     kwargs = {
-        **generation_kwargs(body, tenant), **prompt_kwargs(rendered, None),
+        **generation_kwargs(body, tenant),
+        **prompt_kwargs(rendered, None),
         "max_tokens": body.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS,
     }
     shell = ResponseShell(body, state.model_name, kwargs, config.parallel)
@@ -267,12 +341,30 @@ class ResponseEvents:
         events = self._close_message("completed")
         for call_id, call in found.calls:
             item_id, index = new_call_id("fc_"), len(self.output)
-            events.append(self.emit("response.output_item.added", output_index=index,
-                                    item=function_call_item(item_id, call_id, call, arguments="")))
-            events.append(self.emit("response.function_call_arguments.delta", item_id=item_id, output_index=index,
-                                    delta=call.arguments))
-            events.append(self.emit("response.function_call_arguments.done", item_id=item_id, output_index=index,
-                                    name=call.name, arguments=call.arguments))
+            events.append(
+                self.emit(
+                    "response.output_item.added",
+                    output_index=index,
+                    item=function_call_item(item_id, call_id, call, arguments=""),
+                )
+            )
+            events.append(
+                self.emit(
+                    "response.function_call_arguments.delta",
+                    item_id=item_id,
+                    output_index=index,
+                    delta=call.arguments,
+                )
+            )
+            events.append(
+                self.emit(
+                    "response.function_call_arguments.done",
+                    item_id=item_id,
+                    output_index=index,
+                    name=call.name,
+                    arguments=call.arguments,
+                )
+            )
             item = function_call_item(item_id, call_id, call)
             events.append(self.emit("response.output_item.done", output_index=index, item=item))
             self.output.append(item)

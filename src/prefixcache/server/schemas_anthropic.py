@@ -66,7 +66,9 @@ class Tool(BaseModel):
     type: StrictStr | None = None
     description: StrictStr | None = None
     input_schema: dict[str, Any] | None = None
-    cache_control: CacheControl | None = Field(None, description="A breakpoint after this tool (tools come first).")
+    cache_control: CacheControl | None = Field(
+        None, description="A breakpoint after this tool (tools come first)."
+    )
 
 
 class ToolChoiceParam(BaseModel):

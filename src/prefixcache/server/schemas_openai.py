@@ -98,7 +98,9 @@ class FunctionDefinition(BaseModel):
     name: StrictStr
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = Field(None, description="Accepted; the schema is not enforced while decoding.")
+    strict: StrictBool | None = Field(
+        None, description="Accepted; the schema is not enforced while decoding."
+    )
 
 
 class ChatTool(BaseModel):

@@ -23,7 +23,9 @@ class ResponsesTool(BaseModel):
     name: StrictStr | None = None
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = Field(None, description="Accepted; the schema is not enforced while decoding.")
+    strict: StrictBool | None = Field(
+        None, description="Accepted; the schema is not enforced while decoding."
+    )
 
 
 class ResponsesNamedToolChoice(BaseModel):
@@ -45,7 +47,9 @@ class ResponsesRequest(_CachedGeneration):
     truncation: Literal["disabled", "auto"] | None = None
     # Refused when set (the route names the field):
     store: StrictBool | None = Field(None, description="Only false: this server keeps no responses.")
-    previous_response_id: StrictStr | None = Field(None, description="Refused: resend the conversation in 'input'.")
+    previous_response_id: StrictStr | None = Field(
+        None, description="Refused: resend the conversation in 'input'."
+    )
     conversation: Any = None
     background: StrictBool | None = None
     prompt: Any = None

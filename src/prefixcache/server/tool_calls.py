@@ -121,7 +121,9 @@ def _parse_json(reply: str, names: Collection[str]) -> ParsedReply:
     return ParsedReply("", [c for c in calls if c is not None])
 
 
-def parse_tool_calls(reply: str, names: Collection[str], syntax: CallSyntax = CallSyntax.TAGGED) -> ParsedReply:
+def parse_tool_calls(
+    reply: str, names: Collection[str], syntax: CallSyntax = CallSyntax.TAGGED
+) -> ParsedReply:
     """The reply's text and its well-formed calls of the tools ``names`` (see the module doc)."""
     if syntax is CallSyntax.JSON:
         return _parse_json(reply, names)
@@ -141,7 +143,9 @@ class ToolCallSplitter:
     as reply text, and opens a call at once). ``sent``: characters of the reply already
     returned by :meth:`push`."""
 
-    def __init__(self, names: Collection[str], syntax: CallSyntax = CallSyntax.TAGGED, prefix: str = "") -> None:
+    def __init__(
+        self, names: Collection[str], syntax: CallSyntax = CallSyntax.TAGGED, prefix: str = ""
+    ) -> None:
         self.names = names
         self.syntax = syntax
         self.reply = prefix

@@ -49,7 +49,10 @@ def with_ids(calls: list[ParsedCall], id_prefix: str) -> list[tuple[str, ParsedC
 
 
 async def split_stream(
-    items: AsyncIterator[str | Finished | APIError], rendered: RenderedPrompt, config: ToolConfig, id_prefix: str
+    items: AsyncIterator[str | Finished | APIError],
+    rendered: RenderedPrompt,
+    config: ToolConfig,
+    id_prefix: str,
 ) -> AsyncIterator[str | CallsFound | Finished | APIError]:
     """The stream's items with tool calls taken out of the text (see the module doc)."""
     if not config.parses_calls:
@@ -93,7 +96,12 @@ def openai_call_deltas(found: CallsFound) -> list[dict[str, Any]]:
     """Chunk deltas of the calls: per call, its id and name, then its arguments."""
     deltas: list[dict[str, Any]] = []
     for index, (call_id, call) in enumerate(found.calls):
-        head = {"index": index, "id": call_id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        head = {
+            "index": index,
+            "id": call_id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        }
         deltas.append({"tool_calls": [head]})
         deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
     return deltas
@@ -104,11 +112,17 @@ def openai_call_deltas(found: CallsFound) -> list[dict[str, Any]]:
 
 def anthropic_tool_use(call_id: str, call: ParsedCall, *, with_input: bool = True) -> dict[str, Any]:
     """A ``tool_use`` content block (``with_input`` False: the stream's empty start)."""
-    return {"type": "tool_use", "id": call_id, "name": call.name, "input": json.loads(call.arguments) if with_input else {}}
+    return {
+        "type": "tool_use",
+        "id": call_id,
+        "name": call.name,
+        "input": json.loads(call.arguments) if with_input else {},
+    }
 
 
 def anthropic_content(reply: ParsedReply) -> list[dict[str, Any]]:
-    """A message's ``content``: the text (omitted when empty and there are calls), then ``tool_use`` blocks."""
+    """A message's ``content``: the text (omitted when empty and there are calls), then the
+    ``tool_use`` blocks."""
     blocks: list[dict[str, Any]] = []
     if reply.text or not reply.calls:
         blocks.append({"type": "text", "text": reply.text})

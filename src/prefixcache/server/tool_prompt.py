@@ -149,7 +149,11 @@ def tools_section(tools: Sequence[FunctionTool]) -> str:
 
 def _call_text(call: dict[str, Any]) -> str:
     function = call["function"]
-    return TOOL_CALL_OPEN + dumps({"name": function["name"], "arguments": function["arguments"]}) + TOOL_CALL_CLOSE
+    return (
+        TOOL_CALL_OPEN
+        + dumps({"name": function["name"], "arguments": function["arguments"]})
+        + TOOL_CALL_CLOSE
+    )
 
 
 def _response_text(turn: Message) -> str:
@@ -228,7 +232,9 @@ class PromptRenderer:
     is pure: call it in a worker thread (a template can take milliseconds).
     """
 
-    def __init__(self, config: ToolConfig, tokenizer: Any, render_text: Callable[[list[Any], bool], str]) -> None:
+    def __init__(
+        self, config: ToolConfig, tokenizer: Any, render_text: Callable[[list[Any], bool], str]
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.render_text = render_text
@@ -245,7 +251,11 @@ class PromptRenderer:
         return CallSyntax.JSON
 
     def text(
-        self, conversation: Sequence[Message], *, add_generation_prompt: bool = True, tools_end: int | None = None
+        self,
+        conversation: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+        tools_end: int | None = None,
     ) -> str:
         """The prompt text; ``tools_end``: render only the first tools (a cut at a tool's breakpoint)."""
         tools = self.config.tools[:tools_end]
@@ -264,8 +274,8 @@ class PromptRenderer:
             return ""
         if self.syntax is not CallSyntax.TAGGED:
             raise bad_request(
-                f"tool_choice '{config.choice.value}' needs a <tool_call> chat template; this model's template "
-                "writes calls another way: use tool_choice 'auto' or 'none'.",
+                f"tool_choice '{config.choice.value}' needs a <tool_call> chat template; this model's "
+                "template writes calls another way: use tool_choice 'auto' or 'none'.",
                 param="tool_choice",
             )
         if config.choice is ToolChoice.REQUIRED:
@@ -306,16 +316,23 @@ def tool_config(
                 param=tool_path(i),
             )
         if tool.name in seen:
-            raise bad_request(f"'{tool_path(i)}': the tool name '{tool.name}' is used twice.", param=tool_path(i))
+            raise bad_request(
+                f"'{tool_path(i)}': the tool name '{tool.name}' is used twice.", param=tool_path(i)
+            )
         seen.add(tool.name)
     mode = choice or ToolChoice.AUTO
     if mode in (ToolChoice.REQUIRED, ToolChoice.NAMED) and not tools:
-        raise bad_request(f"'tool_choice' {mode.value} needs '{tools_param}': send the tools.", param="tool_choice")
+        raise bad_request(
+            f"'tool_choice' {mode.value} needs '{tools_param}': send the tools.", param="tool_choice"
+        )
     if mode is ToolChoice.NAMED and forced_name not in seen:
         raise bad_request(
-            f"'tool_choice' names the tool '{forced_name}', which is not in '{tools_param}'.", param="tool_choice"
+            f"'tool_choice' names the tool '{forced_name}', which is not in '{tools_param}'.",
+            param="tool_choice",
         )
-    return ToolConfig(tuple(tools), mode, forced_name if mode is ToolChoice.NAMED else None, parallel is not False)
+    return ToolConfig(
+        tuple(tools), mode, forced_name if mode is ToolChoice.NAMED else None, parallel is not False
+    )
 
 
 class CallLedger:
