@@ -237,10 +237,6 @@ class EngineBridge:
         """Token ids of the prompt the engine builds from these chat messages."""
         return list(self.engine.render_ids(messages, add_generation_prompt=add_generation_prompt))
 
-    def render_ids_partial(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Like :meth:`render_ids` but without the assistant turn's opening (a cut prompt)."""
-        return self.render_ids(messages, add_generation_prompt=False)
-
     def renderer(self, tools: ToolConfig) -> PromptRenderer:
         """A prompt renderer for this engine's model under one request's tools."""
         engine = self.engine
