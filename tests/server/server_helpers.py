@@ -120,3 +120,39 @@ class Gated:
 def held_refs(cache: Any) -> int:
     """Block references held by requests (0 when every request has released)."""
     return sum(b.ref_count for b in cache.store)
+
+
+class Scripted:
+    """Wraps an engine so that its replies are scripted: the real engine still runs every
+    request (prefill, cache, usage), then its text is replaced by ``reply`` (None: kept),
+    streamed in ``chunk``-character deltas. ``requests`` keeps each call's keyword arguments and
+    ``results`` each real :class:`GenerationResult` (``prompt_token_ids`` included)."""
+
+    def __init__(self, engine: Any, reply: str | None = "", chunk: int = 3) -> None:
+        self.engine = engine
+        self.reply = reply
+        self.chunk = chunk
+        self.requests: list[dict[str, Any]] = []
+        self.results: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def _run(self, kw: dict[str, Any]) -> Any:
+        import dataclasses
+
+        self.requests.append({k: v for k, v in kw.items() if k != "cancel"})
+        result = self.engine.generate(**kw)
+        self.results.append(result)
+        if self.reply is None:
+            return result
+        return dataclasses.replace(result, text=self.reply, finish_reason="stop", stop_sequence=None)
+
+    def generate(self, **kw: Any) -> Any:
+        return self._run(kw)
+
+    def stream(self, **kw: Any) -> Iterator[Any]:
+        result = self._run(kw)
+        for i in range(0, len(result.text), self.chunk):
+            yield result.text[i : i + self.chunk]
+        yield result

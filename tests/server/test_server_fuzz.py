@@ -55,7 +55,7 @@ def test_no_server_errors(case, live):
             assert body["error"]["message"]
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"])
 @pytest.mark.parametrize(
     "payload",
     [b"", b"{", b"null", b"[1]", b'"text"', b"\xff\xfe", b'{"model": 1}', b'{"messages": "x"}'],

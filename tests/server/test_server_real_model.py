@@ -52,3 +52,95 @@ def test_shared_system_prompt_is_read_from_the_cache_in_both_apis(serve, real_en
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Do you sell cargo bikes?"}]
     )
     real_engine.cache.check_integrity()
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_opening_hours", "description": "Opening hours of the shop on a given day.",
+    "parameters": {"type": "object", "properties": {"day": {"type": "string"}}, "required": ["day"]}}}]
+
+
+@pytest.mark.model
+def test_tool_loop_with_the_real_model_reads_tools_and_system_from_the_cache(
+    serve, real_engine, one_torch_thread
+):
+    from server_helpers import Scripted
+
+    recorder = Scripted(real_engine, reply=None)  # the model's own replies; prompts recorded
+    server = serve(recorder, model_name=MODEL)
+    oa = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Open on Saturday?"}]
+    ask = {"model": MODEL, "temperature": 0, "tools": TOOLS}
+    first = oa.chat.completions.create(max_tokens=24, messages=messages, **ask)
+    assert first.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_opening_hours", "arguments": '{"day": "Saturday"}'}}
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": "10:00-16:00"}]
+    second = oa.chat.completions.create(max_tokens=16, messages=messages, **ask)
+    assert second.choices[0].message.content
+    ids = recorder.results[0].prompt_token_ids
+    im_end = real_engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tools_and_system = ids.index(im_end) + 1  # the system turn: the tools section, then SYSTEM
+    assert real_engine.tokenizer.decode(ids[:tools_and_system]).count("get_opening_hours") == 1
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= tools_and_system
+    assert cached == len(ids) // 16 * 16  # turn 1's whole prompt is turn 2's prefix
+    real_engine.cache.check_integrity()
+
+
+# A Hermes-style template that renders tools (as Qwen2.5 / SmolLM3 do): tools in the system turn,
+# calls as <tool_call> JSON, results as <tool_response> user turns.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages and messages[0].role == 'system' %}"
+    "{{ messages[0].content }}\n\n{% endif %}# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n"
+    "{% endfor %}</tools><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and tools %}"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- elif message.tool_calls %}<|im_start|>assistant\n{% for call in message.tool_calls %}<tool_call>\n"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.model
+def test_a_template_that_renders_tools_is_used_and_keeps_turns_a_prefix_of_the_next(real_runner):
+    import copy
+
+    from prefixcache.engine.prompts import encode
+    from prefixcache.server.errors import APIError
+    from prefixcache.server.tool_prompt import (
+        CallSyntax,
+        FunctionTool,
+        PromptRenderer,
+        ToolCall,
+        ToolChoice,
+        ToolConfig,
+        assistant_turn,
+        tool_turn,
+    )
+
+    tok = copy.copy(real_runner.tokenizer)
+    tok.chat_template = TOOL_TEMPLATE
+    tools = (FunctionTool("get_opening_hours", "Opening hours.", {"type": "object"}),)
+    renderer = PromptRenderer(ToolConfig(tools), tok, lambda m, gen: "unused")
+    turn1 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Saturday?"}]
+    turn2 = [*turn1, assistant_turn("", [ToolCall("call_1", "get_opening_hours", '{"day": "Saturday"}')]),
+             tool_turn("call_1", "get_opening_hours", "10-16")]
+    assert renderer.uses_template(turn1) and renderer.syntax is CallSyntax.TAGGED
+    text1, text2 = renderer.render(turn1).text, renderer.render(turn2).text
+    assert text1.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n<tools>\n{\"type\": \"function\"")
+    call = '{"name": "get_opening_hours", "arguments": {"day": "Saturday"}}'
+    assert f"<tool_call>\n{call}\n</tool_call>" in text2
+    ids1, ids2 = encode(tok, text1), encode(tok, text2)
+    assert ids2[: len(ids1)] == ids1  # turn 1's prompt is a token prefix of turn 2's: its blocks are reused
+    forced = PromptRenderer(ToolConfig(tools, ToolChoice.REQUIRED), tok, lambda m, gen: "unused")
+    assert forced.render(turn1).assistant_prefix == "<tool_call>"
+    tok.chat_template = TOOL_TEMPLATE.replace("<tool_call>", "<call>")  # another call syntax
+    json_renderer = PromptRenderer(ToolConfig(tools, ToolChoice.REQUIRED), tok, lambda m, gen: "unused")
+    assert json_renderer.syntax is CallSyntax.JSON
+    with pytest.raises(APIError, match="tool_choice"):
+        json_renderer.render(turn1)

@@ -25,7 +25,10 @@ def test_breakpoints_map_to_the_token_ends_of_their_blocks(make_engine):
     messages, bps = to_messages(req)
     assert messages == [{"role": "system", "content": "AAAABBBB"}, {"role": "user", "content": "CCDD"}]
     full = engine.render_ids(messages)
-    plan = ttl_plan(messages, bps, full, lambda m: engine.render_ids(m, add_generation_prompt=False))
+    def render_cut(cut, _tools_end):
+        return engine.render_ids(list(cut), add_generation_prompt=False)
+
+    plan = ttl_plan(messages, bps, full, render_cut, 0)
     text = engine.render(messages)
 
     def upto(marker: str) -> int:
@@ -40,7 +43,7 @@ def test_top_level_cache_control_covers_the_whole_prompt(make_engine):
                                           "messages": [{"role": "user", "content": "hello"}]})
     messages, bps = to_messages(req)
     full = engine.render_ids(messages)
-    assert ttl_plan(messages, bps, full, engine.render_ids) == [(len(full), 3600.0)]
+    assert ttl_plan(messages, bps, full, lambda m, _: engine.render_ids(list(m)), 0) == [(len(full), 3600.0)]
 
 
 def test_more_than_four_breakpoints_is_an_api_error():

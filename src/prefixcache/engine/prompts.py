@@ -127,3 +127,36 @@ def breakpoint_token_ends(
             n -= 1
         ends.append(n)
     return ends
+
+
+def chat_template_supports_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders a ``tools`` list (Hugging Face's tool-use
+    convention: ``apply_chat_template(messages, tools=[...])``). A dict of named templates
+    counts when it has a ``tool_use`` one or any template that mentions ``tools``."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        return "tools" in template
+    if isinstance(template, dict):
+        return "tool_use" in template or any(isinstance(t, str) and "tools" in t for t in template.values())
+    return False
+
+
+def render_chat_with_tools(
+    messages: Sequence[Message],
+    tools: Sequence[dict[str, Any]],
+    tokenizer: Any,
+    *,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The prompt text of a tool-using conversation by the model's own chat template.
+
+    ``messages`` are in Hugging Face's tool-use shape and passed through unflattened: assistant
+    turns may carry ``tool_calls`` (``[{"type": "function", "function": {"name", "arguments"}}]``)
+    and ``role: "tool"`` turns carry a tool's result. ``tools`` are OpenAI-style function
+    definitions (``{"type": "function", "function": {...}}``). Call only when
+    :func:`chat_template_supports_tools` is true; the template's own errors propagate.
+    """
+    text = tokenizer.apply_chat_template(
+        list(messages), tools=list(tools) or None, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    return str(text)

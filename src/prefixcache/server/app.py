@@ -4,6 +4,7 @@ Routes (OpenAI shape unless noted):
 
     POST   /v1/chat/completions        chat; SSE with "stream": true
     POST   /v1/completions             text completion; SSE with "stream": true
+    POST   /v1/responses               OpenAI Responses; SSE with "stream": true
     POST   /v1/messages                Anthropic Messages; SSE with "stream": true
     POST   /v1/messages/count_tokens   Anthropic token count
     GET    /v1/models                  the served model
@@ -24,7 +25,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from prefixcache.server import routes_anthropic, routes_openai, routes_ops
+from prefixcache.server import routes_anthropic, routes_openai, routes_ops, routes_responses
 from prefixcache.server.auth import Authenticator
 from prefixcache.server.bridge import EngineBridge
 from prefixcache.server.errors import install_error_handlers
@@ -111,10 +112,10 @@ def create_app(
         model_name=model_name,
     )
     install_error_handlers(app)
-    for module in (routes_openai, routes_anthropic, routes_ops):
+    routers = (routes_openai, routes_responses, routes_anthropic, routes_ops)
+    for module in routers:
         app.include_router(module.router)
     # No route has path parameters, so the path is the route template.
-    routers = (routes_openai, routes_anthropic, routes_ops)
     paths = frozenset(str(getattr(r, "path", "")) for m in routers for r in m.router.routes)
     app.add_middleware(RequestCounter, metrics=metrics, paths=paths)
     return app

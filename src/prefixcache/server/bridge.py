@@ -20,6 +20,7 @@ import anyio
 from prefixcache.cache.stats import Usage
 from prefixcache.engine.types import GenerationResult, QueueFullError
 from prefixcache.server.errors import APIError
+from prefixcache.server.tool_prompt import PromptRenderer, RenderedPrompt, ToolConfig
 
 log = logging.getLogger(__name__)
 
@@ -236,9 +237,22 @@ class EngineBridge:
         """Token ids of the prompt the engine builds from these chat messages."""
         return list(self.engine.render_ids(messages, add_generation_prompt=add_generation_prompt))
 
-    def render_ids_partial(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Like :meth:`render_ids` but without the assistant turn's opening (a cut prompt)."""
-        return self.render_ids(messages, add_generation_prompt=False)
+    def renderer(self, tools: ToolConfig) -> PromptRenderer:
+        """A prompt renderer for this engine's model under one request's tools."""
+        engine = self.engine
+        return PromptRenderer(
+            tools, engine.tokenizer, lambda messages, gen: engine.render(messages, add_generation_prompt=gen)
+        )
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of prompt text (special-token strings become specials), as the engine prefills."""
+        return list(self.engine.tokenize(text))
+
+    def prompt_ids(self, rendered: RenderedPrompt) -> list[int]:
+        """The token ids ``rendered.engine_input()`` makes the engine prefill."""
+        if rendered.text is not None:
+            return self.tokenize(rendered.text + rendered.assistant_prefix)
+        return self.render_ids(rendered.messages or [])
 
     @property
     def block_size(self) -> int:

@@ -123,8 +123,12 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "The request body is invalid.", None
-    # The most telling error: a bad value beats "wrong type for this union branch".
-    first = next((e for e in errors if e.get("type") not in _TYPE_ERRORS), errors[0])
+    # The most telling error: a bad value beats an unknown tag of a tagged union (a content
+    # block's "type"), which beats "wrong type for this union branch".
+    first = next(
+        (e for e in errors if e.get("type") not in _TYPE_ERRORS),
+        next((e for e in errors if e.get("type") == "union_tag_invalid"), errors[0]),
+    )
     kind = first.get("type", "")
     if kind == "json_invalid":
         return "The request body is not valid JSON: send a JSON object with Content-Type: application/json.", None

@@ -17,13 +17,21 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from prefixcache.server.anthropic_prompt import to_messages, ttl_plan
+from prefixcache.server.anthropic_prompt import anthropic_tool_config, plan_for, to_messages
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Finished, Usage
-from prefixcache.server.errors import APIError, anthropic_error_body, bad_request
-from prefixcache.server.routes_openai import SSE_HEADERS, _items, _start_stream
-from prefixcache.server.schemas_anthropic import CountTokensRequest, MessagesRequest
+from prefixcache.server.errors import APIError, anthropic_error_body
+from prefixcache.server.routes_openai import SSE_HEADERS, _items, _start_stream, prompt_kwargs
+from prefixcache.server.schemas_anthropic import CountTokensRequest, MessagesRequest, _Prompt
 from prefixcache.server.state import ServerState, get_state, get_tenant
+from prefixcache.server.tool_output import (
+    CallsFound,
+    anthropic_content,
+    anthropic_tool_use,
+    parse_reply,
+    split_stream,
+)
+from prefixcache.server.tool_prompt import RenderedPrompt, ToolConfig, has_tool_turns
 
 router = APIRouter()
 
@@ -48,8 +56,10 @@ def anthropic_usage(u: Usage, plan: list[tuple[int, float]] | None = None, block
     }
 
 
-def stop_reason(fin: Finished) -> tuple[str, str | None]:
-    """Anthropic's ``stop_reason`` and ``stop_sequence``."""
+def stop_reason(fin: Finished, *, called: bool = False) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` (``called``: the reply made tool calls)."""
+    if called:
+        return "tool_use", None
     if fin.finish_reason == "length":
         return "max_tokens", None
     if fin.stop_sequence:
@@ -61,30 +71,73 @@ def _event(name: str, data: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-async def _plan(state: ServerState, body: MessagesRequest) -> tuple[list[dict[str, str]], list[tuple[int, float]]]:
-    messages, breakpoints = to_messages(body)
-    if not breakpoints:
-        return messages, []
-    full = await state.bridge.run(lambda: state.bridge.render_ids(messages))
-    plan = await state.bridge.run(lambda: ttl_plan(messages, breakpoints, full, state.bridge.render_ids_partial))
-    return messages, plan
+class _ContentBlocks:
+    """The content blocks of a streamed message: a text block (opened on demand), then one
+    ``tool_use`` block per call (start, one ``input_json_delta``, stop)."""
+
+    def __init__(self) -> None:
+        self.index = 0
+        self.text_open = False
+        self.called = False
+
+    def open_text(self) -> str:
+        self.text_open = True
+        start = {"type": "text", "text": ""}
+        event = {"type": "content_block_start", "index": self.index, "content_block": start}
+        return _event("content_block_start", event)
+
+    def close(self) -> str:
+        event = _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        self.index += 1
+        self.text_open = False
+        return event
+
+    def tool_uses(self, found: CallsFound) -> list[str]:
+        events = [self.close()] if self.text_open else []
+        for call_id, call in found.calls:
+            start = anthropic_tool_use(call_id, call, with_input=False)
+            events.append(_event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                         "content_block": start}))
+            delta = {"type": "input_json_delta", "partial_json": call.arguments}
+            events.append(_event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                         "delta": delta}))
+            events.append(self.close())
+        self.called = True
+        return events
+
+
+async def _prompt(
+    state: ServerState, body: _Prompt
+) -> tuple[ToolConfig, RenderedPrompt, list[tuple[int, float]]]:
+    """The request's tools, its rendered prompt and the TTL plan of its breakpoints."""
+    config = anthropic_tool_config(body)
+    conversation, breakpoints = to_messages(body)
+    renderer = state.bridge.renderer(config)
+    if not breakpoints and not config.tools and not has_tool_turns(conversation):
+        return config, renderer.render(conversation), []  # plain chat: nothing to render here
+
+    def build() -> tuple[RenderedPrompt, list[tuple[int, float]]]:
+        rendered = renderer.render(conversation)
+        if not breakpoints:
+            return rendered, []
+        full = state.bridge.prompt_ids(rendered)
+        return rendered, plan_for(conversation, breakpoints, full, renderer, state.bridge.tokenize)
+
+    rendered, plan = await state.bridge.run(build)
+    return config, rendered, plan
 
 
 @router.post("/v1/messages", summary="Create a message (Anthropic shape)")
 async def create_message(body: MessagesRequest, request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
     state = get_state(request)
     state.check_model(body.model)
-    if body.tools:
-        raise bad_request("Tools are not supported by this server: remove 'tools'.", param="tools")
-    messages, plan = await _plan(state, body)
-    stops = list(body.stop_sequences or [])
+    config, rendered, plan = await _prompt(state, body)
     kwargs: dict[str, Any] = {
-        "messages": messages,
+        **prompt_kwargs(rendered, body.stop_sequences),
         "max_tokens": body.max_tokens,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "top_k": body.top_k or 0,
-        "stop": stops or None,
         "tenant": tenant.name,
         "salt": tenant.salt,
     }
@@ -92,18 +145,19 @@ async def create_message(body: MessagesRequest, request: Request, tenant: Tenant
         kwargs["ttl_plan"] = plan
     longest = max((t for _, t in plan), default=None)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
-    text = {"messages": messages}
+    text = rendered.trace_text()
     if not body.stream:
         fin = await state.bridge.generate(kwargs, request.is_disconnected)
         state.record(request, tenant, fin, text, ttl_s=longest)
-        reason, seq = stop_reason(fin)
+        reply = parse_reply(fin.text, rendered, config)
+        reason, seq = stop_reason(fin, called=bool(reply.calls))
         return JSONResponse(
             {
                 "id": rid,
                 "type": "message",
                 "role": "assistant",
                 "model": state.model_name,
-                "content": [{"type": "text", "text": fin.text}],
+                "content": anthropic_content(reply),
                 "stop_reason": reason,
                 "stop_sequence": seq,
                 "usage": anthropic_usage(fin.usage, plan, state.bridge.block_size),
@@ -126,24 +180,31 @@ async def create_message(body: MessagesRequest, request: Request, tenant: Tenant
             "usage": anthropic_usage(zero),
         }
         yield _event("message_start", {"type": "message_start", "message": message})
-        yield _event(
-            "content_block_start",
-            {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-        )
+        blocks = _ContentBlocks()
+        if not config.parses_calls:  # the hosted order: the text block opens before the ping
+            yield blocks.open_text()
         yield _event("ping", {"type": "ping"})
-        async for item in _items(agen, first):
+        async for item in split_stream(_items(agen, first), rendered, config, "toolu_"):
             if isinstance(item, APIError):
                 yield _event("error", anthropic_error_body(item))
                 return
             if isinstance(item, str):
-                yield _event(
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": item}},
-                )
+                if not blocks.text_open:
+                    yield blocks.open_text()
+                delta = {"type": "text_delta", "text": item}
+                event = {"type": "content_block_delta", "index": blocks.index, "delta": delta}
+                yield _event("content_block_delta", event)
+                continue
+            if isinstance(item, CallsFound):
+                for event in blocks.tool_uses(item):
+                    yield event
                 continue
             state.record(request, tenant, item, text, ttl_s=longest)
-            reason, seq = stop_reason(item)
-            yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            reason, seq = stop_reason(item, called=blocks.called)
+            if not blocks.called:
+                if not blocks.text_open:
+                    yield blocks.open_text()
+                yield blocks.close()
             usage = anthropic_usage(item.usage, plan, state.bridge.block_size)
             usage.pop("cache_creation")
             yield _event(
@@ -159,6 +220,6 @@ async def create_message(body: MessagesRequest, request: Request, tenant: Tenant
 async def count_tokens(body: CountTokensRequest, request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
     state = get_state(request)
     state.check_model(body.model)
-    messages, _ = to_messages(body)
-    n = await state.bridge.run(lambda: len(state.bridge.render_ids(messages)))
+    _, rendered, _ = await _prompt(state, body)
+    n = await state.bridge.run(lambda: len(state.bridge.prompt_ids(rendered)))
     return JSONResponse({"input_tokens": n})

@@ -23,8 +23,22 @@ from prefixcache.cache.policy import TTL_CLASSES
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Finished, Usage, translate_error
 from prefixcache.server.errors import APIError, bad_request, openai_error_body
-from prefixcache.server.schemas_openai import ChatCompletionRequest, CompletionRequest, _Sampling
+from prefixcache.server.openai_prompt import chat_conversation, chat_tool_config
+from prefixcache.server.schemas_openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _CachedGeneration,
+    _Sampling,
+)
 from prefixcache.server.state import ServerState, get_state, get_tenant
+from prefixcache.server.tool_output import (
+    CallsFound,
+    openai_call_deltas,
+    openai_message,
+    parse_reply,
+    split_stream,
+)
+from prefixcache.server.tool_prompt import Message, RenderedPrompt, ToolConfig, has_tool_turns
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -43,22 +57,42 @@ def openai_usage(u: Usage) -> dict[str, Any]:
     }
 
 
-def sampling_kwargs(req: _Sampling, tenant: Tenant) -> dict[str, Any]:
-    """Engine keyword arguments common to both routes."""
+def generation_kwargs(req: _CachedGeneration, tenant: Tenant) -> dict[str, Any]:
+    """Engine keyword arguments of every OpenAI route: temperature, top_p, the caller's tenant
+    and salt, and the TTL class of ``prompt_cache_retention``."""
     if req.temperature is not None and req.temperature > 0 and req.top_p is not None and req.top_p <= 0:
         raise bad_request("top_p must be in (0, 1].", param="top_p")
     kw: dict[str, Any] = {
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
-        "top_k": req.top_k or 0,
-        "seed": req.seed,
-        "stop": req.stop_list() or None,
         "tenant": tenant.name,
         "salt": tenant.salt,
     }
     if req.prompt_cache_retention is not None:
         kw["ttl_s"] = TTL_CLASSES[req.prompt_cache_retention]
     return kw
+
+
+def sampling_kwargs(req: _Sampling, tenant: Tenant) -> dict[str, Any]:
+    """Engine keyword arguments common to the chat and completions routes."""
+    sampling = {"top_k": req.top_k or 0, "seed": req.seed, "stop": req.stop_list() or None}
+    return {**generation_kwargs(req, tenant), **sampling}
+
+
+async def render_prompt(
+    state: ServerState, config: ToolConfig, conversation: list[Message]
+) -> RenderedPrompt:
+    """The request's prompt under its tools (in a worker thread when a template renders it)."""
+    renderer = state.bridge.renderer(config)
+    if not config.tools and not has_tool_turns(conversation):
+        return renderer.render(conversation)  # plain chat: flat messages, the engine renders them
+    return await state.bridge.run(lambda: renderer.render(conversation))
+
+
+def prompt_kwargs(rendered: RenderedPrompt, stop: list[str] | None) -> dict[str, Any]:
+    """``messages=`` / ``prompt=`` and the stop strings (the request's and the tools')."""
+    stops = [*(stop or []), *rendered.stop]
+    return {**rendered.engine_input(), "stop": stops or None}
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -102,18 +136,18 @@ async def chat_completions(
 ) -> Any:
     state = get_state(request)
     state.check_model(body.model)
-    if body.tools:
-        raise bad_request("Tools are not supported by this server: remove 'tools'.", param="tools")
-    role_map = {"developer": "system", "tool": "user"}
-    messages = [{"role": role_map.get(m.role, m.role), "content": m.text()} for m in body.messages]
+    config = chat_tool_config(body)
+    rendered = await render_prompt(state, config, chat_conversation(body.messages))
     max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-    kwargs = {"messages": messages, "max_tokens": max_tokens, **sampling_kwargs(body, tenant)}
+    sampling = sampling_kwargs(body, tenant)
+    kwargs = {**sampling, **prompt_kwargs(rendered, sampling["stop"]), "max_tokens": max_tokens}
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
-    text = {"messages": messages}
+    text = rendered.trace_text()
     if not body.stream:
         fin = await state.bridge.generate(kwargs, request.is_disconnected)
         state.record(request, tenant, fin, text, kwargs.get("ttl_s"), body.prompt_cache_key)
+        reply = parse_reply(fin.text, rendered, config)
         return JSONResponse(
             {
                 "id": rid,
@@ -124,9 +158,9 @@ async def chat_completions(
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": fin.text, "refusal": None},
+                        "message": openai_message(reply),
                         "logprobs": None,
-                        "finish_reason": fin.finish_reason,
+                        "finish_reason": "tool_calls" if reply.calls else fin.finish_reason,
                     }
                 ],
                 "usage": openai_usage(fin.usage),
@@ -150,15 +184,21 @@ async def chat_completions(
 
     async def events() -> AsyncIterator[str]:
         yield _sse(chunk({"role": "assistant", "content": ""}, None))
-        async for item in _items(agen, first):
+        called = False
+        async for item in split_stream(_items(agen, first), rendered, config, "call_"):
             if isinstance(item, APIError):
                 yield _sse(openai_error_body(item))
                 return
             if isinstance(item, str):
                 yield _sse(chunk({"content": item}, None))
                 continue
+            if isinstance(item, CallsFound):
+                called = True
+                for delta in openai_call_deltas(item):
+                    yield _sse(chunk(delta, None))
+                continue
             state.record(request, tenant, item, text, kwargs.get("ttl_s"), body.prompt_cache_key)
-            yield _sse(chunk({}, item.finish_reason))
+            yield _sse(chunk({}, "tool_calls" if called else item.finish_reason))
             if include_usage:
                 final = chunk({}, None)
                 final["choices"] = []

@@ -26,13 +26,65 @@ class TextBlock(BaseModel):
     cache_control: CacheControl | None = None
 
 
+class ToolUseBlock(BaseModel):
+    """A call in an assistant message of the history."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["tool_use"]
+    id: StrictStr
+    name: StrictStr
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlock(BaseModel):
+    """A user message's answer to the call ``tool_use_id``."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["tool_result"]
+    tool_use_id: StrictStr
+    content: StrictStr | list[TextBlock] | None = None
+    is_error: StrictBool | None = None
+    cache_control: CacheControl | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(b.text for b in self.content)
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class Tool(BaseModel):
+    """A client tool. Server tools (a ``type`` such as ``bash_20250124``) are refused by name."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    type: StrictStr | None = None
+    description: StrictStr | None = None
+    input_schema: dict[str, Any] | None = None
+    cache_control: CacheControl | None = Field(
+        None, description="A breakpoint after this tool (tools come first)."
+    )
+
+
+class ToolChoiceParam(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["auto", "any", "tool", "none"]
+    name: StrictStr | None = None
+    disable_parallel_tool_use: StrictBool | None = None
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["user", "assistant"]
-    content: StrictStr | list[TextBlock]
+    content: StrictStr | list[ContentBlock]
     cache_control: CacheControl | None = Field(None, description="Extension: a breakpoint after the whole message.")
 
-    def blocks(self) -> list[TextBlock]:
+    def blocks(self) -> list[TextBlock | ToolUseBlock | ToolResultBlock]:
         if isinstance(self.content, str):
             return [TextBlock(type="text", text=self.content)]
         return list(self.content)
@@ -46,7 +98,8 @@ class _Prompt(BaseModel):
     cache_control: CacheControl | None = Field(
         None, description="Automatic caching: a breakpoint at the end of the prompt."
     )
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoiceParam | None = None
 
     def system_blocks(self) -> list[TextBlock]:
         if self.system is None:

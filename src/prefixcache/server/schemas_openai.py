@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible routes (pydantic; the OpenAPI schema comes from here).
 
 Unknown fields are ignored, as the hosted API's clients send many optional ones. Fields that
-would change the answer and that this server cannot honour (``n`` > 1, tools) are refused.
+would change the answer and that this server cannot honour (``n`` > 1, non-function tools) are
+refused.
 """
 
 from __future__ import annotations
@@ -22,11 +23,28 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    arguments: StrictStr = Field(description="The arguments as the text of a JSON object.")
+
+
+class MessageToolCall(BaseModel):
+    """A call in an assistant message of the history."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[MessageToolCall] | None = Field(None, description="An assistant message's calls.")
+    tool_call_id: StrictStr | None = Field(None, description="A tool message: the call it answers.")
 
     def text(self) -> str:
         if self.content is None:
@@ -41,17 +59,14 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool | None = None
 
 
-class _Sampling(BaseModel):
+class _CachedGeneration(BaseModel):
+    """The fields every OpenAI generation route shares (chat, completions, responses)."""
+
     model_config = ConfigDict(extra="ignore")
     model: StrictStr
     temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=0)] | None = Field(None, description="Extension: sample from the k most likely tokens (0: off).")
-    seed: StrictInt | None = None
-    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
     stream: StrictBool | None = False
-    stream_options: StreamOptions | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=1)] | None = Field(None, description="Only 1 is supported.")
     user: StrictStr | None = None
     prompt_cache_key: StrictStr | None = Field(
         None, description="Recorded (trace log) for routing; caching is automatic on every full prompt block."
@@ -59,6 +74,14 @@ class _Sampling(BaseModel):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
         None, description="'in_memory': the default TTL (5 minutes, refreshed on use); '24h': the 24-hour class."
     )
+
+
+class _Sampling(_CachedGeneration):
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = Field(None, description="Extension: sample from the k most likely tokens (0: off).")
+    seed: StrictInt | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
+    stream_options: StreamOptions | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=1)] | None = Field(None, description="Only 1 is supported.")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -70,13 +93,44 @@ class _Sampling(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = Field(
+        None, description="Accepted; the schema is not enforced while decoding."
+    )
+
+
+class ChatTool(BaseModel):
+    """``{"type": "function", "function": {...}}``; other types are refused by name."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: StrictStr
+    function: FunctionDefinition | None = None
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
-    tools: list[Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 class CompletionRequest(_Sampling):
