@@ -55,15 +55,16 @@ def wait_until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> No
 
 
 class Gated:
-    """Wraps an engine so a test holds it at known points, deterministically.
+    """Wraps an engine so a test holds it at known points, deterministically. It wraps the
+    engine's choices API, which the server's bridge calls.
 
-    ``generate`` sets ``entered`` and waits for ``release`` before it calls the engine; with
-    ``hold_generate``, the engine then waits at its first cancel poll (``held`` is set) until
-    ``resume`` is set or the server cancels the request.
-    ``stream`` lets the engine run until the consumer has taken its first text delta; from then
-    on, every step the engine's worker takes (it polls its ``cancel`` signal once per decode
-    step) waits until ``resume`` is set or the server cancels the request. ``steps`` counts the
-    held steps: after a disconnect it stays small however large ``max_tokens`` is.
+    ``generate_choices`` sets ``entered`` and waits for ``release`` before it calls the engine;
+    with ``hold_generate``, the engine then waits at its first cancel poll (``held`` is set)
+    until ``resume`` is set or the server cancels the request.
+    ``stream_choices`` lets the engine run until the consumer has taken its first text delta;
+    from then on, every step the engine's worker takes (it polls its ``cancel`` signal once per
+    decode step) waits until ``resume`` is set or the server cancels the request. ``steps``
+    counts the held steps: after a disconnect it stays small however large ``max_tokens`` is.
     """
 
     def __init__(self, engine: Any) -> None:
@@ -79,7 +80,7 @@ class Gated:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
-    def generate(self, **kw: Any) -> Any:
+    def generate_choices(self, **kw: Any) -> Any:
         self.entered.set()
         self.release.wait()
         if self.hold_generate:  # hold the engine at its first cancel poll (before prefill)
@@ -92,9 +93,9 @@ class Gated:
                 return outer is not None and outer.is_set()
 
             kw = {**kw, "cancel": cancelled}
-        return self.engine.generate(**kw)
+        return self.engine.generate_choices(**kw)
 
-    def stream(self, **kw: Any) -> Iterator[Any]:
+    def stream_choices(self, **kw: Any) -> Iterator[Any]:
         outer = kw.get("cancel")
 
         def cancelled() -> bool:
@@ -107,11 +108,11 @@ class Gated:
                     time.sleep(0.002)
             return stop()
 
-        gen = self.engine.stream(**{**kw, "cancel": cancelled})
+        gen = self.engine.stream_choices(**{**kw, "cancel": cancelled})
         try:
             for item in gen:
                 yield item
-                if isinstance(item, str):
+                if getattr(item, "text", ""):  # a ChoiceDelta with text
                     self.first_taken.set()
         finally:
             gen.close()

@@ -4,7 +4,10 @@ Usage follows the hosted API: ``input_tokens`` counts the prompt tokens neither 
 written to the cache, so ``input_tokens + cache_read_input_tokens + cache_creation_input_tokens``
 is the whole prompt. Streaming sends message_start, content_block_start, ping,
 content_block_delta..., content_block_stop, message_delta (stop reason and the cumulative usage,
-cache fields included), message_stop.
+cache fields included), message_stop. ``message_start`` is sent once the prompt is prefilled, so
+its usage already has the request's ``input_tokens``, ``cache_read_input_tokens`` and
+``cache_creation_input_tokens`` (clients such as LangChain read them there); ``message_delta``
+repeats them with the final ``output_tokens``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from prefixcache.engine.types import ChoiceDelta, PromptDone
 from prefixcache.server.anthropic_prompt import to_messages, ttl_plan
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Finished, Usage
@@ -28,7 +32,9 @@ from prefixcache.server.state import ServerState, get_state, get_tenant
 router = APIRouter()
 
 
-def anthropic_usage(u: Usage, plan: list[tuple[int, float]] | None = None, block_size: int = 16) -> dict[str, Any]:
+def anthropic_usage(
+    u: Usage, plan: list[tuple[int, float]] | None = None, block_size: int = 16
+) -> dict[str, Any]:
     """Hosted-API usage. ``cache_creation`` splits the written tokens by TTL class: the blocks
     written that end at or before a 1-hour breakpoint are the 1h class."""
     one_hour = 0
@@ -61,17 +67,22 @@ def _event(name: str, data: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-async def _plan(state: ServerState, body: MessagesRequest) -> tuple[list[dict[str, str]], list[tuple[int, float]]]:
+async def _plan(
+    state: ServerState, body: MessagesRequest
+) -> tuple[list[dict[str, str]], list[tuple[int, float]]]:
     messages, breakpoints = to_messages(body)
     if not breakpoints:
         return messages, []
     full = await state.bridge.run(lambda: state.bridge.render_ids(messages))
-    plan = await state.bridge.run(lambda: ttl_plan(messages, breakpoints, full, state.bridge.render_ids_partial))
+    partial = state.bridge.render_ids_partial
+    plan = await state.bridge.run(lambda: ttl_plan(messages, breakpoints, full, partial))
     return messages, plan
 
 
 @router.post("/v1/messages", summary="Create a message (Anthropic shape)")
-async def create_message(body: MessagesRequest, request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
+async def create_message(
+    body: MessagesRequest, request: Request, tenant: Tenant = Depends(get_tenant)
+) -> Any:
     state = get_state(request)
     state.check_model(body.model)
     if body.tools:
@@ -109,37 +120,37 @@ async def create_message(body: MessagesRequest, request: Request, tenant: Tenant
                 "usage": anthropic_usage(fin.usage, plan, state.bridge.block_size),
             }
         )
-    agen, first = await _start_stream(state, kwargs)
+    # The first item is the engine's PromptDone (the prompt is prefilled): message_start carries
+    # its usage; message_delta the cumulative usage at the end (the SDKs overwrite with it).
+    agen, first = await _start_stream(state, kwargs, choices=True)
 
     async def events() -> AsyncIterator[str]:
-        # The cache outcome is known only when the engine reports it at the end: message_start
-        # carries zeros, and message_delta the cumulative usage (the SDKs overwrite with it).
-        zero = Usage(0, 0, 0, 0)
-        message = {
-            "id": rid,
-            "type": "message",
-            "role": "assistant",
-            "model": state.model_name,
-            "content": [],
-            "stop_reason": None,
-            "stop_sequence": None,
-            "usage": anthropic_usage(zero),
-        }
-        yield _event("message_start", {"type": "message_start", "message": message})
-        yield _event(
-            "content_block_start",
-            {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-        )
-        yield _event("ping", {"type": "ping"})
         async for item in _items(agen, first):
             if isinstance(item, APIError):
                 yield _event("error", anthropic_error_body(item))
                 return
-            if isinstance(item, str):
-                yield _event(
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": item}},
-                )
+            if isinstance(item, PromptDone):
+                message = {
+                    "id": rid,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": state.model_name,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": anthropic_usage(item.usage, plan, state.bridge.block_size),
+                }
+                yield _event("message_start", {"type": "message_start", "message": message})
+                block = {"type": "text", "text": ""}
+                yield _event("content_block_start",
+                             {"type": "content_block_start", "index": 0, "content_block": block})
+                yield _event("ping", {"type": "ping"})
+                continue
+            if isinstance(item, ChoiceDelta):
+                if item.text:
+                    delta = {"type": "text_delta", "text": item.text}
+                    yield _event("content_block_delta",
+                                 {"type": "content_block_delta", "index": 0, "delta": delta})
                 continue
             state.record(request, tenant, item, text, ttl_s=longest)
             reason, seq = stop_reason(item)
@@ -148,7 +159,8 @@ async def create_message(body: MessagesRequest, request: Request, tenant: Tenant
             usage.pop("cache_creation")
             yield _event(
                 "message_delta",
-                {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": usage},
+                {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                 "usage": usage},
             )
             yield _event("message_stop", {"type": "message_stop"})
 
@@ -156,7 +168,9 @@ async def create_message(body: MessagesRequest, request: Request, tenant: Tenant
 
 
 @router.post("/v1/messages/count_tokens", summary="Count a message's prompt tokens (Anthropic shape)")
-async def count_tokens(body: CountTokensRequest, request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
+async def count_tokens(
+    body: CountTokensRequest, request: Request, tenant: Tenant = Depends(get_tenant)
+) -> Any:
     state = get_state(request)
     state.check_model(body.model)
     messages, _ = to_messages(body)

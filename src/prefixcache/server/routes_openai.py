@@ -5,6 +5,11 @@ lines, ``data: [DONE]`` last, and with ``stream_options.include_usage`` every ch
 ``"usage": null`` and one last chunk with empty ``choices`` carries the usage.
 ``usage.prompt_tokens_details`` always has ``cached_tokens`` (read from the cache) and
 ``cache_write_tokens`` (prefilled and stored by this request).
+
+``n`` choices decode from one prefill of the prompt; usage counts the prompt once and sums the
+choices' tokens. In a stream every chunk names its choice by ``index``, and each choice ends
+with its own ``finish_reason`` chunk. ``logprobs`` (chat: ``logprobs`` + ``top_logprobs``;
+completions: ``logprobs`` = k) come in OpenAI's shapes (``server/logprobs.py``), also streamed.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from prefixcache.cache.policy import TTL_CLASSES
+from prefixcache.engine.types import ChoiceDelta, PromptDone
 from prefixcache.server.auth import Tenant
-from prefixcache.server.bridge import Finished, Usage, translate_error
+from prefixcache.server.bridge import Usage, translate_error
 from prefixcache.server.errors import APIError, bad_request, openai_error_body
+from prefixcache.server.logprobs import chat_logprobs, completion_logprobs
 from prefixcache.server.schemas_openai import ChatCompletionRequest, CompletionRequest, _Sampling
 from prefixcache.server.state import ServerState, get_state, get_tenant
 
@@ -38,7 +45,10 @@ def openai_usage(u: Usage) -> dict[str, Any]:
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": u.cache_write_tokens},
+        "prompt_tokens_details": {
+            "cached_tokens": u.cached_tokens,
+            "cache_write_tokens": u.cache_write_tokens,
+        },
         "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
@@ -61,26 +71,40 @@ def sampling_kwargs(req: _Sampling, tenant: Tenant) -> dict[str, Any]:
     return kw
 
 
+def choices_count(state: ServerState, req: _Sampling) -> int:
+    """The request's ``n``, or a 400 naming ``n`` above what this server decodes side by side."""
+    n = req.n or 1
+    if n > state.bridge.max_n:
+        raise bad_request(
+            f"'n' may be at most {state.bridge.max_n} on this server (its --max-batch); got {n}.", param="n"
+        )
+    return n
+
+
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-async def _start_stream(state: ServerState, kwargs: dict[str, Any]) -> tuple[AsyncIterator[str | Finished], list[Any]]:
+async def _start_stream(
+    state: ServerState, kwargs: dict[str, Any], *, choices: bool = False
+) -> tuple[AsyncIterator[Any], list[Any]]:
     """Open the engine stream and pull its first item, so a bad request or a full queue is
-    still answered with a 4xx before the 200 and the first byte go out."""
-    agen = state.bridge.stream(kwargs)
+    still answered with a 4xx before the 200 and the first byte go out. ``choices``: the
+    bridge's :meth:`~EngineBridge.stream_choices` items (PromptDone, ChoiceDelta, Finished),
+    else its text view (str deltas, Finished)."""
+    agen: AsyncIterator[Any] = state.bridge.stream_choices(kwargs) if choices else state.bridge.stream(kwargs)
     first: list[Any] = []
     try:
         first.append(await agen.__anext__())
     except StopAsyncIteration:
         pass
     except BaseException:
-        await agen.aclose()
+        await agen.aclose()  # type: ignore[attr-defined]
         raise
     return agen, first
 
 
-async def _items(agen: AsyncIterator[str | Finished], first: list[Any]) -> AsyncIterator[str | Finished | APIError]:
+async def _items(agen: AsyncIterator[Any], first: list[Any]) -> AsyncIterator[Any]:
     """The stream's items; a failure after the 200 went out becomes a last :class:`APIError`
     item, which the route sends as an error event (the status can no longer change)."""
     for item in first:
@@ -104,13 +128,19 @@ async def chat_completions(
     state.check_model(body.model)
     if body.tools:
         raise bad_request("Tools are not supported by this server: remove 'tools'.", param="tools")
+    n = choices_count(state, body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+    top = (body.top_logprobs or 0) if body.logprobs else None
     role_map = {"developer": "system", "tool": "user"}
     messages = [{"role": role_map.get(m.role, m.role), "content": m.text()} for m in body.messages]
     max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-    kwargs = {"messages": messages, "max_tokens": max_tokens, **sampling_kwargs(body, tenant)}
+    kwargs = {"messages": messages, "max_tokens": max_tokens, "n": n, "logprobs": top,
+              **sampling_kwargs(body, tenant)}
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     text = {"messages": messages}
+    tokens = state.bridge.token_text
     if not body.stream:
         fin = await state.bridge.generate(kwargs, request.is_disconnected)
         state.record(request, tenant, fin, text, kwargs.get("ttl_s"), body.prompt_cache_key)
@@ -123,44 +153,51 @@ async def chat_completions(
                 "system_fingerprint": None,
                 "choices": [
                     {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": fin.text, "refusal": None},
-                        "logprobs": None,
-                        "finish_reason": fin.finish_reason,
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": c.text, "refusal": None},
+                        "logprobs": chat_logprobs(c.logprobs, tokens) if c.logprobs is not None else None,
+                        "finish_reason": c.finish_reason,
                     }
+                    for c in fin.choices
                 ],
                 "usage": openai_usage(fin.usage),
             }
         )
-    agen, first = await _start_stream(state, kwargs)
+    agen, first = await _start_stream(state, kwargs, choices=True)
     include_usage = body.include_usage
 
-    def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+    def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> dict[str, Any]:
         c: dict[str, Any] = {
             "id": rid,
             "object": "chat.completion.chunk",
             "created": created,
             "model": state.model_name,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
         }
         if include_usage:
             c["usage"] = None
         return c
 
     async def events() -> AsyncIterator[str]:
-        yield _sse(chunk({"role": "assistant", "content": ""}, None))
+        for index in range(n):
+            yield _sse(chunk(index, {"role": "assistant", "content": ""}, None))
         async for item in _items(agen, first):
             if isinstance(item, APIError):
                 yield _sse(openai_error_body(item))
                 return
-            if isinstance(item, str):
-                yield _sse(chunk({"content": item}, None))
+            if isinstance(item, PromptDone):
+                continue
+            if isinstance(item, ChoiceDelta):
+                if item.text or item.logprobs:
+                    lp = chat_logprobs(item.logprobs, tokens) if top is not None else None
+                    yield _sse(chunk(item.index, {"content": item.text}, None, lp))
+                if item.finish_reason:
+                    yield _sse(chunk(item.index, {}, item.finish_reason))
                 continue
             state.record(request, tenant, item, text, kwargs.get("ttl_s"), body.prompt_cache_key)
-            yield _sse(chunk({}, item.finish_reason))
             if include_usage:
-                final = chunk({}, None)
+                final = chunk(0, {}, None)
                 final["choices"] = []
                 final["usage"] = openai_usage(item.usage)
                 yield _sse(final)
@@ -173,10 +210,20 @@ async def chat_completions(
 async def completions(body: CompletionRequest, request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
     state = get_state(request)
     state.check_model(body.model)
-    if body.echo:
-        raise bad_request("'echo' is not supported: remove it or set it to false.", param="echo")
     if body.suffix:
         raise bad_request("'suffix' is not supported: remove it.", param="suffix")
+    n = choices_count(state, body)
+    if body.best_of is not None and body.best_of != n:
+        raise bad_request(
+            "'best_of' is not supported: every choice is returned; remove it or set it equal to 'n'.",
+            param="best_of",
+        )
+    if body.echo and body.logprobs is not None:
+        raise bad_request(
+            "'echo' with 'logprobs' is not supported: the prompt's logprobs need every prompt position's "
+            "logits, and positions read from the cache have none. Drop 'echo' or 'logprobs'.",
+            param="echo",
+        )
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -188,9 +235,19 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
     else:
         kwargs = {"prompt_token_ids": list(prompt)}
         text = {}
-    kwargs.update(max_tokens=body.max_tokens or 16, **sampling_kwargs(body, tenant))
+    echo = ""
+    if body.echo:
+        ids = kwargs.get("prompt_token_ids")
+        echo = prompt if isinstance(prompt, str) else await state.bridge.run(lambda: state.bridge.decode(ids))
+    kwargs.update(max_tokens=body.max_tokens or 16, n=n, logprobs=body.logprobs,
+                  **sampling_kwargs(body, tenant))
     rid = f"cmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
+    tokens = state.bridge.token_text
+
+    def logprobs(entries: Any) -> Any:
+        return completion_logprobs(entries, tokens, len(echo)) if entries is not None else None
+
     if not body.stream:
         fin = await state.bridge.generate(kwargs, request.is_disconnected)
         state.record(request, tenant, fin, text, kwargs.get("ttl_s"), body.prompt_cache_key)
@@ -201,38 +258,49 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
                 "created": created,
                 "model": state.model_name,
                 "system_fingerprint": None,
-                "choices": [{"text": fin.text, "index": 0, "logprobs": None, "finish_reason": fin.finish_reason}],
+                "choices": [
+                    {"text": echo + c.text, "index": c.index, "logprobs": logprobs(c.logprobs),
+                     "finish_reason": c.finish_reason}
+                    for c in fin.choices
+                ],
                 "usage": openai_usage(fin.usage),
             }
         )
-    agen, first = await _start_stream(state, kwargs)
+    agen, first = await _start_stream(state, kwargs, choices=True)
     include_usage = body.include_usage
 
-    def chunk(text_delta: str, finish: str | None) -> dict[str, Any]:
+    def chunk(index: int, text_delta: str, finish: str | None, lp: Any = None) -> dict[str, Any]:
         c: dict[str, Any] = {
             "id": rid,
             "object": "text_completion",
             "created": created,
             "model": state.model_name,
             "system_fingerprint": None,
-            "choices": [{"text": text_delta, "index": 0, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"text": text_delta, "index": index, "logprobs": lp, "finish_reason": finish}],
         }
         if include_usage:
             c["usage"] = None
         return c
 
     async def events() -> AsyncIterator[str]:
+        for index in range(n if echo else 0):
+            yield _sse(chunk(index, echo, None))
         async for item in _items(agen, first):
             if isinstance(item, APIError):
                 yield _sse(openai_error_body(item))
                 return
-            if isinstance(item, str):
-                yield _sse(chunk(item, None))
+            if isinstance(item, PromptDone):
+                continue
+            if isinstance(item, ChoiceDelta):
+                if item.text or item.logprobs:
+                    lp = logprobs(item.logprobs) if body.logprobs is not None else None
+                    yield _sse(chunk(item.index, item.text, None, lp))
+                if item.finish_reason:
+                    yield _sse(chunk(item.index, "", item.finish_reason))
                 continue
             state.record(request, tenant, item, text, kwargs.get("ttl_s"), body.prompt_cache_key)
-            yield _sse(chunk("", item.finish_reason))
             if include_usage:
-                final = chunk("", None)
+                final = chunk(0, "", None)
                 final["choices"] = []
                 final["usage"] = openai_usage(item.usage)
                 yield _sse(final)

@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible routes (pydantic; the OpenAPI schema comes from here).
 
 Unknown fields are ignored, as the hosted API's clients send many optional ones. Fields that
-would change the answer and that this server cannot honour (``n`` > 1, tools) are refused.
+would change the answer and that this server cannot honour (tools, ``suffix``, ``best_of``,
+``echo`` with ``logprobs``) are refused by the routes with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -46,18 +47,23 @@ class _Sampling(BaseModel):
     model: StrictStr
     temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=0)] | None = Field(None, description="Extension: sample from the k most likely tokens (0: off).")
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = Field(
+        None, description="Extension: sample from the k most likely tokens (0: off)."
+    )
     seed: StrictInt | None = None
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=1)] | None = Field(None, description="Only 1 is supported.")
+    n: Annotated[StrictInt, Field(ge=1)] | None = Field(
+        None, description="Choices decoded from one prefill of the prompt; at most the server's --max-batch."
+    )
     user: StrictStr | None = None
     prompt_cache_key: StrictStr | None = Field(
         None, description="Recorded (trace log) for routing; caching is automatic on every full prompt block."
     )
     prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
-        None, description="'in_memory': the default TTL (5 minutes, refreshed on use); '24h': the 24-hour class."
+        None,
+        description="'in_memory': the default TTL (5 minutes, refreshed on use); '24h': the 24-hour class.",
     )
 
     def stop_list(self) -> list[str]:
@@ -77,6 +83,12 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     tools: list[Any] | None = None
+    logprobs: StrictBool | None = Field(
+        None, description="Each output token's logprob under the model (before temperature, top-p, top-k)."
+    )
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = Field(
+        None, description="With logprobs: the most likely alternatives per token (0-20)."
+    )
 
 
 class CompletionRequest(_Sampling):
@@ -88,3 +100,7 @@ class CompletionRequest(_Sampling):
     max_tokens: MaxTokens | None = 16
     echo: StrictBool | None = False
     suffix: StrictStr | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = Field(
+        None, description="Each output token's log-probability and the k (0-5) most likely alternatives."
+    )
+    best_of: Annotated[StrictInt, Field(ge=1)] | None = Field(None, description="Only equal to n (or unset).")
