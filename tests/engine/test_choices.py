@@ -208,12 +208,14 @@ def test_closing_a_stream_of_choices_frees_every_block(tiny_runner: Any) -> None
 
 
 def test_bad_n_and_logprobs_are_clear_errors(tiny_runner: Any) -> None:
-    engine = Engine(tiny_runner, prefill_chunk=16, max_batch=4)
+    engine = Engine(tiny_runner, prefill_chunk=16, max_batch=4, kv_reserve_tokens=2048)  # 128 blocks
     assert engine.max_n == 4
     for kw, needle in [({"n": 0}, "n must be"), ({"n": 5}, "max_batch"), ({"n": True}, "n must be"),
                        ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs")]:
         with pytest.raises(InvalidRequestError, match=needle):
             engine.generate_choices(prompt="hi", max_tokens=2, **kw)
+    with pytest.raises(InvalidRequestError, match="need 256 KV blocks"):  # could never be admitted
+        engine.generate_choices(prompt_token_ids=list(range(10)), max_tokens=1000, n=4)
     with pytest.raises(InvalidRequestError, match="stream_choices"):
         engine.generate(prompt="hi", max_tokens=2, n=2)
     assert engine.generate_choices(prompt="hi", max_tokens=2, n=4).usage.completion_tokens <= 8

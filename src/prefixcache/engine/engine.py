@@ -110,9 +110,10 @@ class Engine:
         compute the model), ``llama`` or ``hf``. ``dtype``: None picks bfloat16 on CPUs with
         bf16 instructions and on CUDA, float32 elsewhere (the HF runner: float32).
         ``cache``: an existing PrefixCache to share (its block size wins); otherwise one is
-        created from the capacity/TTL/clock arguments. ``max_batch``: requests running at once
-        (own runner). ``kv_reserve_tokens``: KV pool room for running requests beyond the
-        cache's budget (default 4x the context)."""
+        created from the capacity/TTL/clock arguments. ``max_batch``: decode rows per step, a
+        request with ``n`` choices taking ``n`` (own runner); on both runners also the largest
+        ``n``. ``kv_reserve_tokens``: KV pool room for running requests beyond the cache's budget
+        (default 4x the context)."""
         if isinstance(model, ModelRunner):
             base = model
         else:
@@ -387,6 +388,7 @@ class Engine:
         request = Request(ids=ids, max_tokens=max_tokens, params=params, stop=stops, tenant=tenant,
                           salt=salt_b, ttl_s=ttl_s, ttl_plan=list(ttl_plan) if ttl_plan else None,
                           return_logits=return_logits, n=n, logprobs=logprobs)
+        self._worker.validate(request)
         return Job(request, cancel=cancel)
 
 def fake_clock_engine(runner: ModelRunner, **kwargs: Any) -> Engine:

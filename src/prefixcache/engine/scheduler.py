@@ -15,7 +15,9 @@ whose next uncached block is being prefilled right now by a running request wait
 request's commit instead of computing the same blocks again (in-flight dedup): prompts sharing
 a prefix that arrive together prefill it once. Prefill commits its full blocks after every step
 (the pool block the step wrote becomes the cache's payload: no copy), so a waiting request reads
-them as soon as they land.
+them as soon as they land. An overdue request that does not fit yet (decode rows for its ``n``
+choices, pool blocks for its reservation) stops the admission pass, so later, smaller requests
+cannot keep it out; a request that could never fit is refused when submitted.
 
 KV blocks: a request reserves, at admission, the pool blocks its prompt and ``max_tokens`` can
 need (``reserve_blocks`` in all); blocks come from the pool as its rows are computed; a hit's
@@ -36,6 +38,7 @@ from prefixcache.cache import Match
 from prefixcache.cache.keys import BlockHash, pack_tokens
 from prefixcache.engine.llama import Segment
 from prefixcache.engine.pool import KVPool, PoolBlock
+from prefixcache.engine.sampling import InvalidRequestError
 from prefixcache.engine.sequence import Choice, SequenceGroup
 from prefixcache.engine.types import PromptDone, Request, Usage
 from prefixcache.engine.worker import Job, Worker
@@ -137,6 +140,16 @@ class BatchWorker(Worker):
             if group.match is not None:  # the next ones in this pass see what it will compute
                 for key in group.keys[group.computed // self.block_size :]:
                     inflight.setdefault(key, group)
+
+    def validate(self, request: Request) -> None:
+        """A request whose reservation exceeds the whole reserve could never be admitted."""
+        need = self._need(request)
+        if need > self.reserve_blocks:
+            raise InvalidRequestError(
+                f"n={request.n} choices of up to {request.max_tokens} tokens need {need} KV blocks, more "
+                f"than this engine reserves for running requests ({self.reserve_blocks}); lower n or "
+                "max_tokens (or raise kv_reserve_tokens)"
+            )
 
     def _need(self, req: Request) -> int:
         return SequenceGroup.blocks_needed(req, self.block_size, self.engine.context_len)
