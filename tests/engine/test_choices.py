@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -219,6 +220,37 @@ def test_bad_n_and_logprobs_are_clear_errors(tiny_runner: Any) -> None:
     with pytest.raises(InvalidRequestError, match="stream_choices"):
         engine.generate(prompt="hi", max_tokens=2, n=2)
     assert engine.generate_choices(prompt="hi", max_tokens=2, n=4).usage.completion_tokens <= 8
+    engine.close()
+
+
+def test_an_overdue_request_that_does_not_fit_is_not_overtaken(tiny_runner: Any) -> None:
+    """max_batch 2, A running (1 row): B (n=2) does not fit, C (n=1) would. B waited past
+    max_wait_s, so C may not take the free row before it: B runs after A, C after B."""
+    engine = Engine(tiny_runner, prefill_chunk=16, max_batch=2)
+    engine._worker.max_wait_s = 0.0  # every waiting request is overdue at once
+    order: list[str] = []
+
+    def run(name: str, n: int) -> None:
+        for item in engine.stream_choices(prompt_token_ids=_prompt(len(name) + n, 20), n=n, max_tokens=30,
+                                          temperature=1.0, seed=1, top_k=100):
+            if isinstance(item, PromptDone):
+                order.append(name)
+
+    threads = {name: threading.Thread(target=run, args=(name, n))
+               for name, n in (("A", 1), ("B", 2), ("CC", 1))}
+    with engine.runner.lock:  # A is admitted, then its first step waits here
+        threads["A"].start()
+        while not engine._worker.running:
+            time.sleep(0.005)
+        threads["B"].start()
+        while engine.queue_depth < 2:
+            time.sleep(0.005)
+        threads["CC"].start()
+        while engine.queue_depth < 3:
+            time.sleep(0.005)
+    for t in threads.values():
+        t.join(60)
+    assert order == ["A", "B", "CC"]
     engine.close()
 
 
