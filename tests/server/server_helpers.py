@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -10,6 +11,8 @@ from typing import Any
 
 import httpx
 import uvicorn
+
+from prefixcache.engine.types import ChoiceDelta, Completion, PromptDone, Usage
 
 
 class RunningServer:
@@ -55,15 +58,16 @@ def wait_until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> No
 
 
 class Gated:
-    """Wraps an engine so a test holds it at known points, deterministically.
+    """Wraps an engine so a test holds it at known points, deterministically. It wraps the
+    engine's choices API, which the server's bridge calls.
 
-    ``generate`` sets ``entered`` and waits for ``release`` before it calls the engine; with
-    ``hold_generate``, the engine then waits at its first cancel poll (``held`` is set) until
-    ``resume`` is set or the server cancels the request.
-    ``stream`` lets the engine run until the consumer has taken its first text delta; from then
-    on, every step the engine's worker takes (it polls its ``cancel`` signal once per decode
-    step) waits until ``resume`` is set or the server cancels the request. ``steps`` counts the
-    held steps: after a disconnect it stays small however large ``max_tokens`` is.
+    ``generate_choices`` sets ``entered`` and waits for ``release`` before it calls the engine;
+    with ``hold_generate``, the engine then waits at its first cancel poll (``held`` is set)
+    until ``resume`` is set or the server cancels the request.
+    ``stream_choices`` lets the engine run until the consumer has taken its first text delta;
+    from then on, every step the engine's worker takes (it polls its ``cancel`` signal once per
+    decode step) waits until ``resume`` is set or the server cancels the request. ``steps``
+    counts the held steps: after a disconnect it stays small however large ``max_tokens`` is.
     """
 
     def __init__(self, engine: Any) -> None:
@@ -79,7 +83,7 @@ class Gated:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
-    def generate(self, **kw: Any) -> Any:
+    def generate_choices(self, **kw: Any) -> Any:
         self.entered.set()
         self.release.wait()
         if self.hold_generate:  # hold the engine at its first cancel poll (before prefill)
@@ -92,9 +96,9 @@ class Gated:
                 return outer is not None and outer.is_set()
 
             kw = {**kw, "cancel": cancelled}
-        return self.engine.generate(**kw)
+        return self.engine.generate_choices(**kw)
 
-    def stream(self, **kw: Any) -> Iterator[Any]:
+    def stream_choices(self, **kw: Any) -> Iterator[Any]:
         outer = kw.get("cancel")
 
         def cancelled() -> bool:
@@ -107,11 +111,11 @@ class Gated:
                     time.sleep(0.002)
             return stop()
 
-        gen = self.engine.stream(**{**kw, "cancel": cancelled})
+        gen = self.engine.stream_choices(**{**kw, "cancel": cancelled})
         try:
             for item in gen:
                 yield item
-                if isinstance(item, str):
+                if getattr(item, "text", ""):  # a ChoiceDelta with text
                     self.first_taken.set()
         finally:
             gen.close()
@@ -123,12 +127,16 @@ def held_refs(cache: Any) -> int:
 
 
 class Scripted:
-    """Wraps an engine so that its replies are scripted: the real engine still runs every
-    request (prefill, cache, usage), then its text is replaced by ``reply`` (None: kept),
-    streamed in ``chunk``-character deltas. ``requests`` keeps each call's keyword arguments and
-    ``results`` each real :class:`GenerationResult` (``prompt_token_ids`` included)."""
+    """Wraps an engine so that its replies are scripted. It wraps the engine's choices API,
+    which the server's bridge calls: the real engine still runs every request (prefill, cache,
+    usage, ``n`` choices), then each choice's text is replaced by ``reply`` (one string for
+    every choice, a list for choice i to get ``reply[i]``, None: kept), streamed as a
+    :class:`PromptDone`, then ``chunk``-character :class:`ChoiceDelta` items taken from the
+    choices in turn, one last delta per choice with its finish reason, and the
+    :class:`Completion`. ``requests`` keeps each call's keyword arguments and ``results`` each
+    request's real choice-0 :class:`GenerationResult` (``prompt_token_ids`` included)."""
 
-    def __init__(self, engine: Any, reply: str | None = "", chunk: int = 3) -> None:
+    def __init__(self, engine: Any, reply: str | list[str] | None = "", chunk: int = 3) -> None:
         self.engine = engine
         self.reply = reply
         self.chunk = chunk
@@ -139,20 +147,31 @@ class Scripted:
         return getattr(self.engine, name)
 
     def _run(self, kw: dict[str, Any]) -> Any:
-        import dataclasses
-
         self.requests.append({k: v for k, v in kw.items() if k != "cancel"})
-        result = self.engine.generate(**kw)
-        self.results.append(result)
+        completion = self.engine.generate_choices(**kw)
+        self.results.append(completion.choices[0])
         if self.reply is None:
-            return result
-        return dataclasses.replace(result, text=self.reply, finish_reason="stop", stop_sequence=None)
+            return completion
+        replies = [self.reply] if isinstance(self.reply, str) else self.reply
+        return Completion([
+            dataclasses.replace(c, text=replies[c.index % len(replies)], finish_reason="stop",
+                                stop_sequence=None, logprobs=None)
+            for c in completion.choices
+        ])
 
-    def generate(self, **kw: Any) -> Any:
+    def generate_choices(self, **kw: Any) -> Any:
         return self._run(kw)
 
-    def stream(self, **kw: Any) -> Iterator[Any]:
-        result = self._run(kw)
-        for i in range(0, len(result.text), self.chunk):
-            yield result.text[i : i + self.chunk]
-        yield result
+    def stream_choices(self, **kw: Any) -> Iterator[Any]:
+        completion = self._run(kw)
+        first = completion.choices[0]
+        u = first.usage
+        yield PromptDone(Usage(u.prompt_tokens, u.cached_tokens, u.cache_write_tokens, 0), first.outcome)
+        longest = max(len(c.text) for c in completion.choices)
+        for i in range(0, longest, self.chunk):
+            for c in completion.choices:
+                if c.text[i : i + self.chunk]:
+                    yield ChoiceDelta(c.index, c.text[i : i + self.chunk])
+        for c in completion.choices:
+            yield ChoiceDelta(c.index, "", finish_reason=c.finish_reason)
+        yield completion

@@ -12,6 +12,8 @@ import httpx
 import openai
 from server_helpers import Gated, held_refs, wait_until
 
+from prefixcache.engine.types import ChoiceDelta
+
 MODEL = "test-model"
 MESSAGES = [{"role": "system", "content": "A system prompt long enough to fill some blocks. " * 6},
             {"role": "user", "content": "hello"}]
@@ -125,11 +127,13 @@ class _Failing:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def stream(self, **kw):
-        gen = self.engine.stream(**kw)
+    def stream_choices(self, **kw):
+        gen = self.engine.stream_choices(**kw)
         try:
-            yield next(iter(gen))
-            raise RuntimeError("boom")
+            for item in gen:
+                yield item
+                if isinstance(item, ChoiceDelta):
+                    raise RuntimeError("boom")
         finally:
             gen.close()
 

@@ -103,7 +103,10 @@ def test_prompt_cache_retention_24h_sets_the_long_class(server, client):
         ({"model": "nope"}, "Unknown model"),
         ({"messages": []}, "messages"),
         ({"temperature": 5}, "temperature"),
-        ({"n": 2}, "'n'"),
+        ({"n": 17}, "'n'"),  # above --max-batch (16)
+        ({"n": 0}, "'n'"),
+        ({"top_logprobs": 2}, "'top_logprobs'"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "'top_logprobs'"),
         ({"extra_body": {"prompt_cache_retention": "1w"}}, "prompt_cache_retention"),
     ],
 )

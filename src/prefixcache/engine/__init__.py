@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
+    "ChoiceDelta",
+    "Completion",
     "DEFAULT_PREFILL_CHUNK",
     "EmptyPromptError",
     "Engine",
@@ -16,10 +18,12 @@ __all__ = [
     "InvalidRequestError",
     "ModelNotFoundError",
     "ModelRunner",
+    "PromptDone",
     "PromptTooLongError",
     "QueueFullError",
     "RequestCancelledError",
     "SamplingParams",
+    "TokenLogprob",
     "Usage",
     "tiny_llama",
 ]
@@ -30,12 +34,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from prefixcache.engine.sampling import SamplingParams
     from prefixcache.engine.tiny import tiny_llama
     from prefixcache.engine.types import (
+        ChoiceDelta,
+        Completion,
         EmptyPromptError,
         EngineClosedError,
         GenerationResult,
         InvalidRequestError,
+        PromptDone,
         PromptTooLongError,
         QueueFullError,
+        TokenLogprob,
         Usage,
     )
     from prefixcache.engine.worker import RequestCancelledError

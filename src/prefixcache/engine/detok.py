@@ -65,3 +65,59 @@ class TextAssembler:
         delta = self.text[self.emitted : upto]
         self.emitted = upto
         return delta
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the printable character that stands for each byte
+    in a byte-level BPE vocabulary (``Ġ`` for a space) -> that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+class TokenText:
+    """A token id's own bytes and a printable string of them, for logprobs (cached per id).
+
+    Byte-level BPE tokenizers (GPT-2 style, SmolLM2's) map their vocabulary strings back to
+    bytes; byte-fallback tokens (``<0xE2>``) are that byte; a tokenizer may also offer
+    ``token_bytes(id)`` (the tiny test tokenizer does); otherwise the token's decoded text.
+    A token may hold part of a UTF-8 character: :meth:`text` writes such bytes as ``\\xNN``.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self._cache: dict[int, bytes] = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        self._alphabet = _byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else None
+
+    def bytes(self, token_id: int) -> bytes:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._lookup(int(token_id))
+        return hit
+
+    def text(self, token_id: int) -> str:
+        return self.bytes(token_id).decode("utf-8", errors="backslashreplace")
+
+    def _lookup(self, token_id: int) -> bytes:
+        own = getattr(self.tok, "token_bytes", None)
+        if own is not None:
+            return bytes(own(token_id))
+        piece = None
+        convert = getattr(self.tok, "convert_ids_to_tokens", None)
+        if convert is not None:
+            piece = convert(token_id)
+        if isinstance(piece, str):
+            alphabet = self._alphabet
+            if alphabet is not None and all(c in alphabet for c in piece):
+                return bytes(alphabet[c] for c in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+        return self.tok.decode([token_id], skip_special_tokens=False).encode("utf-8")

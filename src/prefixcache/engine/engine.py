@@ -4,6 +4,8 @@
     r = engine.generate(messages=[...], max_tokens=32)  # or prompt="...", or prompt_token_ids=[...]
     for item in engine.stream(prompt="Hi"):             # str deltas, then the GenerationResult
         ...
+    c = engine.generate_choices(prompt="Hi", n=3, logprobs=5, temperature=0.8, seed=1)
+    c.choices[2].text, c.choices[2].logprobs, c.usage  # a Completion: prompt counted once
 
 Two runners, chosen by the model (``runner="auto"``):
 
@@ -11,12 +13,13 @@ Two runners, chosen by the model (``runner="auto"``):
   Mistral, Qwen2): continuous batching over a paged KV pool (``engine/scheduler.py``). Its
   forward is row- and batch-invariant, so a hit may end on any block boundary, every full block
   of a prompt is stored, and hits are bitwise exact also when batched with other requests.
-* **The Hugging Face runner** (any other causal LM, or ``runner="hf"``): one request at a time.
-  Lifecycle: match (acquire) -> KV of the hit blocks into a DynamicCache -> prefill the rest in
-  chunks on absolute multiples of ``prefill_chunk`` -> sample the first token -> commit the
-  prompt blocks of complete chunks -> decode -> release (in a finally). Its bits depend on the
-  rows a pass computes, so a hit is rounded down to a chunk boundary (the runner's alignment)
-  and only blocks inside complete chunks are committed (see docs/engine.md).
+* **The Hugging Face runner** (any other causal LM, or ``runner="hf"``): one request at a time
+  (``engine/sequential.py``). Its bits depend on the rows a pass computes, so a hit is rounded
+  down to a prefill-chunk boundary (the runner's alignment) and only blocks inside complete
+  chunks are committed (see docs/engine.md).
+
+A request may ask for ``n`` choices (decoded from one prefill of its prompt) and for each
+generated token's logprobs: :meth:`Engine.stream_choices` and :meth:`Engine.generate_choices`.
 """
 
 from __future__ import annotations
@@ -28,22 +31,25 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prefixcache.cache import CacheStats, FakeClock, Match, PrefixCache
-from prefixcache.engine import kv
-from prefixcache.engine.detok import TextAssembler
+from prefixcache.cache import CacheStats, FakeClock, PrefixCache
 from prefixcache.engine.llama import LlamaRunner, unsupported_reason
 from prefixcache.engine.model import ModelRunner, default_dtype
 from prefixcache.engine.prompts import EmptyPromptError, encode, render_chat
-from prefixcache.engine.sampling import InvalidRequestError, Sampler, SamplingParams
+from prefixcache.engine.sampling import InvalidRequestError, SamplingParams
+from prefixcache.engine.scheduler import BatchWorker
+from prefixcache.engine.sequential import SequentialWorker, chunk_schedule
 from prefixcache.engine.types import (
+    MAX_TOP_LOGPROBS,
+    ChoiceDelta,
+    Completion,
     EngineClosedError,
     GenerationResult,
+    PromptDone,
     PromptTooLongError,
     QueueFullError,
     Request,
-    Usage,
 )
-from prefixcache.engine.worker import Job, Worker
+from prefixcache.engine.worker import Job
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +82,6 @@ def select_runner(base: ModelRunner, runner: str = "auto", dtype: str | None = N
 CancelSignal = threading.Event | Callable[[], bool] | None
 
 
-def chunk_schedule(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
-    """Forward passes covering ``[start, stop)``: cut at every absolute multiple of ``chunk``."""
-    if start % chunk:
-        raise ValueError(f"prefill must start on a chunk boundary; {start} % {chunk} != 0")
-    return [(a, min(a + chunk, stop)) for a in range(start, stop, chunk)]
-
-
 class Engine:
     """Generation with exact prefix caching. Thread-safe: calls from any thread are queued to
     one worker. See the module docstring for the two runners and the request lifecycle."""
@@ -111,9 +110,10 @@ class Engine:
         compute the model), ``llama`` or ``hf``. ``dtype``: None picks bfloat16 on CPUs with
         bf16 instructions and on CUDA, float32 elsewhere (the HF runner: float32).
         ``cache``: an existing PrefixCache to share (its block size wins); otherwise one is
-        created from the capacity/TTL/clock arguments. ``max_batch``: requests running at once
-        (own runner). ``kv_reserve_tokens``: KV pool room for running requests beyond the
-        cache's budget (default 4x the context)."""
+        created from the capacity/TTL/clock arguments. ``max_batch``: decode rows per step, a
+        request with ``n`` choices taking ``n`` (own runner); on both runners also the largest
+        ``n``. ``kv_reserve_tokens``: KV pool room for running requests beyond the cache's budget
+        (default 4x the context)."""
         if isinstance(model, ModelRunner):
             base = model
         else:
@@ -124,14 +124,14 @@ class Engine:
             block_size = cache.block_size
         chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK
         if chunk < block_size or chunk % block_size:
-            raise ValueError(f"prefill_chunk ({chunk}) must be a positive multiple of block_size ({block_size})")
+            raise ValueError(
+                f"prefill_chunk ({chunk}) must be a positive multiple of block_size ({block_size})")
         self.block_size = block_size
         self.prefill_chunk = chunk
         self.batched = isinstance(self.runner, LlamaRunner)
         #: Where a hit may end, as the runner reports it: any block for the own runner, a
         #: prefill-chunk boundary for the HF one.
         self.alignment = self.runner.hit_alignment(block_size, chunk)
-        self._scratch = kv.Scratch()  # HF runner: hit KV is assembled here (worker thread only)
         self.clock = clock or (cache.clock if cache is not None else time.monotonic)
         self.cache: PrefixCache | None = None
         if enable_cache:
@@ -144,17 +144,16 @@ class Engine:
             )
         self.fingerprint = self.runner.fingerprint(block_size, chunk)
         self.pool = None
-        self._worker: Worker
+        self._worker: BatchWorker | SequentialWorker
+        self._max_n = max_batch
         if isinstance(self.runner, LlamaRunner):
-            from prefixcache.engine.scheduler import BatchWorker
-
             self.pool, reserve = self._new_pool(kv_reserve_tokens)
             if self.cache is not None and self.cache.adopt is None:
                 self.cache.adopt = self.pool.adopt  # blocks promoted from a tier land in the pool
             self._worker = BatchWorker(self, self.pool, reserve_blocks=reserve, max_batch=max_batch,
                                        token_budget=chunk, max_queue=max_queue)
         else:
-            self._worker = Worker(self._run, max_queue=max_queue)
+            self._worker = SequentialWorker(self, max_queue=max_queue)
 
     def _new_pool(self, reserve_tokens: int | None) -> tuple[Any, int]:
         """The KV pool: the cache's byte budget (pinned included) plus the running reserve."""
@@ -215,7 +214,8 @@ class Engine:
     def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         return render_chat(messages, self.tokenizer, add_generation_prompt=add_generation_prompt)
 
-    def render_ids(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+    def render_ids(self, messages: Sequence[dict[str, Any]], *,
+                   add_generation_prompt: bool = True) -> list[int]:
         return self.tokenize(self.render(messages, add_generation_prompt=add_generation_prompt))
 
     def prompt_ids(
@@ -238,7 +238,8 @@ class Engine:
             raise EmptyPromptError("the prompt is empty: pass a non-empty prompt or messages with content")
         bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
         if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.runner.vocab_size - 1})")
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary (0..{self.runner.vocab_size - 1})")
         return ids
 
     def count_tokens(
@@ -253,17 +254,31 @@ class Engine:
             raise InvalidRequestError("the cache is disabled on this engine (enable_cache=False)")
         return self.cache.namespace(self.fingerprint, tenant=tenant, salt=salt)
 
-    def pin(self, messages: Any = None, prompt: Any = None, *, tenant: str = "default", salt: bytes = b"") -> int:
+    def pin(self, messages: Any = None, prompt: Any = None, *, tenant: str = "default",
+            salt: bytes = b"") -> int:
         """Keep-warm: pin the cached blocks of this prompt's prefix. Returns pinned tokens."""
         ids = self.prompt_ids(messages, prompt)
         return self.cache.pin(ids, self.namespace(tenant, salt)) if self.cache is not None else 0
 
-    def unpin(self, messages: Any = None, prompt: Any = None, *, tenant: str = "default", salt: bytes = b"") -> int:
+    def unpin(self, messages: Any = None, prompt: Any = None, *, tenant: str = "default",
+              salt: bytes = b"") -> int:
         ids = self.prompt_ids(messages, prompt)
         return self.cache.unpin(ids, self.namespace(tenant, salt)) if self.cache is not None else 0
 
     # ------------------------------------------------------------------ requests
-    def generate(self, messages: Any = None, prompt: Any = None, prompt_token_ids: Any = None, **kw: Any) -> GenerationResult:
+    @property
+    def max_n(self) -> int:
+        """The most choices one request may ask for: ``max_batch`` (they decode side by side)."""
+        return self._max_n
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens computed (not read from the cache) since the engine started. A request
+        with ``n`` choices counts its prompt once: its choices decode from one prefill."""
+        return self._worker.prefilled_tokens
+
+    def generate(self, messages: Any = None, prompt: Any = None, prompt_token_ids: Any = None,
+                 **kw: Any) -> GenerationResult:
         """Run one request to completion. Same arguments as :meth:`stream`."""
         result: GenerationResult | None = None
         for item in self.stream(messages, prompt, prompt_token_ids, **kw):
@@ -272,12 +287,48 @@ class Engine:
         assert result is not None  # the worker always ends a job with a result or an error
         return result
 
+    def generate_choices(self, messages: Any = None, prompt: Any = None, prompt_token_ids: Any = None,
+                         **kw: Any) -> Completion:
+        """Run one request with ``n`` choices to completion. Same arguments as :meth:`stream_choices`."""
+        result: Completion | None = None
+        for item in self.stream_choices(messages, prompt, prompt_token_ids, **kw):
+            if isinstance(item, Completion):
+                result = item
+        assert result is not None
+        return result
+
     def stream(
         self,
         messages: Sequence[dict[str, Any]] | None = None,
         prompt: str | Sequence[int] | None = None,
         prompt_token_ids: Sequence[int] | None = None,
+        **kw: Any,
+    ) -> Iterator[str | GenerationResult]:
+        """Yield text deltas as they are decoded, then one :class:`GenerationResult` (with
+        ``logprobs=k`` it carries each token's logprob). Arguments: those of
+        :meth:`stream_choices` except ``n`` (one choice)."""
+        if kw.get("n", 1) != 1:
+            raise InvalidRequestError(
+                "stream() and generate() give one choice: use stream_choices() for n > 1")
+        inner = self.stream_choices(messages, prompt, prompt_token_ids, **kw)
+        try:
+            for item in inner:
+                if isinstance(item, ChoiceDelta):
+                    if item.text:
+                        yield item.text
+                elif isinstance(item, Completion):
+                    yield item.choices[0]
+        finally:
+            inner.close()  # a consumer that stops early cancels the request here
+
+    def stream_choices(
+        self,
+        messages: Sequence[dict[str, Any]] | None = None,
+        prompt: str | Sequence[int] | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
         *,
+        n: int = 1,
+        logprobs: int | None = None,
         max_tokens: int = 256,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -290,26 +341,38 @@ class Engine:
         ttl_plan: Sequence[tuple[int, float]] | None = None,
         cancel: CancelSignal = None,
         return_logits: bool = False,
-    ) -> Iterator[str | GenerationResult]:
-        """Yield text deltas as they are decoded, then one :class:`GenerationResult`.
+    ) -> Iterator[PromptDone | ChoiceDelta | Completion]:
+        """Yield one :class:`PromptDone` once the prompt is prefilled (its cache usage is final
+        then), :class:`ChoiceDelta` items as the choices decode, then one :class:`Completion`.
 
+        ``n`` (1 to :attr:`max_n`) choices decode from one prefill of the prompt; with ``seed``,
+        choice i samples from ``seed + i``. ``logprobs``: None, or k in 0..20: every generated
+        token's logprob and its k most likely alternatives (:class:`TokenLogprob`).
         Validation errors (ValueError subclasses) are raised at the first ``next()``, before
         the request is queued; :class:`QueueFullError` when ``max_queue`` requests are in
         flight. Closing the generator early (or setting ``cancel``) stops the request and
         releases its cache references before ``close()`` returns.
         """
-        job = self._prepare(
-            messages, prompt, prompt_token_ids, max_tokens, SamplingParams(temperature, top_p, top_k, seed),
-            stop, tenant, salt, ttl_s, ttl_plan, cancel, return_logits,
-        )
+        params = SamplingParams(temperature, top_p, top_k, seed)
+        job = self._prepare(messages, prompt, prompt_token_ids, params, max_tokens=max_tokens, stop=stop,
+                            tenant=tenant, salt=salt, ttl_s=ttl_s, ttl_plan=ttl_plan, cancel=cancel,
+                            return_logits=return_logits, n=n, logprobs=logprobs)
         yield from self._worker.submit(job)
 
-    def _prepare(self, messages: Any, prompt: Any, ids_in: Any, max_tokens: Any, params: SamplingParams, stop: Any,
-                 tenant: str, salt: Any, ttl_s: Any, ttl_plan: Any, cancel: CancelSignal, return_logits: bool) -> Job:
+    def _prepare(self, messages: Any, prompt: Any, ids_in: Any, params: SamplingParams, *, max_tokens: Any,
+                 stop: Any, tenant: str, salt: Any, ttl_s: Any, ttl_plan: Any, cancel: CancelSignal,
+                 return_logits: bool, n: Any, logprobs: Any) -> Job:
         if self._worker.closed:
             raise EngineClosedError("this engine is closed; create a new Engine")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1; got {max_tokens!r}")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.max_n:
+            raise InvalidRequestError(
+                f"n must be an integer from 1 to {self.max_n} (this engine's max_batch); got {n!r}")
+        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
+                                     or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(
+                f"logprobs must be None or an integer from 0 to {MAX_TOP_LOGPROBS}; got {logprobs!r}")
         params.validate()
         ids = self.prompt_ids(messages, prompt, ids_in)
         if len(ids) + max_tokens > self.context_len:
@@ -322,105 +385,11 @@ class Engine:
         if ttl_s is not None and not ttl_s > 0:
             raise InvalidRequestError(f"ttl_s must be > 0 seconds; got {ttl_s!r}")
         salt_b = salt.encode() if isinstance(salt, str) else bytes(salt)
-        return Job(Request(ids=ids, max_tokens=max_tokens, params=params, stop=stops, tenant=tenant, salt=salt_b,
-                           ttl_s=ttl_s, ttl_plan=list(ttl_plan) if ttl_plan else None,
-                           return_logits=return_logits),
-                   cancel=cancel)
-
-    # ------------------------------------------------------------------ the worker's side
-    def _run(self, job: Job) -> None:
-        """HF runner: process one job on the worker thread; posts deltas and the result to ``job``."""
-        r: Request = job.request
-        ids: list[int] = r.ids
-        n = len(ids)
-        t0 = time.perf_counter()
-        queue_s = t0 - job.submitted
-        cache = self.cache
-        m: Match | None = None
-        try:
-            hit = 0
-            if cache is not None:
-                ns = cache.namespace(self.fingerprint, tenant=r.tenant, salt=r.salt)
-                m = cache.match(ids, ns, align_tokens=self.alignment, ttl_s=r.ttl_s, ttl_plan=r.ttl_plan)
-                hit = m.cached_tokens
-            past = (kv.build_cache(self.runner, [b.payload for b in m.blocks], self._scratch)
-                    if m and m.blocks else self.runner.new_cache())
-            logits = None
-            for a, b in chunk_schedule(hit, n, self.prefill_chunk):
-                if job.cancelled():
-                    return job.finish_cancelled()
-                logits = self.runner.forward(ids[a:b], past)
-            t_prefill = time.perf_counter()
-            sampler = Sampler(r.params)
-            token = sampler(logits)
-            ttft = time.perf_counter() - t0
-            commit_s = self._commit(m, past, n) if m is not None else 0.0
-            result = self._decode(job, past, token, sampler, n)
-            if result is None:
-                return job.finish_cancelled()
-            text, tokens, reason, stop_seq, decode_s = result
-            usage = m.usage if m is not None else None
-            job.finish(GenerationResult(
-                text=text, tokens=tokens, finish_reason=reason,
-                usage=Usage(n, usage.cached_tokens if usage else 0, usage.cache_write_tokens if usage else 0, len(tokens)),
-                ttft_s=ttft, prefill_s=t_prefill - t0, decode_s=decode_s, queue_s=queue_s, commit_s=commit_s,
-                outcome=str(m.outcome.value) if m is not None else "miss", prompt_token_ids=ids,
-                stop_sequence=stop_seq, first_logits=logits.clone() if r.return_logits else None,
-            ))
-        finally:
-            if m is not None and cache is not None:
-                cache.release(m)
-
-    def _commit(self, m: Match, past: Any, n: int) -> float:
-        """Store the prompt blocks of complete chunks that are not cached yet. Returns seconds."""
-        assert self.cache is not None
-        t = time.perf_counter()
-        hit = m.cached_tokens
-        limit = (n // self.prefill_chunk) * self.prefill_chunk
-        if limit <= hit:
-            return 0.0
-        B = self.block_size
-        payloads: list[Any] = []
-
-        def payload_fn(i: int) -> tuple[Any, int]:
-            if not payloads:  # one copy of the whole range, only if some block is new
-                payloads.extend(kv.slice_blocks(past, hit, limit, B))
-            p = payloads[i - hit // B]
-            return p, kv.payload_nbytes(p)
-
-        # upto_tokens: partial-chunk blocks stay out (see the module docstring).
-        self.cache.commit(m, payload_fn, upto_tokens=limit)
-        return time.perf_counter() - t
-
-    def _decode(self, job: Job, past: Any, token: int, sampler: Sampler, n: int) -> tuple[str, list[int], str, str | None, float] | None:
-        """Decode from the first sampled token. Returns None when cancelled."""
-        r: Request = job.request
-        t = time.perf_counter()
-        eos = self.runner.eos_token_ids
-        text = TextAssembler(self.tokenizer, r.stop)
-        tokens: list[int] = []
-        reason = "length"
-        while True:
-            tokens.append(token)
-            if token in eos:
-                reason = "stop"
-                break
-            delta = text.push(token)
-            if delta:
-                job.post(delta)
-            if text.stop_sequence is not None:
-                reason = "stop"
-                break
-            if len(tokens) >= r.max_tokens or n + len(tokens) >= self.context_len:
-                break
-            if job.cancelled():
-                return None
-            token = sampler(self.runner.forward([token], past))
-        rest = text.finish()
-        if rest:
-            job.post(rest)
-        return text.text, tokens, reason, text.stop_sequence, time.perf_counter() - t
-
+        request = Request(ids=ids, max_tokens=max_tokens, params=params, stop=stops, tenant=tenant,
+                          salt=salt_b, ttl_s=ttl_s, ttl_plan=list(ttl_plan) if ttl_plan else None,
+                          return_logits=return_logits, n=n, logprobs=logprobs)
+        self._worker.validate(request)
+        return Job(request, cancel=cancel)
 
 def fake_clock_engine(runner: ModelRunner, **kwargs: Any) -> Engine:
     """An engine over ``runner`` whose cache reads a :class:`FakeClock` (``engine.clock``)."""

@@ -4,6 +4,7 @@
     block = pool.alloc()           # a PoolBlock, or None when every block is in use
     pool.keys(layer)               # [kv_heads, num_blocks, B, head_dim]: what attention gathers from
     block.as_tensor()              # a copy, [layers, 2, kv_heads, B, head_dim] (tiers store this)
+    pool.copy(block)               # a new block with the same KV (n > 1: each choice's own tail)
 
 Layout: ``[layers, 2, kv_heads, num_blocks, B, head_dim]`` (index 0 = keys, 1 = values). Per
 layer, keys and values are ``[kv_heads, num_blocks, B, head_dim]``, so gathering a sequence's
@@ -106,6 +107,15 @@ class KVPool:
     def _release(self, index: int) -> None:
         with self._lock:
             self._free.append(index)
+
+    def copy(self, block: PoolBlock) -> PoolBlock | None:
+        """A new block holding a bitwise copy of ``block``'s KV (every slot), or None when no
+        block is free. Choices of one request share their prompt's full blocks and each get a
+        copy of its last, partial block, whose free slots their own tokens then fill."""
+        new = self.alloc()
+        if new is not None:
+            self.data[:, :, :, new.index].copy_(self.data[:, :, :, block.index])
+        return new
 
     def adopt(self, payload: Any) -> Any:
         """A cache payload as a block of this pool: a PoolBlock of this pool as it is, a tensor

@@ -1,11 +1,14 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, seeded)."""
+"""Sampling parameters, the sampler (greedy, temperature, top-k, top-p, seeded) and logprobs."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+#: Seeds are taken modulo 2**64 (torch's generator seeds; -1 and 2**64 - 1 are the same seed).
+SEED_MODULUS = 1 << 64
 
 
 class InvalidRequestError(ValueError):
@@ -39,6 +42,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice ``index`` of an ``n`` > 1 request: with a seed, choice i
+        draws from seed + i (so choice 0 is what the same request with n=1 gives, and every
+        choice is reproducible); without one, each choice seeds its own generator at random."""
+        if self.seed is None or index == 0:
+            return self
+        return replace(self, seed=(self.seed + index) % SEED_MODULUS)
+
 
 class Sampler:
     """Draws one token from last-position logits. One per request (it owns the RNG)."""
@@ -49,7 +60,7 @@ class Sampler:
         if not params.greedy:
             self.gen = torch.Generator()
             if params.seed is not None:
-                self.gen.manual_seed(params.seed)
+                self.gen.manual_seed(params.seed % SEED_MODULUS)
             else:
                 self.gen.seed()
 
@@ -71,3 +82,18 @@ class Sampler:
             logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
         probs = torch.softmax(logits, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.gen).item())
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """``token``'s log-probability under ``logits`` ([vocab] float32, the row the sampler saw)
+    and the ``top`` most likely tokens as (id, logprob), best first, ties to the lower id.
+
+    Always one 1-D ``log_softmax`` over the row: the call and its shape are the same for every
+    row however the step that computed it was batched, so equal logits give equal logprobs, bit
+    for bit (and a hit's logits equal a miss's: docs/engine.md)."""
+    lp = torch.log_softmax(logits.detach().float().reshape(-1), dim=-1).cpu()
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        values, ids = torch.topk(lp, min(top, lp.numel()))
+        best = tuple(sorted(zip(ids.tolist(), values.tolist(), strict=True), key=lambda p: (-p[1], p[0])))
+    return float(lp[token]), best

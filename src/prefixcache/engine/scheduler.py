@@ -2,9 +2,11 @@
 
     worker = BatchWorker(engine, pool, max_batch=16, token_budget=512)
 
-Each step decodes one token for every request past its prefill (one row each) and spends the
-rest of ``token_budget`` on prefill chunks of the others, all in one :meth:`LlamaRunner.step`.
-Requests join between steps (admission) and leave when they finish, are cancelled or fail.
+Each step decodes one token for every choice of every request past its prefill (one row each)
+and spends the rest of ``token_budget`` on prefill chunks of the others, all in one
+:meth:`LlamaRunner.step`. Requests join between steps (admission) and leave when all their
+choices finish, or when they are cancelled or fail. ``max_batch`` bounds the decode rows: a
+request with ``n`` choices takes ``n`` of them.
 
 Admission, in this order of preference: a request that has waited longer than ``max_wait_s``
 (oldest first, so nothing starves); then the longest cached prefix (SGLang's longest-prefix
@@ -13,12 +15,16 @@ whose next uncached block is being prefilled right now by a running request wait
 request's commit instead of computing the same blocks again (in-flight dedup): prompts sharing
 a prefix that arrive together prefill it once. Prefill commits its full blocks after every step
 (the pool block the step wrote becomes the cache's payload: no copy), so a waiting request reads
-them as soon as they land.
+them as soon as they land. An overdue request that does not fit yet (decode rows for its ``n``
+choices, pool blocks for its reservation) stops the admission pass, so later, smaller requests
+cannot keep it out; a request that could never fit is refused when submitted.
 
 KV blocks: a request reserves, at admission, the pool blocks its prompt and ``max_tokens`` can
 need (``reserve_blocks`` in all); blocks come from the pool as its rows are computed; a hit's
 blocks are the cache's own, read in place. The pool holds the cache's budget plus the reserve,
-so a reserved request never finds the pool empty.
+so a reserved request never finds the pool empty. ``n`` > 1 shares one prefill: the prompt is
+computed once, then its choices read its full blocks in place and each decodes into its own
+blocks from a copy of the prompt's last, partial block (``engine/sequence.py``).
 """
 
 from __future__ import annotations
@@ -26,55 +32,21 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prefixcache.cache import Match
 from prefixcache.cache.keys import BlockHash, pack_tokens
-from prefixcache.engine.detok import TextAssembler
 from prefixcache.engine.llama import Segment
 from prefixcache.engine.pool import KVPool, PoolBlock
-from prefixcache.engine.sampling import Sampler
-from prefixcache.engine.types import GenerationResult, Request, Usage
+from prefixcache.engine.sampling import InvalidRequestError
+from prefixcache.engine.sequence import Choice, SequenceGroup
+from prefixcache.engine.types import PromptDone, Request, Usage
 from prefixcache.engine.worker import Job, Worker
 
 if TYPE_CHECKING:  # pragma: no cover
     from prefixcache.engine.engine import Engine
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, eq=False)
-class Sequence:
-    """One admitted request's running state."""
-
-    job: Job
-    request: Request
-    reserved: int  # pool blocks reserved for it
-    match: Match | None = None
-    blocks: list[PoolBlock] = field(default_factory=list)  # its block table, position // B
-    computed: int = 0  # prompt tokens whose KV is in its blocks
-    committed: int = 0  # prompt tokens committed to the cache
-    tokens: list[int] = field(default_factory=list)  # generated
-    sampler: Sampler | None = None
-    text: TextAssembler | None = None
-    started: float = 0.0
-    first_token_at: float = 0.0
-    first_logits: Any = None
-    finish_reason: str = ""
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.ids)
-
-    @property
-    def keys(self) -> list[BlockHash]:
-        """The prompt's block keys (empty with the cache off)."""
-        return self.request.keys or []
-
-    @property
-    def prefilling(self) -> bool:
-        return self.computed < self.prompt_len
 
 
 class BatchWorker(Worker):
@@ -93,10 +65,11 @@ class BatchWorker(Worker):
         self.token_budget = token_budget
         self.max_wait_s = max_wait_s
         self.waiting: list[Job] = []
-        self.running: list[Sequence] = []
+        self.running: list[SequenceGroup] = []
         self.reserved = 0
-        #: Counters for tests, metrics and benchmarks: prompt tokens prefilled (computed, not read),
-        #: steps run, decode rows computed, seconds spent in steps.
+        self.rows = 0  # decode rows the running requests take (their n, summed)
+        #: Counters for tests, metrics and benchmarks: prompt tokens prefilled (computed, not read;
+        #: once per request whatever its n), steps run, decode rows computed, seconds in steps.
         self.prefilled_tokens = 0
         self.steps = 0
         self.decoded_rows = 0
@@ -136,35 +109,54 @@ class BatchWorker(Worker):
             self.waiting.remove(job)
             job.finish_cancelled()
             self._retire(job)
-        for seq in [s for s in self.running if s.job.cancelled()]:
-            seq.job.finish_cancelled()
-            self._end(seq)
+        for group in [g for g in self.running if g.job.cancelled()]:
+            group.job.finish_cancelled()
+            self._end(group)
 
     # ------------------------------------------------------------------ admission
     def _admit(self) -> None:
-        if not self.waiting or len(self.running) >= self.max_batch:
+        if not self.waiting or self.rows >= self.max_batch:
             return
         cache = self.engine.cache
         now = time.perf_counter()
         inflight = self._inflight_keys() if cache is not None else {}
         order = sorted(self.waiting, key=lambda j: self._priority(j, now))
         for job in order:
-            if len(self.running) >= self.max_batch:
-                break
+            if not self._fits(job.request):
+                if now - job.submitted > self.max_wait_s:
+                    break  # an overdue request waits for room: nothing admitted past it
+                continue
             try:
-                seq = self._prepare(job, inflight)
+                group = self._prepare(job, inflight)
             except BaseException as exc:  # a bad request fails alone
                 self.waiting.remove(job)
                 self._failed(job, exc)
                 self._retire(job)
                 continue
-            if seq is None:
-                continue  # waits (in-flight prefix or no room): try the next one
+            if group is None:
+                continue  # waits for an in-flight prefix (or was cancelled): try the next one
             self.waiting.remove(job)
-            self.running.append(seq)
-            if seq.match is not None:  # the next ones in this pass see what it will compute
-                for key in seq.keys[seq.computed // self.block_size :]:
-                    inflight.setdefault(key, seq)
+            self.running.append(group)
+            if group.match is not None:  # the next ones in this pass see what it will compute
+                for key in group.keys[group.computed // self.block_size :]:
+                    inflight.setdefault(key, group)
+
+    def validate(self, request: Request) -> None:
+        """A request whose reservation exceeds the whole reserve could never be admitted."""
+        need = self._need(request)
+        if need > self.reserve_blocks:
+            raise InvalidRequestError(
+                f"n={request.n} choices of up to {request.max_tokens} tokens need {need} KV blocks, more "
+                f"than this engine reserves for running requests ({self.reserve_blocks}); lower n or "
+                "max_tokens (or raise kv_reserve_tokens)"
+            )
+
+    def _need(self, req: Request) -> int:
+        return SequenceGroup.blocks_needed(req, self.block_size, self.engine.context_len)
+
+    def _fits(self, req: Request) -> bool:
+        """Room for ``req`` now: decode rows for its choices and pool blocks for its reservation."""
+        return self.rows + req.n <= self.max_batch and self.reserved + self._need(req) <= self.reserve_blocks
 
     def _priority(self, job: Job, now: float) -> tuple[int, int, float]:
         if now - job.submitted > self.max_wait_s:
@@ -184,27 +176,22 @@ class BatchWorker(Worker):
             req.keys = self.engine.cache.block_keys(req.ids, self.engine.namespace(req.tenant, req.salt))  # type: ignore[union-attr]
         return req.keys, req.packed
 
-    def _inflight_keys(self) -> dict[BlockHash, Sequence]:
+    def _inflight_keys(self) -> dict[BlockHash, SequenceGroup]:
         """Keys of the blocks that running requests are prefilling and have not committed yet."""
-        out: dict[BlockHash, Sequence] = {}
-        for seq in self.running:
-            if seq.prefilling and seq.match is not None:
-                for key in seq.keys[seq.committed // self.block_size :]:
-                    out.setdefault(key, seq)
+        out: dict[BlockHash, SequenceGroup] = {}
+        for group in self.running:
+            if group.prefilling and group.match is not None:
+                for key in group.keys[group.committed // self.block_size :]:
+                    out.setdefault(key, group)
         return out
 
-    def _prepare(self, job: Job, inflight: dict[BlockHash, Sequence]) -> Sequence | None:
-        """Match, reserve and build the block table of ``job``; None when it must wait."""
+    def _prepare(self, job: Job, inflight: dict[BlockHash, SequenceGroup]) -> SequenceGroup | None:
+        """Match, reserve and build the block table of ``job`` (which fits); None when it must wait."""
         req: Request = job.request
         B = self.block_size
         n = len(req.ids)
-        need = -(-min(n + req.max_tokens, self.engine.context_len) // B)
-        if self.reserved + need > self.reserve_blocks:
-            return None
         cache = self.engine.cache
         match: Match | None = None
-        keys: list[BlockHash] = []
-        packed = b""
         if cache is not None:
             keys, packed = self._keys(job)
             if inflight:
@@ -221,24 +208,25 @@ class BatchWorker(Worker):
             self.waiting.remove(job)
             self._retire(job)
             return None
-        seq = Sequence(job=job, request=req, reserved=need, match=match,
-                       sampler=Sampler(req.params), text=TextAssembler(self.engine.tokenizer, req.stop),
-                       started=time.perf_counter())
-        self.reserved += need
+        group = SequenceGroup(job=job, request=req, reserved=self._need(req), match=match,
+                              started=time.perf_counter())
+        self.reserved += group.reserved
+        self.rows += group.width
         if match is not None and match.cached_blocks:
             for block in match.blocks:
                 payload = block.payload
                 if not (isinstance(payload, PoolBlock) and payload.pool is self.pool):
                     payload = self._copy_in(payload)
-                seq.blocks.append(payload)
-            seq.computed = seq.committed = match.cached_tokens
-        return seq
+                group.blocks.append(payload)
+            group.computed = group.committed = match.cached_tokens
+        return group
 
     def _copy_in(self, payload: Any) -> PoolBlock:
         """A hit block held elsewhere (a tier's tensor, another engine's pool): a private copy."""
         block = self.pool.adopt(payload)
         if not (isinstance(block, PoolBlock) and block.pool is self.pool):
-            raise RuntimeError("a cached block could not be copied into the KV pool (full, or another layout)")
+            raise RuntimeError(
+                "a cached block could not be copied into the KV pool (full, or another layout)")
         return block
 
     def _alloc(self) -> PoolBlock:
@@ -250,120 +238,112 @@ class BatchWorker(Worker):
     # ------------------------------------------------------------------ one step
     def _step(self) -> None:
         budget = self.token_budget
-        plan: list[tuple[Sequence, Segment]] = []
-        for seq in self.running:
-            if not seq.prefilling:
-                pos = seq.prompt_len + len(seq.tokens) - 1
-                self._grow(seq, pos + 1)
-                plan.append((seq, Segment([seq.tokens[-1]], pos, [b.index for b in seq.blocks], decode=True,
-                                          want_logits=True)))
+        plan: list[tuple[SequenceGroup, Choice | None, Segment]] = []
+        for group in self.running:
+            for choice in group.decoding:
+                pos = choice.position
+                self._grow(choice.blocks, pos + 1)
+                table = [b.index for b in choice.blocks]
+                plan.append((group, choice, Segment([choice.tokens[-1]], pos, table, decode=True,
+                                                    want_logits=True)))
                 budget -= 1
-        for seq in self.running:
-            if seq.prefilling and budget > 0:
-                stop = min(seq.prompt_len, seq.computed + budget)
-                self._grow(seq, stop)
-                plan.append((seq, Segment(seq.request.ids[seq.computed : stop], seq.computed,
-                                          [b.index for b in seq.blocks], want_logits=stop == seq.prompt_len)))
-                budget -= stop - seq.computed
+        for group in self.running:
+            if group.prefilling and budget > 0:
+                stop = min(group.prompt_len, group.computed + budget)
+                self._grow(group.blocks, stop)
+                plan.append((group, None, Segment(group.request.ids[group.computed : stop], group.computed,
+                                                  [b.index for b in group.blocks],
+                                                  want_logits=stop == group.prompt_len)))
+                budget -= stop - group.computed
         started = time.perf_counter()
         try:
-            logits = self.engine.runner.step(self.pool, [seg for _, seg in plan])
+            logits = self.engine.runner.step(self.pool, [seg for _, _, seg in plan])
         except BaseException as exc:  # every request of the step fails; the loop goes on
-            for seq, _ in plan:
-                self._failed(seq.job, exc)
-                self._end(seq)
+            for group, _, _ in plan:
+                self._failed(group.job, exc)
+                self._end(group)
             return
         self.steps += 1
         self.step_s += time.perf_counter() - started
         row = 0
-        for seq, seg in plan:
+        for group, choice, seg in plan:
             out = logits[row] if seg.want_logits else None
             row += seg.want_logits
+            if group not in self.running:  # it failed earlier in this loop
+                continue
             try:
-                if seg.decode:
+                if choice is not None:
                     self.decoded_rows += 1
+                    self._take(group, choice, out)
                 else:
                     self.prefilled_tokens += len(seg.tokens)
-                    seq.computed = seg.end
-                    self._commit(seq)
-                if out is not None:
-                    self._sampled(seq, out)
+                    group.computed = seg.end
+                    self._commit(group)
+                    if out is not None:
+                        self._prompt_done(group, out)
+                if group.done:
+                    self._finish(group)
             except BaseException as exc:  # this request fails alone; the loop goes on
-                self._failed(seq.job, exc)
-                self._end(seq)
+                self._failed(group.job, exc)
+                self._end(group)
 
-    def _grow(self, seq: Sequence, upto: int) -> None:
-        """Give ``seq`` blocks for positions ``[0, upto)``."""
-        B = self.block_size
-        while len(seq.blocks) * B < upto:
-            seq.blocks.append(self._alloc())
+    def _grow(self, blocks: list[PoolBlock], upto: int) -> None:
+        """Extend a block table to cover positions ``[0, upto)``."""
+        while len(blocks) * self.block_size < upto:
+            blocks.append(self._alloc())
 
-    def _commit(self, seq: Sequence) -> None:
+    def _commit(self, group: SequenceGroup) -> None:
         """Store the full prompt blocks computed so far (the pool blocks themselves)."""
-        cache, m = self.engine.cache, seq.match
+        cache, m = self.engine.cache, group.match
         if cache is None or m is None:
             return
-        upto = seq.computed // self.block_size * self.block_size
-        if upto <= seq.committed:
+        upto = group.computed // self.block_size * self.block_size
+        if upto <= group.committed:
             return
         nbytes = self.pool.block_nbytes
-        cache.commit(m, lambda i: (seq.blocks[i], nbytes), upto_tokens=upto)
-        seq.committed = upto
+        blocks = group.blocks
+        cache.commit(m, lambda i: (blocks[i], nbytes), upto_tokens=upto)
+        group.committed = upto
 
-    def _sampled(self, seq: Sequence, logits: Any) -> None:
-        """A token from ``logits`` for ``seq``: stream it, and finish ``seq`` when it ends."""
-        assert seq.sampler is not None and seq.text is not None
-        req = seq.request
-        if not seq.tokens:
-            seq.first_token_at = time.perf_counter()
-            if req.return_logits:
-                seq.first_logits = logits.clone()
-        token = seq.sampler(logits)
-        seq.tokens.append(token)
-        if token in self.engine.runner.eos_token_ids:
-            seq.finish_reason = "stop"
-        else:
-            delta = seq.text.push(token)
-            if delta:
-                seq.job.post(delta)
-            if seq.text.stop_sequence is not None:
-                seq.finish_reason = "stop"
-            elif len(seq.tokens) >= req.max_tokens or seq.prompt_len + len(seq.tokens) >= self.engine.context_len:
-                seq.finish_reason = "length"
-        if seq.finish_reason:
-            self._finish(seq)
+    def _prompt_done(self, group: SequenceGroup, logits: Any) -> None:
+        """The prompt's last row: report its usage, start its choices, sample their first tokens."""
+        engine = self.engine
+        group.first_token_at = time.perf_counter()
+        if group.request.return_logits:
+            group.first_logits = logits.clone()
+        group.fork(self.pool, engine.tokenizer, engine.runner.eos_token_ids, engine.context_len)
+        m = group.match
+        cached, written = (m.usage.cached_tokens, m.usage.cache_write_tokens) if m is not None else (0, 0)
+        group.job.post(PromptDone(Usage(group.prompt_len, cached, written, 0),
+                                  str(m.outcome.value) if m is not None else "miss"))
+        for choice in group.choices:
+            self._take(group, choice, logits)
 
-    def _finish(self, seq: Sequence) -> None:
-        assert seq.text is not None
-        rest = seq.text.finish()
-        if rest:
-            seq.job.post(rest)
-        now = time.perf_counter()
-        req, m = seq.request, seq.match
-        usage = m.usage if m is not None else None
-        seq.job.finish(GenerationResult(
-            text=seq.text.text, tokens=list(seq.tokens), finish_reason=seq.finish_reason,
-            usage=Usage(seq.prompt_len, usage.cached_tokens if usage else 0,
-                        usage.cache_write_tokens if usage else 0, len(seq.tokens)),
-            ttft_s=seq.first_token_at - seq.started, prefill_s=seq.first_token_at - seq.started,
-            decode_s=now - seq.first_token_at, queue_s=seq.started - seq.job.submitted,
-            outcome=str(m.outcome.value) if m is not None else "miss", prompt_token_ids=req.ids,
-            stop_sequence=seq.text.stop_sequence, first_logits=seq.first_logits,
-        ))
-        self._end(seq)
+    @staticmethod
+    def _take(group: SequenceGroup, choice: Choice, logits: Any) -> None:
+        delta = choice.take(logits)
+        if delta is not None:
+            group.job.post(delta)
+        if choice.finish_reason:
+            choice.blocks = []  # its own blocks go back now; shared ones when the last reader ends
 
-    def _end(self, seq: Sequence) -> None:
-        """Release everything ``seq`` holds and hand out its last items (once)."""
-        if seq not in self.running:
+    def _finish(self, group: SequenceGroup) -> None:
+        group.job.finish(group.completion())
+        self._end(group)
+
+    def _end(self, group: SequenceGroup) -> None:
+        """Release everything ``group`` holds and hand out its last items (once)."""
+        if group not in self.running:
             return
-        self.running.remove(seq)
+        self.running.remove(group)
         cache = self.engine.cache
-        if seq.match is not None and cache is not None:
-            cache.release(seq.match)
-        seq.blocks.clear()  # the blocks not committed go back to the pool
-        self.reserved -= seq.reserved
-        seq.reserved = 0
-        self._retire(seq.job)
+        if group.match is not None and cache is not None:
+            cache.release(group.match)
+        group.drop_blocks()  # the blocks not committed go back to the pool
+        self.reserved -= group.reserved
+        self.rows -= group.width
+        group.reserved = 0
+        self._retire(group.job)
 
 
-__all__ = ["BatchWorker", "Sequence"]
+__all__ = ["BatchWorker"]

@@ -62,6 +62,10 @@ class ByteChatTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token (a special token: its name), for logprobs."""
+        return bytes([token_id]) if token_id < 256 else self._names.get(token_id, "").encode()
+
     def apply_chat_template(
         self,
         messages: Sequence[dict[str, Any]],

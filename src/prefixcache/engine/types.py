@@ -11,16 +11,23 @@ from prefixcache.engine.prompts import EmptyPromptError
 from prefixcache.engine.sampling import InvalidRequestError, SamplingParams
 
 __all__ = [
+    "ChoiceDelta",
+    "Completion",
     "EmptyPromptError",
     "EngineClosedError",
     "GenerationResult",
     "InvalidRequestError",
     "ModelNotFoundError",
+    "PromptDone",
     "PromptTooLongError",
     "QueueFullError",
     "Request",
+    "TokenLogprob",
     "Usage",
 ]
+
+#: The most alternatives per token a request may ask for (``logprobs``; OpenAI's chat limit).
+MAX_TOP_LOGPROBS = 20
 
 
 class PromptTooLongError(InvalidRequestError):
@@ -48,9 +55,51 @@ class Request:
     ttl_s: float | None = None
     ttl_plan: list[tuple[int, float]] | None = None
     return_logits: bool = False
+    #: Choices decoded from the one prefill of ``ids`` (``n`` > 1 shares the prompt's KV).
+    n: int = 1
+    #: None: no logprobs; k >= 0: each generated token's logprob and its k best alternatives.
+    logprobs: int | None = None
     #: Filled by the batch scheduler once: block keys and packed tokens of ``ids``.
     keys: list[Any] | None = field(default=None, repr=False)
     packed: bytes = field(default=b"", repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model, and its best alternatives.
+
+    ``logprob`` is the log-softmax, in float32, of the very logits row the sampler received,
+    before temperature, top-k and top-p (the model's own distribution, as OpenAI and vLLM's
+    default report it). ``top``: the ``logprobs`` most likely tokens as ``(token id, logprob)``,
+    best first, ties to the lower id. ``text_offset``: where this token's text starts in the
+    choice's text (characters). A hit, a miss, batching and the cache off give the same bits.
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    text_offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PromptDone:
+    """Streamed once, after the prompt's prefill and before any text: the cache outcome is
+    final here (``usage.completion_tokens`` is 0). Anthropic's ``message_start`` is built from it."""
+
+    usage: Usage
+    outcome: str
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """Streamed output of choice ``index``: new ``text`` (maybe ""), the ``logprobs`` of the
+    tokens sampled since its previous delta (empty unless requested), and on its last delta
+    ``finish_reason`` ("stop" or "length")."""
+
+    index: int
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -63,7 +112,8 @@ class GenerationResult:
     Timings in seconds, measured on the worker: ``ttft_s`` from the start of the request's
     processing (after its wait in the queue, ``queue_s``) to the first sampled token.
     ``first_logits`` (only with ``return_logits=True``): float32 [vocab] logits the first token
-    was sampled from (exactness tests compare them with ``torch.equal``).
+    was sampled from (exactness tests compare them with ``torch.equal``). ``usage`` counts this
+    choice's tokens; :class:`Completion` sums the choices of one request.
     """
 
     text: str
@@ -79,6 +129,10 @@ class GenerationResult:
     prompt_token_ids: list[int] = field(default_factory=list, repr=False)
     stop_sequence: str | None = None
     first_logits: Any = field(default=None, repr=False)
+    #: Which choice of its request this is (0 unless ``n`` > 1).
+    index: int = 0
+    #: One entry per generated token (``len == usage.completion_tokens``), or None when not asked.
+    logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly summary (no token ids, no logits)."""
@@ -93,3 +147,17 @@ class GenerationResult:
             "outcome": self.outcome,
             "stop_sequence": self.stop_sequence,
         }
+
+
+@dataclass(slots=True)
+class Completion:
+    """The ``n`` choices of one request, decoded from one prefill of its prompt, in index order."""
+
+    choices: list[GenerationResult]
+
+    @property
+    def usage(self) -> Usage:
+        """The prompt counted once, the choices' generated tokens summed (OpenAI's convention)."""
+        first = self.choices[0].usage
+        return Usage(first.prompt_tokens, first.cached_tokens, first.cache_write_tokens,
+                     sum(c.usage.completion_tokens for c in self.choices))

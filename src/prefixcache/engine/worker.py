@@ -101,6 +101,9 @@ class Worker:
     def depth(self) -> int:
         return self._depth
 
+    def validate(self, request: Request) -> None:
+        """Raise a ValueError for a request this worker could never run (none here)."""
+
     def _ensure_thread(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="prefixcache-engine", daemon=True)
@@ -113,7 +116,8 @@ class Worker:
                 raise EngineClosedError("this engine is closed; create a new Engine")
             if self._depth >= self.max_queue:
                 raise QueueFullError(
-                    f"the engine's queue is full ({self._depth} requests in flight, max_queue={self.max_queue}); retry later"
+                    f"the engine's queue is full ({self._depth} requests in flight, "
+                    f"max_queue={self.max_queue}); retry later"
                 )
             self._depth += 1
             self._ensure_thread()

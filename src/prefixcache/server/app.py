@@ -86,6 +86,7 @@ def create_app(
     metrics = Metrics(
         stats_fn=lambda: bridge.cache.stats() if bridge.cache is not None else None,
         queue_depth_fn=lambda: bridge.admission.depth,
+        prefilled_fn=lambda: int(getattr(engine, "prefilled_tokens", 0)),
     )
     trace = TraceWriter(trace_log, include_text=trace_text, tokenizer=trace_tokenizer) if trace_log else None
 

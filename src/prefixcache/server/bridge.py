@@ -2,13 +2,16 @@
 event loop, streaming with cancellation, and the engine's results and errors normalised.
 
 Everything the server assumes about :class:`prefixcache.engine.Engine` is in this module, so an
-engine API change is fixed here and nowhere else.
+engine API change is fixed here and nowhere else. Generation goes through the engine's choices
+API (``generate_choices``, ``stream_choices``: ``n`` choices, logprobs, the prompt's usage as
+soon as it is prefilled); :meth:`EngineBridge.stream` is its text-only view.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -18,7 +21,8 @@ from typing import Any
 import anyio
 
 from prefixcache.cache.stats import Usage
-from prefixcache.engine.types import GenerationResult, QueueFullError
+from prefixcache.engine.detok import TokenText
+from prefixcache.engine.types import ChoiceDelta, Completion, PromptDone, QueueFullError, TokenLogprob
 from prefixcache.server.errors import APIError
 from prefixcache.server.tool_prompt import PromptRenderer, RenderedPrompt, ToolConfig
 
@@ -26,8 +30,22 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class FinishedChoice:
+    """One choice of a finished generation (``logprobs``: one entry per token, when asked)."""
+
+    index: int
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop string) or "length" (max_tokens)
+    stop_sequence: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
 class Finished:
-    """A generation's end: text, why it stopped, usage, time to first token, cache outcome."""
+    """A generation's end: text, why it stopped, usage, time to first token, cache outcome.
+
+    ``text``, ``finish_reason`` and ``stop_sequence`` are choice 0's; ``choices`` holds all
+    ``n`` of them. ``usage`` counts the prompt once and sums the choices' generated tokens."""
 
     text: str
     finish_reason: str  # "stop" (EOS or a stop string) or "length" (max_tokens)
@@ -36,6 +54,7 @@ class Finished:
     outcome: str  # "hit" | "partial" | "miss"
     prompt_token_ids: list[int] = field(default_factory=list)
     stop_sequence: str | None = None
+    choices: list[FinishedChoice] = field(default_factory=list)
 
 
 def queue_full_error() -> APIError:
@@ -59,16 +78,23 @@ def translate_error(exc: BaseException) -> APIError | None:
     return None
 
 
-def normalize(result: GenerationResult) -> Finished:
-    """The engine's GenerationResult as a :class:`Finished`."""
+def normalize(result: Completion) -> Finished:
+    """The engine's :class:`Completion` as a :class:`Finished`."""
+    choices = [
+        FinishedChoice(c.index, c.text, "length" if c.finish_reason == "length" else "stop", c.stop_sequence,
+                       c.logprobs)
+        for c in result.choices
+    ]
+    first = result.choices[0]
     return Finished(
-        text=result.text,
-        finish_reason="length" if result.finish_reason == "length" else "stop",
+        text=first.text,
+        finish_reason=choices[0].finish_reason,
         usage=result.usage,
-        ttft_s=result.ttft_s,
-        outcome=result.outcome,
-        prompt_token_ids=list(result.prompt_token_ids),
-        stop_sequence=result.stop_sequence,
+        ttft_s=first.ttft_s,
+        outcome=first.outcome,
+        prompt_token_ids=list(first.prompt_token_ids),
+        stop_sequence=first.stop_sequence,
+        choices=choices,
     )
 
 
@@ -77,7 +103,8 @@ def client_gone() -> APIError:
     return APIError(499, "The client closed the request before the answer was ready.", code="client_closed")
 
 
-async def _watch(disconnected: Callable[[], Awaitable[bool]], cancel: threading.Event, every_s: float = 0.1) -> None:
+async def _watch(disconnected: Callable[[], Awaitable[bool]], cancel: threading.Event,
+                 every_s: float = 0.1) -> None:
     """Set ``cancel`` once the client has gone (polled: Starlette has no disconnect callback)."""
     while not cancel.is_set():
         if await disconnected():
@@ -139,7 +166,7 @@ class EngineBridge:
             kwargs = {**kwargs, "cancel": cancel}
             watcher = asyncio.create_task(_watch(disconnected, cancel))
         try:
-            result = await anyio.to_thread.run_sync(lambda: self.engine.generate(**kwargs))
+            result = await anyio.to_thread.run_sync(lambda: self.engine.generate_choices(**kwargs))
         except Exception as exc:
             if cancel.is_set():
                 raise client_gone() from exc
@@ -154,10 +181,22 @@ class EngineBridge:
         return normalize(result)
 
     async def stream(self, kwargs: dict[str, Any]) -> AsyncIterator[str | Finished]:
-        """Text deltas, then one :class:`Finished`. Admission is taken before the first item, so
-        a full queue raises before any byte is sent. When the consumer stops early (a client
-        disconnect cancels it), the engine's generator is closed in its own thread, which makes
-        the engine release the request's block references."""
+        """Text deltas (of choice 0), then one :class:`Finished`. See :meth:`stream_choices`."""
+        async for item in self.stream_choices(kwargs):
+            if isinstance(item, ChoiceDelta):
+                if item.text:
+                    yield item.text
+            elif isinstance(item, Finished):
+                yield item
+
+    async def stream_choices(
+        self, kwargs: dict[str, Any]
+    ) -> AsyncIterator[PromptDone | ChoiceDelta | Finished]:
+        """One :class:`PromptDone` (the prompt is prefilled: its cache usage is final), the
+        choices' :class:`ChoiceDelta` items, then one :class:`Finished`. Admission is taken
+        before the first item, so a full queue raises before any byte is sent. When the
+        consumer stops early (a client disconnect cancels it), the engine's generator is closed
+        in its own thread, which makes the engine release the request's block references."""
         release = self.admission.enter()
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -174,7 +213,7 @@ class EngineBridge:
         def drive() -> None:
             gen: Iterator[Any] | None = None
             try:
-                gen = iter(self.engine.stream(**kwargs))
+                gen = iter(self.engine.stream_choices(**kwargs))
                 for item in gen:
                     if cancel.is_set():
                         break
@@ -209,11 +248,7 @@ class EngineBridge:
                     if api is None:
                         raise value
                     raise api
-                if isinstance(value, str):
-                    if value:
-                        yield value
-                else:
-                    yield normalize(value)
+                yield normalize(value) if isinstance(value, Completion) else value
         finally:
             cancel.set()
 
@@ -253,6 +288,20 @@ class EngineBridge:
         if rendered.text is not None:
             return self.tokenize(rendered.text + rendered.assistant_prefix)
         return self.render_ids(rendered.messages or [])
+
+    @property
+    def max_n(self) -> int:
+        """The most choices (``n``) one request may ask for."""
+        return int(self.engine.max_n)
+
+    @functools.cached_property
+    def token_text(self) -> TokenText:
+        """Each token's bytes and printable text (logprobs)."""
+        return TokenText(self.engine.tokenizer)
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of prompt token ids (``echo`` of a token-id prompt)."""
+        return str(self.engine.tokenizer.decode(ids, skip_special_tokens=False))
 
     @property
     def block_size(self) -> int:

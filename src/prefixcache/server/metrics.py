@@ -13,6 +13,8 @@ Read from the cache at scrape time: ``prefixcache_cache_blocks``, ``prefixcache_
 ``prefixcache_cache_hit_ratio`` (cached / prompt tokens since start), and
 ``prefixcache_evictions_total{reason}`` (``capacity``, ``ttl``, ``flush``).
 ``prefixcache_queue_depth``: generation requests admitted and not finished (running or waiting).
+``prefixcache_prefilled_tokens_total``: prompt tokens the engine computed (not read from the
+cache), read from the engine's own counter: a request with ``n`` choices counts its prompt once.
 """
 
 from __future__ import annotations
@@ -38,8 +40,12 @@ class _CacheCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats_fn()
-        blocks = GaugeMetricFamily("prefixcache_cache_blocks", "Blocks held in the memory cache (pinned included).")
-        nbytes = GaugeMetricFamily("prefixcache_cache_bytes", "Bytes held in the memory cache (pinned included).")
+        blocks = GaugeMetricFamily(
+            "prefixcache_cache_blocks", "Blocks held in the memory cache (pinned included)."
+        )
+        nbytes = GaugeMetricFamily(
+            "prefixcache_cache_bytes", "Bytes held in the memory cache (pinned included)."
+        )
         ratio = GaugeMetricFamily(
             "prefixcache_cache_hit_ratio", "Share of prompt tokens read from the cache since start."
         )
@@ -59,14 +65,35 @@ class _CacheCollector(Collector):
         yield from (blocks, nbytes, ratio, evictions)
 
 
+class _PrefillCollector(Collector):
+    """The engine's prefilled-token counter, read when Prometheus scrapes."""
+
+    def __init__(self, prefilled_fn: Callable[[], int]) -> None:
+        self._prefilled_fn = prefilled_fn
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "prefixcache_prefilled_tokens", "Prompt tokens computed by the engine (not read from the cache)."
+        )
+        family.add_metric([], self._prefilled_fn())
+        yield family
+
+
 class Metrics:
     """All of one app's metrics. Thread-safe (prometheus_client metrics are)."""
 
-    def __init__(self, stats_fn: Callable[[], Any | None], queue_depth_fn: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        stats_fn: Callable[[], Any | None],
+        queue_depth_fn: Callable[[], int],
+        prefilled_fn: Callable[[], int] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.prompt_tokens = Counter("prefixcache_prompt_tokens", "Prompt tokens received.", registry=r)
-        self.cached_tokens = Counter("prefixcache_cached_tokens", "Prompt tokens read from the cache.", registry=r)
+        self.cached_tokens = Counter(
+            "prefixcache_cached_tokens", "Prompt tokens read from the cache.", registry=r
+        )
         self.cache_write_tokens = Counter(
             "prefixcache_cache_write_tokens", "Prompt tokens prefilled and written to the cache.", registry=r
         )
@@ -93,6 +120,8 @@ class Metrics:
         for outcome in ("hit", "partial", "miss"):
             self.ttft.labels(outcome=outcome)
         r.register(_CacheCollector(stats_fn))
+        if prefilled_fn is not None:
+            r.register(_PrefillCollector(prefilled_fn))
         self._lock = threading.Lock()
         self._prefill_tokens = 0  # uncached prompt tokens over ...
         self._prefill_seconds = 0.0  # ... the TTFT they took: the measured prefill rate

@@ -4,7 +4,10 @@ Usage follows the hosted API: ``input_tokens`` counts the prompt tokens neither 
 written to the cache, so ``input_tokens + cache_read_input_tokens + cache_creation_input_tokens``
 is the whole prompt. Streaming sends message_start, content_block_start, ping,
 content_block_delta..., content_block_stop, message_delta (stop reason and the cumulative usage,
-cache fields included), message_stop.
+cache fields included), message_stop. ``message_start`` is sent once the prompt is prefilled, so
+its usage already has the request's ``input_tokens``, ``cache_read_input_tokens`` and
+``cache_creation_input_tokens`` (clients such as LangChain read them there); ``message_delta``
+repeats them with the final ``output_tokens``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from prefixcache.engine.types import ChoiceDelta, PromptDone
 from prefixcache.server.anthropic_prompt import anthropic_tool_config, plan_for, to_messages
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Finished, Usage
@@ -36,7 +40,9 @@ from prefixcache.server.tool_prompt import RenderedPrompt, ToolConfig, has_tool_
 router = APIRouter()
 
 
-def anthropic_usage(u: Usage, plan: list[tuple[int, float]] | None = None, block_size: int = 16) -> dict[str, Any]:
+def anthropic_usage(
+    u: Usage, plan: list[tuple[int, float]] | None = None, block_size: int = 16
+) -> dict[str, Any]:
     """Hosted-API usage. ``cache_creation`` splits the written tokens by TTL class: the blocks
     written that end at or before a 1-hour breakpoint are the 1h class."""
     one_hour = 0
@@ -128,7 +134,9 @@ async def _prompt(
 
 
 @router.post("/v1/messages", summary="Create a message (Anthropic shape)")
-async def create_message(body: MessagesRequest, request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
+async def create_message(
+    body: MessagesRequest, request: Request, tenant: Tenant = Depends(get_tenant)
+) -> Any:
     state = get_state(request)
     state.check_model(body.model)
     config, rendered, plan = await _prompt(state, body)
@@ -163,37 +171,39 @@ async def create_message(body: MessagesRequest, request: Request, tenant: Tenant
                 "usage": anthropic_usage(fin.usage, plan, state.bridge.block_size),
             }
         )
+    # The first item is the engine's PromptDone (the prompt is prefilled): message_start carries
+    # its usage; message_delta the cumulative usage at the end (the SDKs overwrite with it).
     agen, first = await _start_stream(state, kwargs)
 
     async def events() -> AsyncIterator[str]:
-        # The cache outcome is known only when the engine reports it at the end: message_start
-        # carries zeros, and message_delta the cumulative usage (the SDKs overwrite with it).
-        zero = Usage(0, 0, 0, 0)
-        message = {
-            "id": rid,
-            "type": "message",
-            "role": "assistant",
-            "model": state.model_name,
-            "content": [],
-            "stop_reason": None,
-            "stop_sequence": None,
-            "usage": anthropic_usage(zero),
-        }
-        yield _event("message_start", {"type": "message_start", "message": message})
         blocks = _ContentBlocks()
-        if not config.parses_calls:  # the hosted order: the text block opens before the ping
-            yield blocks.open_text()
-        yield _event("ping", {"type": "ping"})
         async for item in split_stream(_items(agen, first), rendered, config, "toolu_"):
             if isinstance(item, APIError):
                 yield _event("error", anthropic_error_body(item))
                 return
-            if isinstance(item, str):
-                if not blocks.text_open:
+            if isinstance(item, PromptDone):
+                message = {
+                    "id": rid,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": state.model_name,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": anthropic_usage(item.usage, plan, state.bridge.block_size),
+                }
+                yield _event("message_start", {"type": "message_start", "message": message})
+                if not config.parses_calls:  # the hosted order: the text block opens before the ping
                     yield blocks.open_text()
-                delta = {"type": "text_delta", "text": item}
-                event = {"type": "content_block_delta", "index": blocks.index, "delta": delta}
-                yield _event("content_block_delta", event)
+                yield _event("ping", {"type": "ping"})
+                continue
+            if isinstance(item, ChoiceDelta):  # the one choice: text (calls are taken out)
+                if item.text:
+                    if not blocks.text_open:
+                        yield blocks.open_text()
+                    delta = {"type": "text_delta", "text": item.text}
+                    event = {"type": "content_block_delta", "index": blocks.index, "delta": delta}
+                    yield _event("content_block_delta", event)
                 continue
             if isinstance(item, CallsFound):
                 for event in blocks.tool_uses(item):
@@ -209,7 +219,8 @@ async def create_message(body: MessagesRequest, request: Request, tenant: Tenant
             usage.pop("cache_creation")
             yield _event(
                 "message_delta",
-                {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": usage},
+                {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                 "usage": usage},
             )
             yield _event("message_stop", {"type": "message_stop"})
 
@@ -217,7 +228,9 @@ async def create_message(body: MessagesRequest, request: Request, tenant: Tenant
 
 
 @router.post("/v1/messages/count_tokens", summary="Count a message's prompt tokens (Anthropic shape)")
-async def count_tokens(body: CountTokensRequest, request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
+async def count_tokens(
+    body: CountTokensRequest, request: Request, tenant: Tenant = Depends(get_tenant)
+) -> Any:
     state = get_state(request)
     state.check_model(body.model)
     _, rendered, _ = await _prompt(state, body)

@@ -5,6 +5,13 @@ lines, ``data: [DONE]`` last, and with ``stream_options.include_usage`` every ch
 ``"usage": null`` and one last chunk with empty ``choices`` carries the usage.
 ``usage.prompt_tokens_details`` always has ``cached_tokens`` (read from the cache) and
 ``cache_write_tokens`` (prefilled and stored by this request).
+
+``n`` choices decode from one prefill of the prompt; usage counts the prompt once and sums the
+choices' tokens. In a stream every chunk names its choice by ``index``, and each choice ends
+with its own ``finish_reason`` chunk. ``logprobs`` (chat: ``logprobs`` + ``top_logprobs``;
+completions: ``logprobs`` = k) come in OpenAI's shapes (``server/logprobs.py``), also streamed.
+With ``tools`` each chat choice's reply is parsed for its own calls (``tool_output``);
+``logprobs`` together with parsed calls is a 400 naming ``logprobs``.
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from prefixcache.cache.policy import TTL_CLASSES
+from prefixcache.engine.types import ChoiceDelta, PromptDone
 from prefixcache.server.auth import Tenant
-from prefixcache.server.bridge import Finished, Usage, translate_error
+from prefixcache.server.bridge import Usage, translate_error
 from prefixcache.server.errors import APIError, bad_request, openai_error_body
+from prefixcache.server.logprobs import chat_logprobs, completion_logprobs
 from prefixcache.server.openai_prompt import chat_conversation, chat_tool_config
 from prefixcache.server.schemas_openai import (
     ChatCompletionRequest,
@@ -52,7 +61,10 @@ def openai_usage(u: Usage) -> dict[str, Any]:
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": u.cache_write_tokens},
+        "prompt_tokens_details": {
+            "cached_tokens": u.cached_tokens,
+            "cache_write_tokens": u.cache_write_tokens,
+        },
         "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
@@ -79,6 +91,16 @@ def sampling_kwargs(req: _Sampling, tenant: Tenant) -> dict[str, Any]:
     return {**generation_kwargs(req, tenant), **sampling}
 
 
+def choices_count(state: ServerState, req: _Sampling) -> int:
+    """The request's ``n``, or a 400 naming ``n`` above what this server decodes side by side."""
+    n = req.n or 1
+    if n > state.bridge.max_n:
+        raise bad_request(
+            f"'n' may be at most {state.bridge.max_n} on this server (its --max-batch); got {n}.", param="n"
+        )
+    return n
+
+
 async def render_prompt(
     state: ServerState, config: ToolConfig, conversation: list[Message]
 ) -> RenderedPrompt:
@@ -99,22 +121,23 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-async def _start_stream(state: ServerState, kwargs: dict[str, Any]) -> tuple[AsyncIterator[str | Finished], list[Any]]:
-    """Open the engine stream and pull its first item, so a bad request or a full queue is
-    still answered with a 4xx before the 200 and the first byte go out."""
-    agen = state.bridge.stream(kwargs)
+async def _start_stream(state: ServerState, kwargs: dict[str, Any]) -> tuple[AsyncIterator[Any], list[Any]]:
+    """Open the engine stream (the bridge's :meth:`~EngineBridge.stream_choices` items:
+    PromptDone, ChoiceDelta, Finished) and pull its first item, so a bad request or a full queue
+    is still answered with a 4xx before the 200 and the first byte go out."""
+    agen = state.bridge.stream_choices(kwargs)
     first: list[Any] = []
     try:
         first.append(await agen.__anext__())
     except StopAsyncIteration:
         pass
     except BaseException:
-        await agen.aclose()
+        await agen.aclose()  # type: ignore[attr-defined]
         raise
     return agen, first
 
 
-async def _items(agen: AsyncIterator[str | Finished], first: list[Any]) -> AsyncIterator[str | Finished | APIError]:
+async def _items(agen: AsyncIterator[Any], first: list[Any]) -> AsyncIterator[Any]:
     """The stream's items; a failure after the 200 went out becomes a last :class:`APIError`
     item, which the route sends as an error event (the status can no longer change)."""
     for item in first:
@@ -137,17 +160,38 @@ async def chat_completions(
     state = get_state(request)
     state.check_model(body.model)
     config = chat_tool_config(body)
+    n = choices_count(state, body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+    if body.logprobs and config.parses_calls:
+        raise bad_request(
+            "'logprobs' with 'tools' is not supported: a reply's tool calls are parsed out of its "
+            "tokens, so the logprobs would not match the content. Drop 'logprobs', or send "
+            "'tool_choice': 'none'.",
+            param="logprobs",
+        )
+    top = (body.top_logprobs or 0) if body.logprobs else None
     rendered = await render_prompt(state, config, chat_conversation(body.messages))
     max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     sampling = sampling_kwargs(body, tenant)
-    kwargs = {**sampling, **prompt_kwargs(rendered, sampling["stop"]), "max_tokens": max_tokens}
+    kwargs = {**sampling, **prompt_kwargs(rendered, sampling["stop"]), "max_tokens": max_tokens,
+              "n": n, "logprobs": top}
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     text = rendered.trace_text()
+    tokens = state.bridge.token_text
     if not body.stream:
         fin = await state.bridge.generate(kwargs, request.is_disconnected)
         state.record(request, tenant, fin, text, kwargs.get("ttl_s"), body.prompt_cache_key)
-        reply = parse_reply(fin.text, rendered, config)
+        choices = []
+        for c in fin.choices:  # the calls are parsed from each choice's own text
+            reply = parse_reply(c.text, rendered, config)
+            choices.append({
+                "index": c.index,
+                "message": openai_message(reply),
+                "logprobs": chat_logprobs(c.logprobs, tokens) if c.logprobs is not None else None,
+                "finish_reason": "tool_calls" if reply.calls else c.finish_reason,
+            })
         return JSONResponse(
             {
                 "id": rid,
@@ -155,52 +199,52 @@ async def chat_completions(
                 "created": created,
                 "model": state.model_name,
                 "system_fingerprint": None,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": openai_message(reply),
-                        "logprobs": None,
-                        "finish_reason": "tool_calls" if reply.calls else fin.finish_reason,
-                    }
-                ],
+                "choices": choices,
                 "usage": openai_usage(fin.usage),
             }
         )
     agen, first = await _start_stream(state, kwargs)
     include_usage = body.include_usage
 
-    def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+    def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> dict[str, Any]:
         c: dict[str, Any] = {
             "id": rid,
             "object": "chat.completion.chunk",
             "created": created,
             "model": state.model_name,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
         }
         if include_usage:
             c["usage"] = None
         return c
 
     async def events() -> AsyncIterator[str]:
-        yield _sse(chunk({"role": "assistant", "content": ""}, None))
-        called = False
+        for index in range(n):
+            yield _sse(chunk(index, {"role": "assistant", "content": ""}, None))
+        called: set[int] = set()  # the choices that made tool calls
         async for item in split_stream(_items(agen, first), rendered, config, "call_"):
             if isinstance(item, APIError):
                 yield _sse(openai_error_body(item))
                 return
-            if isinstance(item, str):
-                yield _sse(chunk({"content": item}, None))
+            if isinstance(item, PromptDone):
+                continue
+            if isinstance(item, ChoiceDelta):
+                if item.text or item.logprobs:
+                    lp = chat_logprobs(item.logprobs, tokens) if top is not None else None
+                    yield _sse(chunk(item.index, {"content": item.text}, None, lp))
+                if item.finish_reason:
+                    finish = "tool_calls" if item.index in called else item.finish_reason
+                    yield _sse(chunk(item.index, {}, finish))
                 continue
             if isinstance(item, CallsFound):
-                called = True
+                called.add(item.index)
                 for delta in openai_call_deltas(item):
-                    yield _sse(chunk(delta, None))
+                    yield _sse(chunk(item.index, delta, None))
                 continue
             state.record(request, tenant, item, text, kwargs.get("ttl_s"), body.prompt_cache_key)
-            yield _sse(chunk({}, "tool_calls" if called else item.finish_reason))
             if include_usage:
-                final = chunk({}, None)
+                final = chunk(0, {}, None)
                 final["choices"] = []
                 final["usage"] = openai_usage(item.usage)
                 yield _sse(final)
@@ -213,10 +257,20 @@ async def chat_completions(
 async def completions(body: CompletionRequest, request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
     state = get_state(request)
     state.check_model(body.model)
-    if body.echo:
-        raise bad_request("'echo' is not supported: remove it or set it to false.", param="echo")
     if body.suffix:
         raise bad_request("'suffix' is not supported: remove it.", param="suffix")
+    n = choices_count(state, body)
+    if body.best_of is not None and body.best_of != n:
+        raise bad_request(
+            "'best_of' is not supported: every choice is returned; remove it or set it equal to 'n'.",
+            param="best_of",
+        )
+    if body.echo and body.logprobs is not None:
+        raise bad_request(
+            "'echo' with 'logprobs' is not supported: the prompt's logprobs need every prompt position's "
+            "logits, and positions read from the cache have none. Drop 'echo' or 'logprobs'.",
+            param="echo",
+        )
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -228,9 +282,19 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
     else:
         kwargs = {"prompt_token_ids": list(prompt)}
         text = {}
-    kwargs.update(max_tokens=body.max_tokens or 16, **sampling_kwargs(body, tenant))
+    echo = ""
+    if body.echo:
+        ids = kwargs.get("prompt_token_ids")
+        echo = prompt if isinstance(prompt, str) else await state.bridge.run(lambda: state.bridge.decode(ids))
+    kwargs.update(max_tokens=body.max_tokens or 16, n=n, logprobs=body.logprobs,
+                  **sampling_kwargs(body, tenant))
     rid = f"cmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
+    tokens = state.bridge.token_text
+
+    def logprobs(entries: Any) -> Any:
+        return completion_logprobs(entries, tokens, len(echo)) if entries is not None else None
+
     if not body.stream:
         fin = await state.bridge.generate(kwargs, request.is_disconnected)
         state.record(request, tenant, fin, text, kwargs.get("ttl_s"), body.prompt_cache_key)
@@ -241,38 +305,49 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
                 "created": created,
                 "model": state.model_name,
                 "system_fingerprint": None,
-                "choices": [{"text": fin.text, "index": 0, "logprobs": None, "finish_reason": fin.finish_reason}],
+                "choices": [
+                    {"text": echo + c.text, "index": c.index, "logprobs": logprobs(c.logprobs),
+                     "finish_reason": c.finish_reason}
+                    for c in fin.choices
+                ],
                 "usage": openai_usage(fin.usage),
             }
         )
     agen, first = await _start_stream(state, kwargs)
     include_usage = body.include_usage
 
-    def chunk(text_delta: str, finish: str | None) -> dict[str, Any]:
+    def chunk(index: int, text_delta: str, finish: str | None, lp: Any = None) -> dict[str, Any]:
         c: dict[str, Any] = {
             "id": rid,
             "object": "text_completion",
             "created": created,
             "model": state.model_name,
             "system_fingerprint": None,
-            "choices": [{"text": text_delta, "index": 0, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"text": text_delta, "index": index, "logprobs": lp, "finish_reason": finish}],
         }
         if include_usage:
             c["usage"] = None
         return c
 
     async def events() -> AsyncIterator[str]:
+        for index in range(n if echo else 0):
+            yield _sse(chunk(index, echo, None))
         async for item in _items(agen, first):
             if isinstance(item, APIError):
                 yield _sse(openai_error_body(item))
                 return
-            if isinstance(item, str):
-                yield _sse(chunk(item, None))
+            if isinstance(item, PromptDone):
+                continue
+            if isinstance(item, ChoiceDelta):
+                if item.text or item.logprobs:
+                    lp = logprobs(item.logprobs) if body.logprobs is not None else None
+                    yield _sse(chunk(item.index, item.text, None, lp))
+                if item.finish_reason:
+                    yield _sse(chunk(item.index, "", item.finish_reason))
                 continue
             state.record(request, tenant, item, text, kwargs.get("ttl_s"), body.prompt_cache_key)
-            yield _sse(chunk("", item.finish_reason))
             if include_usage:
-                final = chunk("", None)
+                final = chunk(0, "", None)
                 final["choices"] = []
                 final["usage"] = openai_usage(item.usage)
                 yield _sse(final)

@@ -30,6 +30,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from prefixcache.engine.types import ChoiceDelta, PromptDone
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Finished, Usage
 from prefixcache.server.errors import APIError, bad_request
@@ -275,9 +276,12 @@ async def create_response(
             if isinstance(item, APIError):
                 yield events.emit("error", code=item.code, message=item.message, param=item.param)
                 return
-            if isinstance(item, str):
-                for event in events.text(item):
-                    yield event
+            if isinstance(item, PromptDone):
+                continue  # the prompt is prefilled; response.created went out already
+            if isinstance(item, ChoiceDelta):  # the one choice: text (calls are taken out)
+                if item.text:
+                    for event in events.text(item.text):
+                        yield event
             elif isinstance(item, CallsFound):
                 for event in events.calls(item):
                     yield event

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible routes (pydantic; the OpenAPI schema comes from here).
 
 Unknown fields are ignored, as the hosted API's clients send many optional ones. Fields that
-would change the answer and that this server cannot honour (``n`` > 1, non-function tools) are
-refused.
+would change the answer and that this server cannot honour (non-function tools, ``suffix``,
+``best_of`` other than ``n``, ``echo`` with ``logprobs``, ``logprobs`` with parsed tool calls)
+are refused by the routes with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -72,16 +73,21 @@ class _CachedGeneration(BaseModel):
         None, description="Recorded (trace log) for routing; caching is automatic on every full prompt block."
     )
     prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
-        None, description="'in_memory': the default TTL (5 minutes, refreshed on use); '24h': the 24-hour class."
+        None,
+        description="'in_memory': the default TTL (5 minutes, refreshed on use); '24h': the 24-hour class.",
     )
 
 
 class _Sampling(_CachedGeneration):
-    top_k: Annotated[StrictInt, Field(ge=0)] | None = Field(None, description="Extension: sample from the k most likely tokens (0: off).")
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = Field(
+        None, description="Extension: sample from the k most likely tokens (0: off)."
+    )
     seed: StrictInt | None = None
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
     stream_options: StreamOptions | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=1)] | None = Field(None, description="Only 1 is supported.")
+    n: Annotated[StrictInt, Field(ge=1)] | None = Field(
+        None, description="Choices decoded from one prefill of the prompt; at most the server's --max-batch."
+    )
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -131,6 +137,12 @@ class ChatCompletionRequest(_Sampling):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    logprobs: StrictBool | None = Field(
+        None, description="Each output token's logprob under the model (before temperature, top-p, top-k)."
+    )
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = Field(
+        None, description="With logprobs: the most likely alternatives per token (0-20)."
+    )
 
 
 class CompletionRequest(_Sampling):
@@ -142,3 +154,7 @@ class CompletionRequest(_Sampling):
     max_tokens: MaxTokens | None = 16
     echo: StrictBool | None = False
     suffix: StrictStr | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = Field(
+        None, description="Each output token's log-probability and the k (0-5) most likely alternatives."
+    )
+    best_of: Annotated[StrictInt, Field(ge=1)] | None = Field(None, description="Only equal to n (or unset).")

@@ -1,14 +1,18 @@
 """A generation's reply with its tool calls, in each API's shape.
 
-    reply = parse_reply(fin.text, rendered, config)            # whole answers
-    async for item in split_stream(items, rendered, config):   # streams: str, CallsFound, Finished, APIError
+    reply = parse_reply(choice.text, rendered, config)          # whole answers, per choice
+    async for item in split_stream(items, rendered, config):    # streams (see below)
         ...
 
 Without tools (or with ``tool_choice`` none) the reply is the generated text unchanged and a
 stream passes through untouched. With tools, the parser of :mod:`tool_calls` sees the forced
-reply start (``rendered.assistant_prefix``) followed by the generated text; in a stream, text
-is sent as soon as it cannot belong to a call, and the calls come as one :class:`CallsFound`
-item just before the :class:`Finished` one.
+reply start (``rendered.assistant_prefix``) followed by the generated text. A stream is the
+bridge's choices items (:class:`PromptDone`, :class:`ChoiceDelta`, :class:`Finished`,
+:class:`APIError`); each choice's text goes through its own splitter: text is sent (as a
+``ChoiceDelta`` of that choice) as soon as it cannot belong to a call, and when the choice ends
+its calls come as one :class:`CallsFound` item just before the ``ChoiceDelta`` that carries its
+``finish_reason``. The routes refuse ``logprobs`` when calls are parsed, so the split deltas
+carry none.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from prefixcache.engine.types import ChoiceDelta, PromptDone
 from prefixcache.server.bridge import Finished
 from prefixcache.server.errors import APIError
 from prefixcache.server.tool_calls import (
@@ -32,9 +37,10 @@ from prefixcache.server.tool_prompt import RenderedPrompt, ToolConfig
 
 @dataclass(slots=True)
 class CallsFound:
-    """The calls of a streamed reply, each with the id the API reports it under."""
+    """The calls of a streamed choice (``index``), each with the id the API reports it under."""
 
     calls: list[tuple[str, ParsedCall]]
+    index: int = 0
 
 
 def parse_reply(text: str, rendered: RenderedPrompt, config: ToolConfig) -> ParsedReply:
@@ -49,31 +55,37 @@ def with_ids(calls: list[ParsedCall], id_prefix: str) -> list[tuple[str, ParsedC
 
 
 async def split_stream(
-    items: AsyncIterator[str | Finished | APIError],
+    items: AsyncIterator[PromptDone | ChoiceDelta | Finished | APIError],
     rendered: RenderedPrompt,
     config: ToolConfig,
     id_prefix: str,
-) -> AsyncIterator[str | CallsFound | Finished | APIError]:
-    """The stream's items with tool calls taken out of the text (see the module doc)."""
+) -> AsyncIterator[PromptDone | ChoiceDelta | CallsFound | Finished | APIError]:
+    """The stream's items with tool calls taken out of each choice's text (see the module doc)."""
     if not config.parses_calls:
         async for item in items:
             yield item
         return
-    splitter = ToolCallSplitter(config.names(), rendered.syntax, rendered.assistant_prefix)
+    splitters: dict[int, ToolCallSplitter] = {}
     async for item in items:
-        if isinstance(item, str):
-            safe = splitter.push(item)
-            if safe:
-                yield safe
+        if not isinstance(item, ChoiceDelta):
+            yield item
             continue
-        if isinstance(item, Finished):
-            reply = splitter.finish()
-            rest = reply.text[splitter.sent :]
-            if rest:
-                yield rest
-            if reply.calls:
-                yield CallsFound(with_ids(reply.calls, id_prefix))
-        yield item
+        splitter = splitters.get(item.index)
+        if splitter is None:
+            splitter = ToolCallSplitter(config.names(), rendered.syntax, rendered.assistant_prefix)
+            splitters[item.index] = splitter
+        safe = splitter.push(item.text) if item.text else ""
+        if item.finish_reason is None:
+            if safe:
+                yield ChoiceDelta(item.index, safe)
+            continue
+        reply = splitter.finish()
+        rest = safe + reply.text[splitter.sent :]
+        if rest:
+            yield ChoiceDelta(item.index, rest)
+        if reply.calls:
+            yield CallsFound(with_ids(reply.calls, id_prefix), item.index)
+        yield ChoiceDelta(item.index, "", finish_reason=item.finish_reason)
 
 
 # ---------------------------------------------------------------------------- OpenAI chat
