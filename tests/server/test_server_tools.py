@@ -362,3 +362,82 @@ def test_count_tokens_counts_the_tools(an, scripted):
         with_tools.input_tokens == u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
     )
     assert with_tools.input_tokens > plain.input_tokens
+
+
+# ------------------------------------------------------------ tools with n, logprobs, message_start
+
+OSLO_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+
+
+def test_n_choices_each_parse_their_own_calls_whole_and_streamed(oa, scripted):
+    scripted.reply = [CALL_REPLY, "Sunny all day.", OSLO_CALL]
+    user = [{"role": "user", "content": QUESTION}]
+    r = oa.chat.completions.create(model=MODEL, messages=user, tools=OPENAI_TOOLS, n=3, max_tokens=2)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.finish_reason for c in r.choices] == ["tool_calls", "stop", "tool_calls"]
+    assert [c.message.content for c in r.choices] == ["Let me check.", "Sunny all day.", None]
+    calls = [[(t.function.name, t.function.arguments) for t in c.message.tool_calls or []] for c in r.choices]
+    expected = [[("get_weather", '{"city": "Paris"}')], [], [("get_weather", '{"city": "Oslo"}')]]
+    assert calls == expected
+    assert r.choices[0].message.tool_calls[0].id != r.choices[2].message.tool_calls[0].id
+    assert r.usage.prompt_tokens == len(scripted.results[-1].prompt_token_ids)  # the prompt once
+
+    chunks = list(oa.chat.completions.create(
+        model=MODEL, messages=user, tools=OPENAI_TOOLS, n=3, max_tokens=2, stream=True
+    ))
+    text = {i: "" for i in range(3)}
+    streamed: dict[int, dict[int, list[str]]] = {i: {} for i in range(3)}
+    finish = {}
+    for chunk in chunks:  # the deltas of the three choices arrive interleaved (Scripted)
+        (c,) = chunk.choices
+        text[c.index] += c.delta.content or ""
+        for t in c.delta.tool_calls or []:
+            entry = streamed[c.index].setdefault(t.index, ["", ""])
+            entry[0] += t.function.name or ""
+            entry[1] += t.function.arguments or ""
+        if c.finish_reason:
+            assert c.index not in finish
+            finish[c.index] = c.finish_reason
+    assert text == {0: "Let me check.", 1: "Sunny all day.", 2: ""}
+    assert [[tuple(v) for v in streamed[i].values()] for i in range(3)] == expected
+    assert finish == {0: "tool_calls", 1: "stop", 2: "tool_calls"}
+
+
+def test_logprobs_with_parsed_tool_calls_is_a_400_naming_logprobs(oa, scripted):
+    user = [{"role": "user", "content": QUESTION}]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            oa.chat.completions.create(
+                model=MODEL, messages=user, tools=OPENAI_TOOLS, logprobs=True, stream=stream
+            )
+        assert info.value.body["param"] == "logprobs" and "'logprobs'" in info.value.body["message"]
+    scripted.reply = None  # the model's own tokens: tool_choice none parses no calls, logprobs line up
+    r = oa.chat.completions.create(
+        model=MODEL, messages=user, tools=OPENAI_TOOLS, tool_choice="none", logprobs=True,
+        top_logprobs=2, max_tokens=3, n=2,
+    )
+    assert sum(len(c.logprobs.content) for c in r.choices) == r.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 for c in r.choices for t in c.logprobs.content)
+
+
+def test_anthropic_stream_has_message_start_usage_and_tool_use_blocks(an, scripted):
+    scripted.reply = CALL_REPLY
+    fields = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    seen = []
+    for _ in range(2):  # a miss that writes tools + system, then a hit that reads them
+        with an.messages.stream(
+            model=MODEL, max_tokens=2, system=SYSTEM, tools=ANTHROPIC_TOOLS,
+            messages=[{"role": "user", "content": QUESTION}],
+        ) as stream:
+            events = list(stream)
+            message = stream.get_final_message()
+        assert events[0].type == "message_start"
+        start = events[0].message.usage
+        assert [getattr(start, f) for f in fields] == [getattr(message.usage, f) for f in fields]
+        assert start.output_tokens == 0
+        assert [b.type for b in message.content] == ["text", "tool_use"]
+        assert message.content[0].text == "Let me check." and message.content[1].input == {"city": "Paris"}
+        assert message.stop_reason == "tool_use"
+        seen.append(start)
+    assert seen[0].cache_creation_input_tokens > 0 and seen[0].cache_read_input_tokens == 0
+    assert seen[1].cache_read_input_tokens == seen[0].cache_creation_input_tokens
