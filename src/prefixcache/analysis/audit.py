@@ -223,8 +223,8 @@ def _replay(
     trace: Trace | TraceFeed, cfg: AuditConfig, progress: Callable[[str, int], None] | None
 ) -> np.ndarray:
     """Cached tokens per request from replaying ``trace`` through the real PrefixCache."""
-    on = (lambda k: progress("replay", k)) if progress is not None else None
-    return simulate(trace, _replay_config(cfg), progress=on).cached.astype(np.int64, copy=False)
+    report = (lambda done: progress("replay", done)) if progress is not None else None
+    return simulate(trace, _replay_config(cfg), progress=report).cached.astype(np.int64, copy=False)
 
 
 _FORK_MIN_REQUESTS = 20_000  # below this a fork costs more than running the replay after the scan

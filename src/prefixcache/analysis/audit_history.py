@@ -156,7 +156,8 @@ class EndpointHistory:
 
     ``stairs[endpoint << 40 | run]`` is a staircase (ends, requests): ``requests[p]`` is the first
     request of the endpoint at run positions ``[ends[p-1], ends[p])``; its last end is how far into
-    the run the endpoint has been (a prefix: keys chain). ``first_request[e]``: -1 until one.
+    the run the endpoint has been (a prefix: keys chain). ``first_request[e]``: the endpoint's first
+    request, -1 until it has one.
     """
 
     __slots__ = ("stairs", "first_request")
@@ -177,13 +178,13 @@ class EndpointHistory:
         base = endpoint << 40
         depth = 0
         reference = self.first_request[endpoint]
-        k = len(path)
-        while k:  # from the root down
-            k -= 1
-            run, position = path[k]
+        remaining = len(path)  # path[:remaining] is still to walk; the walk goes from the root down
+        while remaining:
+            remaining -= 1
+            run, position = path[remaining]
             stair = stairs.get(base | run)
             if stair is None:
-                k += 1
+                remaining += 1
                 break
             ends, requests = stair
             reach = ends[-1]
@@ -196,9 +197,9 @@ class EndpointHistory:
             ends.append(position + 1)
             requests.append(request)
             break
-        while k:  # the rest of the path is new to the endpoint
-            k -= 1
-            run, position = path[k]
+        while remaining:  # the rest of the path is new to the endpoint
+            remaining -= 1
+            run, position = path[remaining]
             stairs[base | run] = ([position + 1], [request])
         if reference < 0:
             self.first_request[endpoint] = request
@@ -235,7 +236,7 @@ class PrefixVersions:
             probes.append((keys, depth, ts))
             if len(probes) >= STABLE_PROBE_REQUESTS:
                 self._fix_stable(endpoint)
-        elif stable and len(keys) >= stable:  # (inline: once per request)
+        elif stable and len(keys) >= stable:  # :meth:`_count`, inline: this runs once per request
             versions = self.versions[endpoint]
             version = versions.get(keys[stable - 1])
             if version is None:

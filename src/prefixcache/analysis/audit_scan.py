@@ -183,22 +183,24 @@ class _Windows:
             offset = end
         return out
 
-    def diverge(self, i: int, r: int, start: int, n: int, block: int) -> int:
-        """``_first_diff(tokens(i), tokens(r), start)`` for requests that share exactly
-        ``start // block`` blocks: their first difference is within the next block (else that
-        block would be shared too) or at ``n``, the shorter length, so only that window is compared."""
-        hi = min(start + block, n)
+    def diverge(self, request: int, reference: int, start: int, shorter: int, block: int) -> int:
+        """``_first_diff(tokens(request), tokens(reference), start)`` for requests that share
+        exactly ``start // block`` blocks: their first difference is within the next block (else
+        that block would be shared too) or at ``shorter``, the shorter prompt's length, so only
+        that window is compared."""
+        hi = min(start + block, shorter)
         if hi > start:
             parts = self.feed.parts
-            a = self.window(parts[i], start, hi)
-            b = self.window(parts[r], start, hi)
+            a = self.window(parts[request], start, hi)
+            b = self.window(parts[reference], start, hi)
             if a != b:
+                # Little-endian: the lowest set bit of the XOR lies in the first differing token.
                 x = int.from_bytes(a, "little") ^ int.from_bytes(b, "little")
                 return start + ((x & -x).bit_length() - 1) // (8 * self.token_bytes)
-        if hi == n:
-            return n
-        # A key collision (pragma: no cover): compare the whole prompts.
-        return _first_diff(self.feed.tokens(i), self.feed.tokens(r), start)  # pragma: no cover
+        if hi == shorter:
+            return shorter
+        # Equal keys, unequal tokens (a key collision): compare the whole prompts.
+        return _first_diff(self.feed.tokens(request), self.feed.tokens(reference), start)  # pragma: no cover
 
 
 def _first_diff(a: np.ndarray, b: np.ndarray, start: int) -> int:

@@ -214,14 +214,14 @@ def _replica_row(
 
 def _per_endpoint(trace: Trace, cached: np.ndarray, ttft: np.ndarray) -> list[dict[str, Any]]:
     rows = []
-    for e, name in enumerate(trace.endpoints):
-        mask = trace.endpoint == e
-        q = int(trace.prompt_tokens[mask].sum())
+    for endpoint, name in enumerate(trace.endpoints):
+        mine = trace.endpoint == endpoint
+        prompt_tokens = int(trace.prompt_tokens[mine].sum())
         rows.append({
-            "endpoint": name, "requests": int(mask.sum()), "prompt_tokens": q,
-            "cached_tokens": int(cached[mask].sum()),
-            "hit_rate": float(cached[mask].sum() / q) if q else 0.0,
-            "ttft_s": _pcts(ttft[mask]),
+            "endpoint": name, "requests": int(mine.sum()), "prompt_tokens": prompt_tokens,
+            "cached_tokens": int(cached[mine].sum()),
+            "hit_rate": float(cached[mine].sum() / prompt_tokens) if prompt_tokens else 0.0,
+            "ttft_s": _pcts(ttft[mine]),
         })
     return rows
 
