@@ -39,29 +39,15 @@ import numpy as np
 
 from prefixcache.analysis.audit_findings import endpoint_rows
 from prefixcache.analysis.audit_scan import scan
+from prefixcache.analysis.config import AuditConfig, SimConfig
 from prefixcache.analysis.feed import TraceFeed, TraceUnsorted, can_stream, stream
 from prefixcache.analysis.keychains import paused_gc
-from prefixcache.analysis.simulate import SimConfig, simulate
+from prefixcache.analysis.simulate import simulate
 from prefixcache.analysis.trace import Trace, TraceFormatError, iter_lines, load_trace
-from prefixcache.cache import model_fingerprint
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(slots=True)
-class AuditConfig:
-    ttl_s: float = 300.0
-    block_size: int = 16
-    align_tokens: int | None = None
-    min_shared_tokens: int = 64  # a busting span must sit above this much shared content
-    sample_pairs: int = 48  # pairs per endpoint examined for busting spans
-    pricing: str = "anthropic"
-    tokenizer: str | None = None  # overrides the trace header's
-    stable_quantile: float = 10.0  # percentile of shared depth taken as an endpoint's stable prefix
-    version_min_share: float = 0.01  # a prefix version must serve this share of requests (and 2)
-    fingerprint: str = model_fingerprint("audit", "float32", 16)
-    replay: bool = True  # False: achieved = the trace's cached_tokens (0 where absent), nothing derived
-    always_replay: bool = False  # replay through PrefixCache even where the scan gives the same hits
+__all__ = ["AuditConfig", "AuditResult", "audit", "audit_file"]
 
 
 @dataclass(slots=True)

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from prefixcache.analysis.audit_scan import PrefixVersion, ScanResult
+from prefixcache.analysis.config import AuditConfig
 from prefixcache.analysis.costs import Pricing, pricing_profile
 from prefixcache.analysis.spans import Pair, find_busting
 from prefixcache.analysis.trace import Trace, load_tokenizer
-
-if TYPE_CHECKING:  # (audit imports this module)
-    from prefixcache.analysis.audit import AuditConfig
 
 
 def endpoint_rows(

@@ -19,18 +19,15 @@ import hashlib
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from prefixcache.analysis.config import SimConfig
 from prefixcache.analysis.costs import TokenTotals
 from prefixcache.analysis.feed import TraceFeed
 from prefixcache.analysis.keychains import KeyChains
 from prefixcache.analysis.trace import Trace
 from prefixcache.cache import FakeClock, Namespace, PrefixCache, pack_tokens
-
-if TYPE_CHECKING:  # (simulate imports this module)
-    from prefixcache.analysis.simulate import SimConfig
 
 LONG_TTL_S = 3600  # a write asked to live this long or longer is the 1 h class (priced 2x by anthropic)
 
@@ -194,7 +191,7 @@ def _unpacked(packed: bytes) -> np.ndarray:
 
 
 class _Router:
-    """Picks a replica per request (:data:`~prefixcache.analysis.simulate.ROUTINGS`).
+    """Picks a replica per request (:data:`~prefixcache.analysis.config.ROUTINGS`).
     :meth:`choose` may read the caches but never mutates them."""
 
     def __init__(self, cfg: SimConfig, replicas: _Replicas) -> None:

@@ -26,41 +26,26 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from prefixcache.analysis.costs import CostBreakdown, CostModel, TokenTotals, price, pricing_profile
+from prefixcache.analysis.config import ROUTINGS, SimConfig
+from prefixcache.analysis.costs import CostBreakdown, TokenTotals, price, pricing_profile
 from prefixcache.analysis.feed import TraceFeed, TraceUnsorted, can_stream, stream
 from prefixcache.analysis.keychains import paused_gc
 from prefixcache.analysis.replay_loop import replay_requests
 from prefixcache.analysis.trace import Trace, load_trace
-from prefixcache.cache import PrefixCache, model_fingerprint
+from prefixcache.cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
-ROUTINGS = ("round-robin", "random", "least-loaded", "prefix-affinity", "cache-aware")
-
-
-@dataclass(slots=True)
-class SimConfig:
-    ttl_s: float = 300.0
-    capacity_bytes: int = 16 << 30  # per replica
-    block_size: int = 16
-    # Hits end on a multiple of this and only complete chunks are stored, as in the engine (whose
-    # default prefill chunk is 512); None: the block size (the cache's own granularity).
-    align_tokens: int | None = None
-    replicas: int = 1
-    routing: str = "round-robin"
-    affinity_blocks: int = 4  # K for prefix-affinity
-    seed: int = 0
-    keep_warm: dict[str, int] = field(default_factory=dict)  # endpoint -> prefix tokens
-    cost: CostModel = field(default_factory=CostModel)
-    pricing: tuple[str, ...] = ("anthropic", "openai", "self-hosted")
-    gpu_hour: float = 2.0
-    fingerprint: str = model_fingerprint("sim", "float32", 16)
+__all__ = [
+    "ROUTINGS", "SimConfig", "SimResult", "load_keep_warm", "parse_sweep", "simulate", "simulate_file",
+    "sweep",
+]
 
 
 @dataclass(slots=True)
