@@ -123,12 +123,11 @@ class SeenPrefixes:
                     while times[piece + 1] + ttl > now:
                         piece += 1
                     fresh = depth - position + ends[piece]
-            # Positions [0, position] now share one time, ``now``: the new first piece.
+            # Positions [0, position] now share one time, ``now``: the pieces that ended within
+            # them become one new first piece.
             cut = bisect_right(ends, position + 1)
-            del ends[:cut]
-            del times[:cut]
-            ends.insert(0, position + 1)
-            times.insert(0, now)
+            ends[:cut] = (position + 1,)
+            times[:cut] = (now,)
             depth -= position + 1
             code = parent_of[run]
             run, position = code >> 32, code & _LOW32

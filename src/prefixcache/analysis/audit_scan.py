@@ -163,12 +163,11 @@ class _Windows:
         """Tokens ``[lo, hi)`` of the prompt ``parts``, packed, without assembling the prompt."""
         offset = 0
         out = b""
-        width = self.token_bytes
-        cache = self.cache
+        width, cache, seg_len, packed = self.token_bytes, self.cache, self.seg_len, self.packed
         for segment in parts:
-            end = offset + self.seg_len[segment]
+            end = offset + seg_len[segment]
             if end > lo:
-                data = self.packed[segment] if self.packed is not None else cache.get(segment)
+                data = packed[segment] if packed is not None else cache.get(segment)
                 if data is None:
                     data = self.segments[segment].tobytes()
                     if self.cached_bytes + len(data) > self.budget:

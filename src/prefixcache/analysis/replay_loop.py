@@ -36,13 +36,13 @@ LONG_TTL_S = 3600  # a write asked to live this long or longer is the 1 h class 
 class ReplayOutcome:
     """What the replay measured; columns are per request, in feed order."""
 
-    cached: list[int]  # tokens read from the cache
-    written: list[int]  # tokens written to it
-    replica: list[int]  # where the request went
-    ttft_s: list[float]  # estimated: wait for the replica + own uncached prefill
+    cached: np.ndarray  # int64: tokens read from the cache
+    written: np.ndarray  # int64: tokens written to it
+    replica: np.ndarray  # int16: where the request went
+    ttft_s: np.ndarray  # float64, estimated: wait for the replica + own uncached prefill
     totals: TokenTotals  # written, written_long and keep_warm_reads filled in (not prompt/output/cached)
     caches: list[PrefixCache]  # one per replica, as the replay left them
-    keep_warm_refreshes: int = 0
+    keep_warm_refreshes: int
 
 
 def replay_requests(
@@ -64,12 +64,19 @@ class _Replay:
         self.prompts = _Prompts(feed)
         warm = {feed.endpoints.index(e): p for e, p in cfg.keep_warm.items() if e in feed.endpoints}
         self.keep_warm = _KeepWarm(feed, cfg, warm, self.replicas, self.router) if warm else None
-        self.outcome = ReplayOutcome([], [], [], [], TokenTotals(), self.replicas.caches)
+        self.cached: list[int] = []
+        self.written: list[int] = []
+        self.replica: list[int] = []
+        self.ttft_s: list[float] = []
 
     def run(self, progress: Callable[[int], None] | None) -> ReplayOutcome:
+        """Every request of the feed, in order; then the outcome (see :meth:`_outcome`)."""
         feed, replicas, keep_warm = self.feed, self.replicas, self.keep_warm
         ts, tenant_of, endpoint_of, ttl_of = feed.ts, feed.tenant, feed.endpoint, feed.ttl_s
-        clock, caches, namespace, record = replicas.clock, replicas.caches, replicas.namespace, self._record
+        clock, caches, namespaces = replicas.clock, replicas.caches, replicas.namespaces
+        queue_prefill = replicas.queue_prefill
+        add_cached, add_written = self.cached.append, self.written.append
+        add_replica, add_ttft = self.replica.append, self.ttft_s.append
         prompt = self.prompts.prompt
         choose = self.router.choose if len(caches) > 1 else None
         block_bytes, align = replicas.block_bytes, replicas.align
@@ -82,7 +89,7 @@ class _Replay:
                 clock.set(now)
             packed, tokens = prompt(i)
             n_tokens = len(packed) >> 2
-            ns = namespace(tenant_of[i])
+            ns = namespaces[tenant_of[i]]
             replica = choose(tokens, ns, now, keys, packed) if choose is not None else 0
             ttl = ttl_of[i]
             if ttl != ttl:  # NaN: the cache's default
@@ -94,33 +101,37 @@ class _Replay:
                 ns, keys, packed, nbytes=block_bytes, ttl_s=ttl, align_tokens=align,
                 upto_tokens=(n_tokens // align) * align if whole_chunks else None,
             )
-            record(replica, now, n_tokens, hit, written, ttl)
+            add_cached(hit)
+            add_written(written)
+            add_replica(replica)
+            add_ttft(queue_prefill(replica, now, n_tokens - hit))
             if keep_warm is not None:
                 keep_warm.saw(endpoint_of[i], packed, tokens, ns, now)
             if progress is not None and i % 5000 == 0:
                 progress(i)
-        if keep_warm is not None:
-            self.outcome.totals.keep_warm_reads = keep_warm.reads
-            self.outcome.keep_warm_refreshes = keep_warm.refreshes
-        return self.outcome
+        return self._outcome()
 
-    def _record(
-        self, replica: int, now: float, n_tokens: int, hit: int, written: int, ttl: float | None
-    ) -> None:
-        """A request's columns, its write class, and its place in the replica's prefill queue."""
-        out = self.outcome
-        out.cached.append(hit)
-        out.written.append(written)
-        out.replica.append(replica)
-        if (ttl >= LONG_TTL_S) if ttl is not None else self.replicas.default_ttl_is_long:
-            out.totals.written_long += written
-        else:
-            out.totals.written += written
-        busy = self.replicas.busy
-        start = now if now > busy[replica] else busy[replica]
-        work = (n_tokens - hit) / self.replicas.prefill_tps
-        busy[replica] = start + work
-        out.ttft_s.append(start - now + work)
+    def _outcome(self) -> ReplayOutcome:
+        """The columns as arrays; written tokens split by TTL class (a request without its own TTL
+        gets the cache's default)."""
+        written = np.asarray(self.written, dtype=np.int64)
+        ttl = np.asarray(self.feed.ttl_s[: len(written)], dtype=np.float64)
+        long_class = np.where(np.isnan(ttl), self.replicas.default_ttl_is_long, ttl >= LONG_TTL_S)
+        totals = TokenTotals(written=int(written[~long_class].sum()),
+                             written_long=int(written[long_class].sum()))
+        refreshes = 0
+        if self.keep_warm is not None:
+            totals.keep_warm_reads = self.keep_warm.reads
+            refreshes = self.keep_warm.refreshes
+        return ReplayOutcome(
+            cached=np.asarray(self.cached, dtype=np.int64),
+            written=written,
+            replica=np.asarray(self.replica, dtype=np.int16),
+            ttft_s=np.asarray(self.ttft_s, dtype=np.float64),
+            totals=totals,
+            caches=self.replicas.caches,
+            keep_warm_refreshes=refreshes,
+        )
 
 
 class _Replicas:
@@ -139,17 +150,31 @@ class _Replicas:
         self.align = cfg.align_tokens or cfg.block_size
         self.prefill_tps = cfg.cost.prefill_tps
         self.default_ttl_is_long = cfg.ttl_s >= LONG_TTL_S
-        self.fingerprint = cfg.fingerprint
-        self.feed = feed  # (whose tenants grow as a stream is read)
-        self.namespaces: list[Namespace] = []  # by tenant id, made as tenants appear
+        self.namespaces = _Namespaces(cfg.fingerprint, feed)
 
-    def namespace(self, tenant: int) -> Namespace:
-        try:
-            return self.namespaces[tenant]
-        except IndexError:
-            self.namespaces.extend(Namespace.create(self.fingerprint, tenant=name, salt=f"tenant:{name}")
-                                   for name in self.feed.tenants[len(self.namespaces):])
-            return self.namespaces[tenant]
+    def queue_prefill(self, replica: int, now: float, tokens: int) -> float:
+        """Queue ``tokens`` of prefill at ``replica`` (FIFO, one request at a time) at ``now``;
+        returns the request's estimated TTFT: its wait plus its own prefill."""
+        busy = self.busy
+        start = now if now > busy[replica] else busy[replica]
+        work = tokens / self.prefill_tps
+        busy[replica] = start + work
+        return start - now + work
+
+
+class _Namespaces(dict[int, Namespace]):
+    """Tenant id -> the tenant's namespace (salted as the server does), made on first use, so
+    that a request's lookup is one plain dict lookup."""
+
+    def __init__(self, fingerprint: str, feed: TraceFeed) -> None:
+        super().__init__()
+        self.fingerprint = fingerprint
+        self.feed = feed  # (whose tenant names grow as a stream is read)
+
+    def __missing__(self, tenant: int) -> Namespace:
+        name = self.feed.tenants[tenant]
+        namespace = self[tenant] = Namespace.create(self.fingerprint, tenant=name, salt=f"tenant:{name}")
+        return namespace
 
 
 class _Prompts:

@@ -173,10 +173,7 @@ def _simulate(feed: TraceFeed, cfg: SimConfig, progress: Callable[[int], None] |
     totals = outcome.totals
     totals.prompt = int(trace.prompt_tokens.sum())
     totals.output = int(trace.output_tokens.sum())
-    cached = np.asarray(outcome.cached, dtype=np.int64)
-    written = np.asarray(outcome.written, dtype=np.int64)
-    replica = np.asarray(outcome.replica, dtype=np.int16)
-    ttft = np.asarray(outcome.ttft_s, dtype=np.float64)
+    cached, written, replica, ttft = outcome.cached, outcome.written, outcome.replica, outcome.ttft_s
     totals.cached = int(cached.sum())
     endpoints = _per_endpoint(trace, cached, ttft)
     replicas = [_replica_row(trace, r, cache, replica == r, cached) for r, cache in enumerate(outcome.caches)]
