@@ -131,7 +131,7 @@ class SeenPrefixes:
             depth -= position + 1
             code = parent_of[run]
             run, position = code >> 32, code & _LOW32
-        return path, gap, max(fresh, 0)
+        return path, gap, (fresh if fresh > 0 else 0)
 
     def add_run(self, keys: list[bytes], shared: int, parent: tuple[int, int] | None, now: float) -> int:
         """Store ``keys[shared:]`` as a new run under ``parent`` (run, position; None at depth 0),

@@ -99,19 +99,23 @@ class _Scan:
                 endpoints = self._add_endpoints(endpoints, endpoint)
             shared, deepest_run, deepest_position = longest_prefix(keys)
             path: RunPath = []
+            # (Conditional expressions, not min(): a builtin call costs more, 10^6 times.)
             if shared:
                 path, gap_s[i], fresh = touch(shared, deepest_run, deepest_position, now)
-                cap = (max(prompt_tokens[i] - 1, 0) // align) * align // block  # blocks a hit may cover
-                within_ttl[i] = (min(fresh, cap) * block // align) * align
-                achievable[i] = (min(shared, cap) * block // align) * align
+                # Blocks a hit may cover: it leaves one token to compute and ends aligned (a
+                # shared block means the prompt has at least one token).
+                cap = ((prompt_tokens[i] - 1) // align) * align // block
+                within_ttl[i] = ((fresh if fresh < cap else cap) * block // align) * align
+                achievable[i] = ((shared if shared < cap else cap) * block // align) * align
             depth, reference = closest_earlier(endpoint, path, i)
             if shared < len(keys):
                 new_run = add_run(keys, shared, path[0] if shared else None, now)
                 note_new_run(endpoint, new_run, len(keys) - shared, i)
             if reference >= 0:
                 reference_of[i] = reference
-                common = min(prompt_tokens[i], prompt_tokens[reference])
-                diverge[i] = first_diff(i, reference, depth * block, common, block)
+                n_tokens, reference_tokens = prompt_tokens[i], prompt_tokens[reference]
+                shorter = n_tokens if n_tokens < reference_tokens else reference_tokens
+                diverge[i] = first_diff(i, reference, depth * block, shorter, block)
             observe_version(endpoint, keys, depth, now)
             if progress is not None and i % 5000 == 0:
                 progress("scan", i)

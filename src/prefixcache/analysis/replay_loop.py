@@ -30,6 +30,8 @@ from prefixcache.analysis.trace import Trace
 from prefixcache.cache import FakeClock, Namespace, PrefixCache, pack_tokens
 
 LONG_TTL_S = 3600  # a write asked to live this long or longer is the 1 h class (priced 2x by anthropic)
+_LONG_SEGMENT_BYTES = 1024  # a loaded trace's segments this long (shared system prompts) stay packed
+_MAX_KEPT_SEGMENTS = 4096  # packed segments kept, before the memo starts over
 
 
 @dataclass(slots=True)
@@ -181,9 +183,6 @@ class _Prompts:
     """A request's prompt as packed bytes (what the cache compares) and, when it is one segment,
     as that segment's token array (else None: callers that need tokens unpack the bytes)."""
 
-    _LONG_SEGMENT_BYTES = 1024  # segments this long (shared system prompts) stay packed
-    _MAX_KEPT = 4096  # packed segments kept, before the memo starts over
-
     def __init__(self, feed: TraceFeed) -> None:
         self.parts = feed.parts
         self.segments = feed.segments
@@ -201,13 +200,15 @@ class _Prompts:
         return b"".join(map(self.packed_segment, parts)), None
 
     def _pack(self, segment: int) -> bytes:
-        packed = self.kept.get(segment)
+        """A loaded trace's segment, packed (called per segment of every prompt: kept lean)."""
+        kept = self.kept
+        packed = kept.get(segment)
         if packed is None:
             packed = self.segments[segment].tobytes()
-            if len(packed) >= self._LONG_SEGMENT_BYTES:
-                if len(self.kept) >= self._MAX_KEPT:
-                    self.kept.clear()
-                self.kept[segment] = packed
+            if len(packed) >= _LONG_SEGMENT_BYTES:
+                if len(kept) >= _MAX_KEPT_SEGMENTS:
+                    kept.clear()
+                kept[segment] = packed
         return packed
 
 
