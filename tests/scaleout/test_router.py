@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from prefixcache.router import Policy, Router, RouterConfig, create_router_app, prefix_key, usage_from
-from prefixcache.router.app import SSEUsage
+from prefixcache.router.proxy import SSEUsage
 
 from .conftest import ServerThread
 

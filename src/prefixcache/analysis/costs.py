@@ -163,7 +163,8 @@ def price(t: TokenTotals, p: Pricing, model: CostModel) -> CostBreakdown:
         inp = model.prefill_s(t.uncached) * per_s
         out = t.output / model.decode_tps * per_s
         kw = model.prefill_s(0) * per_s  # a refresh computes one token: negligible
-        return CostBreakdown(p.name, inp, 0.0, 0.0, out, kw, inp + out + kw, model.prefill_s(t.prompt) * per_s + out)
+        no_cache = model.prefill_s(t.prompt) * per_s + out
+        return CostBreakdown(p.name, inp, 0.0, 0.0, out, kw, inp + out + kw, no_cache)
     m = p.input_per_mtok / 1e6
     writes = t.written + t.written_long
     plain = max(t.uncached - writes, 0)
@@ -180,7 +181,8 @@ def parse_size(text: str) -> int:
     s = text.strip().lower().replace(" ", "")
     if s in ("inf", "unbounded", "none"):
         return 1 << 62
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "b": 1}
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+             "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "b": 1}
     for u, mult in units.items():
         if s.endswith(u):
             return int(float(s[: -len(u)]) * mult)

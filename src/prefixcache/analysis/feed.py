@@ -89,7 +89,8 @@ class TraceFeed:
         self.parts: list[tuple[int, ...]] = []
         self.segments: list[np.ndarray] = []
         self.seg_len: list[int] = []
-        self.seg_bytes: list[bytes] | None = None  # streams: each segment packed (the arrays are views of these)
+        # Streams: each segment packed (the arrays are views of these).
+        self.seg_bytes: list[bytes] | None = None
         self.tenants: list[str] = []
         self.endpoints: list[str] = []
         self.position = 0  # bytes of the file read (streams), for progress bars
@@ -232,7 +233,9 @@ class _Receiver:
             if _is_parent(self.proc):
                 self.proc.join(5)
                 code = self.proc.exitcode
-            raise RuntimeError(f"the trace reader process stopped without finishing (exit code {code})") from None
+            raise RuntimeError(
+                f"the trace reader process stopped without finishing (exit code {code})"
+            ) from None
         return pickle.loads(data)
 
     def serve(self, feed: TraceFeed) -> Iterator[list[bytes]]:
@@ -333,7 +336,9 @@ class _Writer(threading.Thread):
         self.conn.close()
 
 
-def _reader_main(path: Path, tokenizer: str | None, block_size: int, fingerprint: str, pipes: list[Any]) -> None:
+def _reader_main(
+    path: Path, tokenizer: str | None, block_size: int, fingerprint: str, pipes: list[Any]
+) -> None:
     for r, _ in pipes:
         r.close()
     writers = [_Writer(w) for _, w in pipes]
@@ -366,7 +371,9 @@ def _reader_main(path: Path, tokenizer: str | None, block_size: int, fingerprint
             w.join()
 
 
-def _read(path: Path, tokenizer: str | None, block_size: int, fingerprint: str, send: Callable[[str, Any], None]) -> None:
+def _read(
+    path: Path, tokenizer: str | None, block_size: int, fingerprint: str, send: Callable[[str, Any], None]
+) -> None:
     b = _Builder(tokenizer)
     where = str(path)
     segments: list[np.ndarray] = []
@@ -388,9 +395,9 @@ def _read(path: Path, tokenizer: str | None, block_size: int, fingerprint: str, 
             first_line = lineno + 1
             lineno += len(chunk)
             eof = len(chunk) < CHUNK_LINES
-            cols = [np.asarray(v, dtype=dt) for v, dt in zip(
-                (b.c_ts, b.c_tenant, b.c_endpoint, b.c_prompt, b.c_out, b.c_cached, b.c_has, b.c_ttft, b.c_ttl),
-                _DTYPES, strict=True)]
+            built = (b.c_ts, b.c_tenant, b.c_endpoint, b.c_prompt, b.c_out, b.c_cached, b.c_has, b.c_ttft,
+                     b.c_ttl)
+            cols = [np.asarray(v, dtype=dt) for v, dt in zip(built, _DTYPES, strict=True)]
             parts = b.parts
             b.c_ts, b.c_tenant, b.c_endpoint, b.c_prompt, b.c_out = [], [], [], [], []
             b.c_cached, b.c_has, b.c_ttft, b.c_ttl, b.parts = [], [], [], [], []
@@ -437,7 +444,9 @@ def _read(path: Path, tokenizer: str | None, block_size: int, fingerprint: str, 
             walk = chains.walk(zip(map(roots.__getitem__, cols[1].tolist()), parts, strict=True))
             n_sent += len(parts)
             if len(parts) or seg_len or tenants or endpoints or header is not None:
-                send("batch", _Batch(raw.tell(), tuple(cols), parts, seg_data, seg_len, tenants, endpoints, header, walk))
+                batch = _Batch(raw.tell(), tuple(cols), parts, seg_data, seg_len, tenants, endpoints, header,
+                               walk)
+                send("batch", batch)
             if eof:
                 break
     if not n_sent:

@@ -59,7 +59,8 @@ _P = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)  # odd per-lane multipliers
 _P_INV = tuple(pow(p, -1, 1 << 64) for p in _P)
 _MIX_ADD, _MIX_MUL = np.uint64(0x632BE59BD9B4E019), np.uint64(0xFF51AFD7ED558CCD)
 _S33 = np.uint64(33)
-_BATCH_TOKENS = 1 << 16  # distinct segment tokens per batch: its arrays stay in cache (1 << 20 was ~40% slower)
+# Distinct segment tokens per batch: its arrays stay in cache (1 << 20 was ~40% slower).
+_BATCH_TOKENS = 1 << 16
 
 # Trie node: [children {segment id: node}, keys, offset in tokens, lane 1, lane 2, id] (fingerprints;
 # the id serves :meth:`KeyChains.walk`, roots are -1) or [children, keys, leftover tokens short of a
@@ -114,7 +115,8 @@ class KeyChains:
     """
 
     def __init__(
-        self, segments: Sequence[np.ndarray], block_size: int, max_states: int = 100_000, *, hasher: str = "sha256"
+        self, segments: Sequence[np.ndarray], block_size: int, max_states: int = 100_000, *,
+        hasher: str = "sha256",
     ) -> None:
         if hasher not in ("fingerprint", "sha256"):
             raise ValueError(f"hasher must be 'fingerprint' or 'sha256', not {hasher!r}")
@@ -297,7 +299,9 @@ class KeyChains:
         self._next_id = next_id
         return out, new, seg_list
 
-    def _compute(self, new: list[tuple[_Node, _Node, int]], seg_list: list[int]) -> tuple[np.ndarray, list[int]]:
+    def _compute(
+        self, new: list[tuple[_Node, _Node, int]], seg_list: list[int]
+    ) -> tuple[np.ndarray, list[int]]:
         """Chain states of the batch's new nodes; returns their new keys, laid end to end in
         ``new`` order (uint64 [keys, 2]: the two lanes), and how many each node adds."""
         B = self.B
@@ -360,7 +364,8 @@ class KeyChains:
             total = int(c.sum())
             first = np.zeros(len(cnt), dtype=np.int64)
             np.cumsum(c[:-1], out=first[1:])
-            rows = np.arange(total, dtype=np.int64) * B + np.repeat(np.array(row0, dtype=np.int64) - B * first, c)
+            starts = np.array(row0, dtype=np.int64) - B * first
+            rows = np.arange(total, dtype=np.int64) * B + np.repeat(starts, c)
             o_arr = np.array(offs, dtype=np.int64)
             b_arr = np.array(base, dtype=np.int64)
             vals = np.empty((total, 2), dtype="<u8")

@@ -45,7 +45,8 @@ def _png(fig: Figure) -> bytes:
 def print_audit(res: AuditResult, console: Console) -> None:
     """The audit as tables: overview, busting spans, stability and TTL, keep-warm."""
     console.print(
-        f"[bold]Audit[/bold] {len(res.ts):,} requests, TTL {res.config.ttl_s:g} s, block {res.config.block_size}: "
+        f"[bold]Audit[/bold] {len(res.ts):,} requests, TTL {res.config.ttl_s:g} s, "
+        f"block {res.config.block_size}: "
         f"hit rate [bold]{_pct(res.hit_rate)}[/bold] of an achievable {_pct(res.achievable_hit_rate)} "
         f"[dim](achieved from {res.achieved_source})[/dim]"
     )
@@ -66,7 +67,8 @@ def print_audit(res: AuditResult, console: Console) -> None:
     spans = [(e["endpoint"], b) for e in res.endpoints for b in e["busting"]]
     if spans:
         bt = Table(title="Cache-busting spans (variable content above shared content)", title_justify="left")
-        for col in ("endpoint", "token", "length", "kind", "example", "tokens lost/request", "saving if moved below"):
+        for col in ("endpoint", "token", "length", "kind", "example", "tokens lost/request",
+                    "saving if moved below"):
             bt.add_column(col)
         for name, b in spans:
             bt.add_row(
@@ -75,7 +77,9 @@ def print_audit(res: AuditResult, console: Console) -> None:
                 f"{b['saving_tokens_if_moved_below']:,.0f} tok (${b['saving_usd_if_moved_below']:,.2f})",
             )
         console.print(bt)
-        console.print("[yellow]Fix:[/yellow] move each variable value below the stable content (end of the prompt).")
+        console.print(
+            "[yellow]Fix:[/yellow] move each variable value below the stable content (end of the prompt)."
+        )
     else:
         console.print("[green]No cache-busting spans found.[/green]")
     for e in res.endpoints:
@@ -90,8 +94,9 @@ def print_audit(res: AuditResult, console: Console) -> None:
         if e["keep_warm"]:
             console.print(
                 f"[bold]{e['endpoint']}[/bold]: keep warm: {e['keep_warm_refreshes']:,} refreshes of "
-                f"{e['keep_warm_prefix_tokens']:,} tokens cost {e['keep_warm_cost_tokens']:,.0f} token-equivalents, "
-                f"save {e['keep_warm_saved_tokens']:,.0f} ({e['ttl_expired_requests']:,} requests lost to the TTL)."
+                f"{e['keep_warm_prefix_tokens']:,} tokens cost {e['keep_warm_cost_tokens']:,.0f} "
+                f"token-equivalents, save {e['keep_warm_saved_tokens']:,.0f} "
+                f"({e['ttl_expired_requests']:,} requests lost to the TTL)."
             )
 
 
@@ -156,7 +161,9 @@ def plot_divergence(res: AuditResult) -> Figure:
     return fig
 
 
-AUDIT_PLOTS = {"hit_rate_over_time": plot_hit_rate_over_time, "reuse_gaps": plot_gaps, "divergence": plot_divergence}
+AUDIT_PLOTS = {
+    "hit_rate_over_time": plot_hit_rate_over_time, "reuse_gaps": plot_gaps, "divergence": plot_divergence,
+}
 
 
 def save_audit_plots(res: AuditResult, folder: str | Path, prefix: str = "audit_") -> list[Path]:
@@ -180,7 +187,8 @@ def audit_html(res: AuditResult, path: str | Path) -> Path:
     rows = "".join(
         "<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in (
             e["endpoint"], e["requests"], _pct(e["hit_rate"]), _pct(e["achievable_hit_rate"]),
-            len(e["busting"]), e["prefix_versions"], e["ttl_expired_requests"], "yes" if e["keep_warm"] else "no",
+            len(e["busting"]), e["prefix_versions"], e["ttl_expired_requests"],
+            "yes" if e["keep_warm"] else "no",
         )) + "</tr>"
         for e in res.endpoints
     )
@@ -215,23 +223,27 @@ def print_sim(res: SimResult, console: Console) -> None:
     d = res.as_dict()
     console.print(
         f"[bold]Simulation[/bold] {d['requests']:,} requests, TTL {c.ttl_s:g} s, capacity "
-        f"{c.capacity_bytes / 2**30:,.1f} GiB x {c.replicas} replica(s), routing {c.routing}, block {c.block_size}"
+        f"{c.capacity_bytes / 2**30:,.1f} GiB x {c.replicas} replica(s), routing {c.routing}, "
+        f"block {c.block_size}"
         + (f", keep-warm {', '.join(c.keep_warm)}" if c.keep_warm else "")
     )
     t = Table(show_header=False)
     t.add_row("hit rate", f"[bold]{_pct(res.hit_rate)}[/bold]")
-    t.add_row("prompt / cached / prefilled tokens", f"{d['prompt_tokens']:,} / {d['cached_tokens']:,} / {d['prefilled_tokens']:,}")
+    t.add_row("prompt / cached / prefilled tokens",
+              f"{d['prompt_tokens']:,} / {d['cached_tokens']:,} / {d['prefilled_tokens']:,}")
     t.add_row("prefill time", f"{d['prefill_s']:,.0f} s at {c.cost.prefill_tps:g} tok/s ({c.cost.source})")
     tt = d["ttft_s"]
     t.add_row("estimated TTFT", f"mean {tt['mean']:.2f} s, p50 {tt['p50']:.2f} s, p95 {tt['p95']:.2f} s")
     if c.keep_warm:
-        t.add_row("keep-warm refreshes", f"{res.keep_warm_refreshes:,} ({d['keep_warm_read_tokens']:,} tokens read)")
+        t.add_row("keep-warm refreshes",
+                  f"{res.keep_warm_refreshes:,} ({d['keep_warm_read_tokens']:,} tokens read)")
     console.print(t)
     et = Table(title="Per endpoint", title_justify="left")
     for col in ("endpoint", "requests", "hit rate", "TTFT p50", "TTFT p95"):
         et.add_column(col, justify="left" if col == "endpoint" else "right")
     for e in res.endpoints:
-        et.add_row(e["endpoint"], f"{e['requests']:,}", _pct(e["hit_rate"]), f"{e['ttft_s']['p50']:.2f} s", f"{e['ttft_s']['p95']:.2f} s")
+        et.add_row(e["endpoint"], f"{e['requests']:,}", _pct(e["hit_rate"]), f"{e['ttft_s']['p50']:.2f} s",
+                   f"{e['ttft_s']['p95']:.2f} s")
     console.print(et)
     if c.replicas > 1:
         rt = Table(title="Per replica", title_justify="left")
@@ -243,17 +255,20 @@ def print_sim(res: SimResult, console: Console) -> None:
                        f"{ev.get('capacity', 0):,}/{ev.get('ttl', 0):,}")
         console.print(rt)
     ct = Table(title="Cost", title_justify="left")
-    for col in ("pricing", "input", "cache writes", "cache reads", "output", "keep-warm", "total", "without cache", "saving"):
+    for col in ("pricing", "input", "cache writes", "cache reads", "output", "keep-warm", "total",
+                "without cache", "saving"):
         ct.add_column(col, justify="right")
     for x in res.costs:
-        ct.add_row(x.profile, *(f"${v:,.2f}" for v in (x.input_usd, x.cache_write_usd, x.cache_read_usd, x.output_usd,
-                                                       x.keep_warm_usd, x.total_usd, x.no_cache_usd)), _pct(x.saving))
+        dollars = (x.input_usd, x.cache_write_usd, x.cache_read_usd, x.output_usd, x.keep_warm_usd,
+                   x.total_usd, x.no_cache_usd)
+        ct.add_row(x.profile, *(f"${v:,.2f}" for v in dollars), _pct(x.saving))
     console.print(ct)
 
 
 def print_sweep(name: str, labels: list[str], results: list[SimResult], console: Console) -> None:
     t = Table(title=f"Sweep over {name}", title_justify="left")
-    for col in ("value", "hit rate", "prefilled tokens", "TTFT p50", "TTFT p95", *[f"{p} $" for p in results[0].config.pricing]):
+    for col in ("value", "hit rate", "prefilled tokens", "TTFT p50", "TTFT p95",
+                *[f"{p} $" for p in results[0].config.pricing]):
         t.add_column(col, justify="right")
     for label, r in zip(labels, results, strict=True):
         d = r.as_dict()
@@ -274,8 +289,8 @@ def plot_sweep(name: str, labels: list[str], values: list[float], results: list[
     if results[0].costs:
         ax2 = ax.twinx()
         for k, prof in enumerate(results[0].config.pricing):
-            ax2.plot(values, [r.costs[k].total_usd for r in results], marker="s", linestyle="--", label=f"{prof} $",
-                     color=("tab:red", "tab:orange", "tab:green", "tab:purple")[k % 4])
+            ax2.plot(values, [r.costs[k].total_usd for r in results], marker="s", linestyle="--",
+                     label=f"{prof} $", color=("tab:red", "tab:orange", "tab:green", "tab:purple")[k % 4])
         ax2.set_ylabel("cost ($)")
         ax2.legend(loc="lower right", fontsize="small")
     ax.set_title(f"Hit rate and cost against {name}")

@@ -64,11 +64,15 @@ class Finding:
             "examples": seen[:3],
             "tokens_lost_per_request": lost,
             "share_of_requests": len(self.shared_after) / sampled if sampled else 0.0,
-            "saving_tokens_if_moved_below": lost * requests * (len(self.shared_after) / sampled if sampled else 0.0),
+            "saving_tokens_if_moved_below": (
+                lost * requests * (len(self.shared_after) / sampled if sampled else 0.0)
+            ),
         }
 
 
-def resync(a: np.ndarray, b: np.ndarray, d: int, *, probe: int = 16, max_span: int = 256) -> tuple[int, int, int] | None:
+def resync(
+    a: np.ndarray, b: np.ndarray, d: int, *, probe: int = 16, max_span: int = 256
+) -> tuple[int, int, int] | None:
     """Where ``a`` and ``b`` (equal before ``d``) agree again: ``(span_a, span_b, shared)``.
 
     Returns the smallest ``span_b`` (then the nearest ``span_a``) such that

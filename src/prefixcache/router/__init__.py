@@ -9,9 +9,11 @@
 from __future__ import annotations
 
 from prefixcache.router.affinity import PrefixKey, prefix_key, render_prompt
-from prefixcache.router.app import RouterConfig, create_router_app, usage_from
+from prefixcache.router.app import create_router_app
+from prefixcache.router.config import RouterConfig
 from prefixcache.router.keepwarm import KeepWarm, WarmPrefix
 from prefixcache.router.policies import Policy, PrefixRecord, Replica, Router, rendezvous
+from prefixcache.router.proxy import usage_from
 
 __all__ = [
     "KeepWarm",

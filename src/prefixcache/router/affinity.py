@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from prefixcache.content import content_text
+
 
 @dataclass(frozen=True, slots=True)
 class PrefixKey:
@@ -32,28 +34,6 @@ class PrefixKey:
     affinity: str
     chunks: tuple[str, ...]
     explicit: bool = False
-
-
-def _text_of(content: Any) -> str:
-    """The text of an OpenAI or Anthropic content field (a string or a list of parts)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts: list[str] = []
-        for part in content:
-            if isinstance(part, dict):
-                if "text" in part:
-                    parts.append(str(part["text"]))
-                elif part.get("type") == "tool_result":
-                    parts.append(_text_of(part.get("content")))
-                else:  # images, tool calls: their JSON is stable enough to key on
-                    parts.append(json.dumps(part, sort_keys=True, separators=(",", ":")))
-            else:
-                parts.append(str(part))
-        return "\n".join(parts)
-    return json.dumps(content, sort_keys=True, separators=(",", ":"))
 
 
 def render_prompt(body: dict[str, Any], limit: int) -> str:
@@ -74,7 +54,7 @@ def render_prompt(body: dict[str, Any], limit: int) -> str:
     ):
         return "".join(out)[:limit]
     system = body.get("system")  # Anthropic
-    if system is not None and add("system:" + _text_of(system) + "\n"):
+    if system is not None and add("system:" + content_text(system, routing_key=True) + "\n"):
         return "".join(out)[:limit]
     if "prompt" in body:  # OpenAI completions
         prompt = body["prompt"]
@@ -84,7 +64,7 @@ def render_prompt(body: dict[str, Any], limit: int) -> str:
     for msg in body.get("messages") or []:
         if not isinstance(msg, dict):
             continue
-        if add(f"{msg.get('role', '')}:" + _text_of(msg.get("content")) + "\n"):
+        if add(f"{msg.get('role', '')}:" + content_text(msg.get("content"), routing_key=True) + "\n"):
             break
     return "".join(out)[:limit]
 

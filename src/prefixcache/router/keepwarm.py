@@ -23,14 +23,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from prefixcache.router.app import Proxy
+if TYPE_CHECKING:  # only the reply's type; keep-warm never calls into the proxy itself
+    from prefixcache.router.proxy import ReplicaReply
 
 log = logging.getLogger(__name__)
+
+#: ``send_to_all(method, path, body, headers)``: the request to every healthy replica, one reply
+#: each (the router passes :meth:`prefixcache.router.proxy.Proxy.send_to_healthy`).
+SendToAll = Callable[[str, str, bytes, dict[str, str]], Awaitable[Sequence["ReplicaReply"]]]
 
 
 @dataclass(slots=True)
@@ -89,33 +94,34 @@ class KeepWarm:
             raise ValueError(f"{path}: a keep-warm policy is an object with 'prefixes'")
         return cls.from_dict(data)
 
-    async def apply(self, proxy: Proxy) -> int:
+    async def apply(self, send_to_all: SendToAll) -> int:
         """One round: pin every prefix on every healthy replica. Returns pins accepted."""
         accepted = 0
         for p in self.prefixes:
             headers = {"content-type": "application/json"}
             if p.api_key:
                 headers["authorization"] = f"Bearer {p.api_key}"
-            raw = json.dumps(p.body).encode()
-            targets = [r for r in proxy.router.replicas if r.healthy]
-            results = await asyncio.gather(
-                *(proxy.send_one("POST", r, "/v1/cache/pin", raw, headers) for r in targets)
-            )
-            for url, status, body in results:
-                p.last_status[url] = status
-                if 200 <= status < 300:
+            replies = await send_to_all("POST", "/v1/cache/pin", json.dumps(p.body).encode(), headers)
+            for reply in replies:
+                p.last_status[reply.url] = reply.status
+                if 200 <= reply.status < 300:
                     accepted += 1
                 else:
                     log.warning(
-                        "keep-warm: pinning %r on %s failed: %s %s", p.name, url, status, str(body)[:200]
+                        "keep-warm: pinning %r on %s failed: %s %s",
+                        p.name,
+                        reply.url,
+                        reply.status,
+                        str(reply.body)[:200],
                     )
         self.rounds += 1
         return accepted
 
-    async def run(self, proxy: Proxy) -> None:
+    async def run(self, send_to_all: SendToAll) -> None:
+        """:meth:`apply` every ``interval_s`` until cancelled; a failed round is logged, not fatal."""
         while True:
             try:
-                await self.apply(proxy)
+                await self.apply(send_to_all)
             except Exception:
                 log.exception("keep-warm round failed")
             await asyncio.sleep(self.interval_s)

@@ -1,0 +1,345 @@
+"""The simulator's replay: every request of a trace through the replicas' real PrefixCaches.
+
+:func:`replay_requests` runs the loop :func:`~prefixcache.analysis.simulate.simulate` describes
+(its module docstring has the load model, the routings and keep-warm) and returns the raw
+outcome: per-request columns, the token totals and the caches. Turning that into a
+:class:`~prefixcache.analysis.simulate.SimResult` (per endpoint, per replica, priced) is the
+caller's.
+
+Parts: :class:`_Replicas` (the caches on one clock, their prefill queues, the namespaces),
+:class:`_Router` (picks a replica; reads the caches, never mutates them), :class:`_KeepWarm`
+(refreshes due on a heap) and :class:`_Prompts` (a request's tokens as packed bytes). Each
+request costs O(runs on the prompt's path) in its cache, plus C-level copies of its new tokens
+and keys (and, for cache-aware routing, one walk per replica), never O(cache size).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from prefixcache.analysis.config import SimConfig
+from prefixcache.analysis.costs import TokenTotals
+from prefixcache.analysis.feed import TraceFeed
+from prefixcache.analysis.keychains import KeyChains
+from prefixcache.analysis.trace import Trace
+from prefixcache.cache import FakeClock, Namespace, PrefixCache, pack_tokens
+
+LONG_TTL_S = 3600  # a write asked to live this long or longer is the 1 h class (priced 2x by anthropic)
+_LONG_SEGMENT_BYTES = 1024  # a loaded trace's segments this long (shared system prompts) stay packed
+_MAX_KEPT_SEGMENTS = 4096  # packed segments kept, before the memo starts over
+
+
+@dataclass(slots=True)
+class ReplayOutcome:
+    """What the replay measured; columns are per request, in feed order."""
+
+    cached: np.ndarray  # int64: tokens read from the cache
+    written: np.ndarray  # int64: tokens written to it
+    replica: np.ndarray  # int16: where the request went
+    ttft_s: np.ndarray  # float64, estimated: wait for the replica + own uncached prefill
+    totals: TokenTotals  # written, written_long and keep_warm_reads filled in (not prompt/output/cached)
+    caches: list[PrefixCache]  # one per replica, as the replay left them
+    keep_warm_refreshes: int
+
+
+def replay_requests(
+    feed: TraceFeed, cfg: SimConfig, progress: Callable[[int], None] | None = None
+) -> ReplayOutcome:
+    """Replay ``feed`` (keys made with ``cfg.fingerprint`` and ``cfg.block_size``; a loaded trace
+    when ``cfg.keep_warm``) under ``cfg``. Deterministic. ``progress(i)`` every 5,000 requests."""
+    return _Replay(feed, cfg).run(progress)
+
+
+class _Replay:
+    """One replay: the replicas, the router, keep-warm and the result columns."""
+
+    def __init__(self, feed: TraceFeed, cfg: SimConfig) -> None:
+        self.feed = feed
+        self.cfg = cfg
+        self.replicas = _Replicas(feed, cfg)
+        self.router = _Router(cfg, self.replicas)
+        self.prompts = _Prompts(feed)
+        warm = {feed.endpoints.index(e): p for e, p in cfg.keep_warm.items() if e in feed.endpoints}
+        self.keep_warm = _KeepWarm(feed, cfg, warm, self.replicas, self.router) if warm else None
+        self.cached: list[int] = []
+        self.written: list[int] = []
+        self.replica: list[int] = []
+        self.ttft_s: list[float] = []
+
+    def run(self, progress: Callable[[int], None] | None) -> ReplayOutcome:
+        """Every request of the feed, in order; then the outcome (see :meth:`_outcome`)."""
+        feed, replicas, keep_warm = self.feed, self.replicas, self.keep_warm
+        ts, tenant_of, endpoint_of, ttl_of = feed.ts, feed.tenant, feed.endpoint, feed.ttl_s
+        clock, caches, namespaces = replicas.clock, replicas.caches, replicas.namespaces
+        queue_prefill = replicas.queue_prefill
+        add_cached, add_written = self.cached.append, self.written.append
+        add_replica, add_ttft = self.replica.append, self.ttft_s.append
+        prompt = self.prompts.prompt
+        choose = self.router.choose if len(caches) > 1 else None
+        block_bytes, align = replicas.block_bytes, replicas.align
+        whole_chunks = align > self.cfg.block_size  # commit only blocks of complete prefill chunks
+        for i, keys in enumerate(feed):
+            now = ts[i]
+            if keep_warm is not None:
+                keep_warm.refresh_due(now)
+            if now > clock.now:
+                clock.set(now)
+            packed, tokens = prompt(i)
+            n_tokens = len(packed) >> 2
+            ns = namespaces[tenant_of[i]]
+            replica = choose(tokens, ns, now, keys, packed) if choose is not None else 0
+            ttl = ttl_of[i]
+            if ttl != ttl:  # NaN: the cache's default
+                ttl = None
+            # match + commit + release in one call. As the engine does, only blocks of complete
+            # prefill chunks are committed (a block of the last, partial chunk would not be
+            # bitwise what a longer prompt computes).
+            hit, written = caches[replica].replay(
+                ns, keys, packed, nbytes=block_bytes, ttl_s=ttl, align_tokens=align,
+                upto_tokens=(n_tokens // align) * align if whole_chunks else None,
+            )
+            add_cached(hit)
+            add_written(written)
+            add_replica(replica)
+            add_ttft(queue_prefill(replica, now, n_tokens - hit))
+            if keep_warm is not None:
+                keep_warm.saw(endpoint_of[i], packed, tokens, ns, now)
+            if progress is not None and i % 5000 == 0:
+                progress(i)
+        return self._outcome()
+
+    def _outcome(self) -> ReplayOutcome:
+        """The columns as arrays; written tokens split by TTL class (a request without its own TTL
+        gets the cache's default)."""
+        written = np.asarray(self.written, dtype=np.int64)
+        ttl = np.asarray(self.feed.ttl_s[: len(written)], dtype=np.float64)
+        long_class = np.where(np.isnan(ttl), self.replicas.default_ttl_is_long, ttl >= LONG_TTL_S)
+        totals = TokenTotals(written=int(written[~long_class].sum()),
+                             written_long=int(written[long_class].sum()))
+        refreshes = 0
+        if self.keep_warm is not None:
+            totals.keep_warm_reads = self.keep_warm.reads
+            refreshes = self.keep_warm.refreshes
+        return ReplayOutcome(
+            cached=np.asarray(self.cached, dtype=np.int64),
+            written=written,
+            replica=np.asarray(self.replica, dtype=np.int16),
+            ttft_s=np.asarray(self.ttft_s, dtype=np.float64),
+            totals=totals,
+            caches=self.replicas.caches,
+            keep_warm_refreshes=refreshes,
+        )
+
+
+class _Replicas:
+    """The replicas' caches on one simulated clock, when each one's prefill queue empties
+    (``busy``, seconds on that clock), and each tenant's namespace (salted as the server does)."""
+
+    def __init__(self, feed: TraceFeed, cfg: SimConfig) -> None:
+        self.clock = FakeClock(feed.ts[0] if feed.ts else 0.0)
+        self.caches = [
+            PrefixCache(block_size=cfg.block_size, capacity_bytes=cfg.capacity_bytes, default_ttl_s=cfg.ttl_s,
+                        clock=self.clock, pinned_capacity_bytes=0)
+            for _ in range(max(1, cfg.replicas))
+        ]
+        self.busy = [0.0] * len(self.caches)
+        self.block_bytes = cfg.cost.block_bytes(cfg.block_size)  # every block's size in the cache
+        self.align = cfg.align_tokens or cfg.block_size
+        self.prefill_tps = cfg.cost.prefill_tps
+        self.default_ttl_is_long = cfg.ttl_s >= LONG_TTL_S
+        self.namespaces = _Namespaces(cfg.fingerprint, feed)
+
+    def queue_prefill(self, replica: int, now: float, tokens: int) -> float:
+        """Queue ``tokens`` of prefill at ``replica`` (FIFO, one request at a time) at ``now``;
+        returns the request's estimated TTFT: its wait plus its own prefill."""
+        busy = self.busy
+        start = now if now > busy[replica] else busy[replica]
+        work = tokens / self.prefill_tps
+        busy[replica] = start + work
+        return start - now + work
+
+
+class _Namespaces(dict[int, Namespace]):
+    """Tenant id -> the tenant's namespace (salted as the server does), made on first use, so
+    that a request's lookup is one plain dict lookup."""
+
+    def __init__(self, fingerprint: str, feed: TraceFeed) -> None:
+        super().__init__()
+        self.fingerprint = fingerprint
+        self.feed = feed  # (whose tenant names grow as a stream is read)
+
+    def __missing__(self, tenant: int) -> Namespace:
+        name = self.feed.tenants[tenant]
+        namespace = self[tenant] = Namespace.create(self.fingerprint, tenant=name, salt=f"tenant:{name}")
+        return namespace
+
+
+class _Prompts:
+    """A request's prompt as packed bytes (what the cache compares) and, when it is one segment,
+    as that segment's token array (else None: callers that need tokens unpack the bytes)."""
+
+    def __init__(self, feed: TraceFeed) -> None:
+        self.parts = feed.parts
+        self.segments = feed.segments
+        self.stream_packed = feed.seg_bytes  # streams send every segment packed already
+        self.packed_segment = self.stream_packed.__getitem__ if self.stream_packed is not None else self._pack
+        self.kept: dict[int, bytes] = {}  # a loaded trace's long segments, packed
+
+    def prompt(self, i: int) -> tuple[bytes, np.ndarray | None]:
+        """Request ``i``'s (packed prompt, token array or None)."""
+        parts = self.parts[i]
+        if len(parts) == 1:
+            tokens = self.segments[parts[0]]
+            stream_packed = self.stream_packed
+            return (stream_packed[parts[0]] if stream_packed is not None else tokens.tobytes()), tokens
+        return b"".join(map(self.packed_segment, parts)), None
+
+    def _pack(self, segment: int) -> bytes:
+        """A loaded trace's segment, packed (called per segment of every prompt: kept lean)."""
+        kept = self.kept
+        packed = kept.get(segment)
+        if packed is None:
+            packed = self.segments[segment].tobytes()
+            if len(packed) >= _LONG_SEGMENT_BYTES:
+                if len(kept) >= _MAX_KEPT_SEGMENTS:
+                    kept.clear()
+                kept[segment] = packed
+        return packed
+
+
+def _unpacked(packed: bytes) -> np.ndarray:
+    return np.frombuffer(packed, dtype=np.uint32)
+
+
+class _Router:
+    """Picks a replica per request (:data:`~prefixcache.analysis.config.ROUTINGS`).
+    :meth:`choose` may read the caches but never mutates them."""
+
+    def __init__(self, cfg: SimConfig, replicas: _Replicas) -> None:
+        self.policy = cfg.routing
+        self.affinity_tokens = cfg.affinity_blocks * cfg.block_size
+        self.block_size = cfg.block_size
+        self.cost = cfg.cost
+        self.caches = replicas.caches
+        self.busy = replicas.busy
+        self.count = len(self.caches)
+        self.last_round_robin = 0
+        self.rng = np.random.default_rng(cfg.seed)
+        self.salts = [r.to_bytes(4, "little") for r in range(self.count)]
+
+    def choose(
+        self, tokens: np.ndarray | None, ns: Namespace, now: float, keys: list[bytes], packed: bytes
+    ) -> int:
+        """The replica for a request (``tokens`` None: unpacked from ``packed`` when needed)."""
+        if self.count == 1:
+            return 0
+        policy = self.policy
+        if policy == "round-robin":
+            self.last_round_robin = (self.last_round_robin + 1) % self.count
+            return self.last_round_robin
+        if policy == "random":
+            return int(self.rng.integers(self.count))
+        if policy == "least-loaded":
+            return self.least_loaded(now)
+        if tokens is None:
+            tokens = _unpacked(packed)
+        if policy == "prefix-affinity":
+            return self.affinity(tokens, ns)
+        # cache-aware: minimise estimated TTFT = wait + uncached prefill; ties -> more cached.
+        best, best_score = 0, (float("inf"), 0, 0)
+        for r in range(self.count):
+            hit = self.caches[r].cached_prefix(keys, packed) * self.block_size  # touches nothing
+            score = (max(self.busy[r] - now, 0.0) + self.cost.prefill_s(len(tokens) - hit), -hit, r)
+            if score < best_score:
+                best, best_score = r, score
+        return best
+
+    def least_loaded(self, now: float) -> int:
+        return min(range(self.count), key=lambda r: (max(self.busy[r] - now, 0.0), r))
+
+    def affinity(self, tokens: np.ndarray, ns: Namespace) -> int:
+        """Rendezvous hash of the tenant's namespace and the first ``affinity_blocks`` blocks."""
+        head = pack_tokens(tokens[: self.affinity_tokens])
+        digest = hashlib.blake2b(ns.root + head, digest_size=16).digest()
+        scores = [hashlib.blake2b(digest + s, digest_size=8).digest() for s in self.salts]
+        return max(range(self.count), key=scores.__getitem__)
+
+
+class _KeepWarm:
+    """Refreshes of chosen endpoints' prefixes: a refresh reads the endpoint's current prefix
+    through the real cache whenever it has been idle for 0.95 x TTL, while the endpoint has
+    traffic left (one per TTL at most). Needs a loaded trace (it looks ahead to each endpoint's
+    last request)."""
+
+    def __init__(
+        self, feed: TraceFeed, cfg: SimConfig, prefix_tokens: dict[int, int], replicas: _Replicas,
+        router: _Router,
+    ) -> None:
+        self.prefix_tokens = prefix_tokens  # endpoint id -> tokens to keep warm
+        self.replicas = replicas
+        self.router = router
+        self.to_one_replica = cfg.routing == "prefix-affinity" and len(replicas.caches) > 1
+        self.last_ts = _last_ts(feed.trace())
+        self.chains = KeyChains(feed.segments, cfg.block_size, hasher="fingerprint")  # the prefixes' keys
+        self.period = 0.95 * cfg.ttl_s
+        self.current: dict[int, tuple[np.ndarray, Namespace]] = {}  # endpoint -> (prefix tokens, namespace)
+        self.due: list[tuple[float, int]] = []  # heap of (time, endpoint)
+        self.next_due: dict[int, float] = {}  # the entry that counts (traffic supersedes older ones)
+        self.refreshes = 0
+        self.reads = 0  # tokens the refreshes read from the caches
+
+    def refresh_due(self, now: float) -> None:
+        """Run every refresh due at or before ``now``, in time order, each on the clock at its time."""
+        due = self.due
+        while due and due[0][0] <= now:
+            at, endpoint = heapq.heappop(due)
+            if self.next_due.get(endpoint) != at:
+                continue  # superseded by real traffic
+            self._refresh(endpoint, at)
+            self._schedule(endpoint, at)
+
+    def saw(self, endpoint: int, packed: bytes, tokens: np.ndarray | None, ns: Namespace, now: float) -> None:
+        """A request of ``endpoint`` at ``now``: if the endpoint is kept warm, its prefix is the
+        first tokens of this prompt, and its next refresh comes a period from now."""
+        keep = self.prefix_tokens.get(endpoint)
+        if keep is None:
+            return
+        if tokens is None:
+            tokens = _unpacked(packed)
+        self.current[endpoint] = (tokens[: min(keep + 1, len(packed) >> 2)], ns)  # +1: a match leaves one
+        self._schedule(endpoint, now)
+
+    def _schedule(self, endpoint: int, after: float) -> None:
+        if after + self.period < self.last_ts[endpoint]:
+            self.next_due[endpoint] = after + self.period
+            heapq.heappush(self.due, (after + self.period, endpoint))
+
+    def _refresh(self, endpoint: int, at: float) -> None:
+        clock = self.replicas.clock
+        clock.set(max(at, clock.now))
+        tokens, ns = self.current[endpoint]
+        caches = self.replicas.caches
+        targets = [self.router.affinity(tokens, ns)] if self.to_one_replica else range(len(caches))
+        keys = self.chains.token_keys(ns.root, tokens)
+        packed = pack_tokens(tokens)
+        for r in targets:
+            hit, _ = caches[r].replay(ns, keys, packed, nbytes=self.replicas.block_bytes,
+                                      align_tokens=self.replicas.align)
+            self.reads += hit
+            self.refreshes += 1
+
+
+def _last_ts(trace: Trace) -> dict[int, float]:
+    """Each endpoint's last request time."""
+    out: dict[int, float] = {}
+    for e in range(len(trace.endpoints)):
+        idx = np.flatnonzero(trace.endpoint == e)
+        if len(idx):
+            out[e] = float(trace.ts[idx[-1]])
+    return out
+

@@ -1,0 +1,27 @@
+"""The router's settings (what ``prefixcache route`` sets), apart so that every router module can
+read them without importing the app."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prefixcache.router.policies import Policy
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    """Everything ``prefixcache route`` sets."""
+
+    replicas: Sequence[str]
+    policy: Policy | str = Policy.CACHE_AWARE
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 1.0
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 600.0
+    chunk_chars: int = 256
+    affinity_chars: int = 1024
+    load_factor: float = 2.0
+    load_slack: int = 4
+    record_ttl_s: float = 300.0
+    keepwarm_file: str | None = None
