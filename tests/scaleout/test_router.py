@@ -95,6 +95,27 @@ def test_usage_parsing_openai_anthropic_and_streams() -> None:
     assert s.usage == (19, 16)
 
 
+def test_usage_parsing_of_the_responses_api_whole_and_streamed() -> None:
+    usage = {"input_tokens": 40, "input_tokens_details": {"cached_tokens": 32}, "output_tokens": 5}
+    assert usage_from({"object": "response", "usage": usage}) == (40, 32)
+    s = SSEUsage()
+    done = {"type": "response.completed", "response": {"status": "completed", "usage": usage}}
+    s.feed(b"event: response.completed\ndata: " + json.dumps(done).encode() + b"\n\n")
+    assert s.usage == (40, 32)
+
+
+def test_responses_requests_are_keyed_by_instructions_and_input() -> None:
+    def responses(system: str, user: str) -> dict:
+        # Affinity reads the first 1,024 characters; only full 256-character chunks are keyed.
+        return {"model": "m", "instructions": system * 2000, "input": [{"role": "user", "content": user * 100}]}
+
+    a1, a2 = prefix_key(responses("A", "one")), prefix_key(responses("A", "two"))
+    assert a1.affinity == a2.affinity and a1.chunks != a2.chunks  # shared instructions, own tails
+    assert prefix_key(responses("B", "one")).affinity != a1.affinity
+    plain = prefix_key({"model": "m", "input": "hello" * 100})
+    assert plain.chunks != prefix_key({"model": "m", "input": "hullo" * 100}).chunks
+
+
 # ---------------------------------------------------------------------------- the proxy
 @pytest.mark.parametrize("policy", ["cache-aware", "prefix-affinity"])
 def test_requests_sharing_a_prefix_land_on_one_replica(fake_replicas, policy: str) -> None:  # noqa: ANN001

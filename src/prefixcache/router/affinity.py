@@ -56,6 +56,21 @@ def render_prompt(body: dict[str, Any], limit: int) -> str:
     system = body.get("system")  # Anthropic
     if system is not None and add("system:" + content_text(system, routing_key=True) + "\n"):
         return "".join(out)[:limit]
+    instructions = body.get("instructions")  # OpenAI Responses
+    if isinstance(instructions, str) and add("system:" + instructions + "\n"):
+        return "".join(out)[:limit]
+    if "input" in body:  # OpenAI Responses: a string, or message and function-call items
+        items = body["input"]
+        if isinstance(items, str):
+            items = [{"role": "user", "content": items}]
+        for item in items if isinstance(items, list) else []:
+            if isinstance(item, dict) and "role" in item:
+                line = f"{item.get('role', '')}:" + content_text(item.get("content"), routing_key=True)
+            else:
+                line = json.dumps(item, sort_keys=True, separators=(",", ":"))
+            if add(line + "\n"):
+                break
+        return "".join(out)[:limit]
     if "prompt" in body:  # OpenAI completions
         prompt = body["prompt"]
         text = prompt if isinstance(prompt, str) else json.dumps(prompt)

@@ -58,22 +58,27 @@ class ReplicaReply:
 
 
 def usage_from(obj: Any) -> tuple[int, int] | None:
-    """(prompt tokens, cached tokens) from an OpenAI or Anthropic response or stream event."""
+    """(prompt tokens, cached tokens) from an OpenAI chat/completions, OpenAI Responses or
+    Anthropic response, or from one of their stream events."""
     if not isinstance(obj, dict):
         return None
-    u = obj.get("usage")
-    if not isinstance(u, dict) and isinstance(obj.get("message"), dict):
-        u = obj["message"].get("usage")  # Anthropic message_start
-    if not isinstance(u, dict):
+    usage = obj.get("usage")
+    for wrapper in ("message", "response"):  # Anthropic message_start; Responses stream events
+        if not isinstance(usage, dict) and isinstance(obj.get(wrapper), dict):
+            usage = obj[wrapper].get("usage")
+    if not isinstance(usage, dict):
         return None
-    if isinstance(u.get("prompt_tokens"), int):
-        details = u.get("prompt_tokens_details") or {}
-        return u["prompt_tokens"], int(details.get("cached_tokens") or 0)
-    if isinstance(u.get("input_tokens"), int):
-        read = int(u.get("cache_read_input_tokens") or 0)
-        created = int(u.get("cache_creation_input_tokens") or 0)
-        return u["input_tokens"] + read + created, read
-    return None
+    if isinstance(usage.get("prompt_tokens"), int):
+        details = usage.get("prompt_tokens_details") or {}
+        return usage["prompt_tokens"], int(details.get("cached_tokens") or 0)
+    if not isinstance(usage.get("input_tokens"), int):
+        return None
+    details = usage.get("input_tokens_details")
+    if isinstance(details, dict):  # Responses: input_tokens is the whole prompt
+        return usage["input_tokens"], int(details.get("cached_tokens") or 0)
+    read = int(usage.get("cache_read_input_tokens") or 0)  # Anthropic: input_tokens is the rest
+    created = int(usage.get("cache_creation_input_tokens") or 0)
+    return usage["input_tokens"] + read + created, read
 
 
 class SSEUsage:
