@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from prefixcache.analysis.costs import CostModel
 from prefixcache.cache import model_fingerprint
+from prefixcache.cache.config import DEFAULTS
 
 #: The simulator's routings (``SimConfig.routing``); the module docstring of
 #: :mod:`~prefixcache.analysis.simulate` says what each does.
@@ -18,8 +19,8 @@ ROUTINGS = ("round-robin", "random", "least-loaded", "prefix-affinity", "cache-a
 class AuditConfig:
     """Settings of :func:`~prefixcache.analysis.audit.audit`."""
 
-    ttl_s: float = 300.0
-    block_size: int = 16
+    ttl_s: float = DEFAULTS.default_ttl_s
+    block_size: int = DEFAULTS.block_size
     align_tokens: int | None = None
     min_shared_tokens: int = 64  # a busting span must sit above this much shared content
     sample_pairs: int = 48  # pairs per endpoint examined for busting spans
@@ -37,9 +38,9 @@ class AuditConfig:
 class SimConfig:
     """Settings of :func:`~prefixcache.analysis.simulate.simulate`."""
 
-    ttl_s: float = 300.0
+    ttl_s: float = DEFAULTS.default_ttl_s
     capacity_bytes: int = 16 << 30  # per replica
-    block_size: int = 16
+    block_size: int = DEFAULTS.block_size
     # Hits end on a multiple of this and only complete chunks are stored, as in the engine (whose
     # default prefill chunk is 512); None: the block size (the cache's own granularity).
     align_tokens: int | None = None

@@ -21,6 +21,8 @@ from typing import Annotated
 
 import typer
 
+from prefixcache.cache.config import DEFAULTS
+
 POLICIES = ("prefix-affinity", "cache-aware", "round-robin", "least-loaded")
 
 
@@ -72,7 +74,7 @@ def route(
     load_slack: Annotated[int, typer.Option(help="See --load-factor.")] = 4,
     record_ttl: Annotated[
         float, typer.Option(help="Seconds the router remembers where a prefix went.")
-    ] = 300.0,
+    ] = DEFAULTS.default_ttl_s,
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
 ) -> None:
     """Route OpenAI and Anthropic requests across replicas so that requests sharing a prompt
@@ -166,7 +168,9 @@ def cluster(
         str | None, typer.Option(help="float32 or bfloat16 (default: the replicas' own default).")
     ] = None,
     capacity: Annotated[str, typer.Option(help="Memory KV budget per replica.")] = "2GiB",
-    ttl: Annotated[float, typer.Option(min=1.0, help="Default cache TTL in seconds.")] = 300.0,
+    ttl: Annotated[
+        float, typer.Option(min=1.0, help="Default cache TTL in seconds.")
+    ] = DEFAULTS.default_ttl_s,
     ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for each replica to load.")] = 300.0,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prefixcache.cache import CacheStats, FakeClock, PrefixCache
+from prefixcache.cache.config import DEFAULTS
 from prefixcache.engine.llama import LlamaRunner, unsupported_reason
 from prefixcache.engine.model import ModelRunner, default_dtype
 from prefixcache.engine.prompts import EmptyPromptError, encode, render_chat
@@ -92,13 +93,13 @@ class Engine:
         *,
         runner: str = "auto",
         enable_cache: bool = True,
-        block_size: int = 16,
+        block_size: int = DEFAULTS.block_size,
         prefill_chunk: int | None = None,
         dtype: str | None = None,
         cache: PrefixCache | None = None,
-        capacity_bytes: int = 2 << 30,
-        pinned_capacity_bytes: int = 256 << 20,
-        default_ttl_s: float = 300.0,
+        capacity_bytes: int = DEFAULTS.capacity_bytes,
+        pinned_capacity_bytes: int = DEFAULTS.pinned_capacity_bytes,
+        default_ttl_s: float = DEFAULTS.default_ttl_s,
         clock: Callable[[], float] | None = None,
         threads: int | None = None,
         max_queue: int = 64,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from prefixcache.cache.config import DEFAULTS
 from prefixcache.router.policies import Policy
 
 
@@ -23,5 +24,5 @@ class RouterConfig:
     affinity_chars: int = 1024
     load_factor: float = 2.0
     load_slack: int = 4
-    record_ttl_s: float = 300.0
+    record_ttl_s: float = DEFAULTS.default_ttl_s
     keepwarm_file: str | None = None

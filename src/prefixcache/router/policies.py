@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from prefixcache.cache.config import DEFAULTS
 from prefixcache.router.affinity import PrefixKey
 
 
@@ -74,7 +75,7 @@ class PrefixRecord:
     """Approximate map chunk hash -> (replica url, last seen), bounded and time-limited."""
 
     max_entries: int = 200_000
-    ttl_s: float = 300.0
+    ttl_s: float = DEFAULTS.default_ttl_s
     clock: Callable[[], float] = time.monotonic
     _map: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict)
 
@@ -119,7 +120,7 @@ class Router:
         *,
         load_factor: float = 2.0,
         load_slack: int = 4,
-        record_ttl_s: float = 300.0,
+        record_ttl_s: float = DEFAULTS.default_ttl_s,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not urls:
