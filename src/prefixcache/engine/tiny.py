@@ -26,6 +26,8 @@ class ByteChatTokenizer:
     eos_token_id = EOS
     bos_token_id = BOS
     pad_token_id = PAD
+    #: The longest text one token stands for: a special token's name (a byte token is 1 byte).
+    max_token_bytes = max(len(name) for name in SPECIALS)
 
     def __init__(self, vocab_size: int = 512) -> None:
         if vocab_size < 260:
