@@ -35,7 +35,7 @@ from typing import Any
 from prefixcache.cache import CacheStats, FakeClock, PrefixCache
 from prefixcache.engine.llama import LlamaRunner, unsupported_reason
 from prefixcache.engine.model import ModelRunner, default_dtype
-from prefixcache.engine.prompts import EmptyPromptError, encode, max_token_bytes, render_chat
+from prefixcache.engine.prompts import EmptyPromptError, encode, max_token_bytes, over_bytes, render_chat
 from prefixcache.engine.sampling import InvalidRequestError, SamplingParams
 from prefixcache.engine.scheduler import BatchWorker
 from prefixcache.engine.sequential import SequentialWorker, chunk_schedule
@@ -220,14 +220,9 @@ class Engine:
         """Token ids of ``text``. Text that cannot fit the context (over :attr:`max_prompt_bytes`)
         raises :class:`PromptTooLongError` before any tokenizing: a 60 MB prompt costs no CPU."""
         limit = self.max_prompt_bytes
-        # len(text) <= its UTF-8 bytes <= 4 * len(text): encode only when the count decides.
-        if limit is not None and len(text) * 4 > limit:
-            size = len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
-            if size > limit:
-                raise PromptTooLongError(
-                    f"the prompt is over {limit} bytes of text, more than the model's context of "
-                    f"{self.context_len} tokens can hold; shorten the prompt"
-                )
+        if limit is not None and over_bytes(text, limit):
+            raise PromptTooLongError(f"the prompt is over {limit} bytes of text, more than the model's "
+                                     f"context of {self.context_len} tokens can hold; shorten the prompt")
         return encode(self.tokenizer, text)
 
     def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:

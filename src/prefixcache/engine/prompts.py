@@ -115,6 +115,14 @@ def max_token_bytes(tokenizer: Any) -> int | None:
     return max(size(t) for t in vocab)
 
 
+def over_bytes(text: str, limit: int) -> bool:
+    """Whether ``text`` is over ``limit`` UTF-8 bytes. Its length in characters is at most its
+    bytes and at least a quarter of them, so it is encoded only when the length does not decide."""
+    if len(text) > limit or len(text) * 4 <= limit:
+        return len(text) > limit
+    return len(text.encode("utf-8", "surrogatepass")) > limit
+
+
 def render_ids(
     messages: Sequence[Message], tokenizer: Any = None, *, add_generation_prompt: bool = True
 ) -> list[int]:
