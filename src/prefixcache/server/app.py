@@ -29,6 +29,7 @@ from prefixcache.server import routes_anthropic, routes_openai, routes_ops, rout
 from prefixcache.server.auth import Authenticator
 from prefixcache.server.bridge import EngineBridge
 from prefixcache.server.errors import install_error_handlers
+from prefixcache.server.limits import BodyLimit, default_max_body_bytes
 from prefixcache.server.metrics import Metrics
 from prefixcache.server.state import ServerState
 from prefixcache.server.tracelog import TraceWriter
@@ -78,10 +79,13 @@ def create_app(
     model_name: str = DEFAULT_MODEL_NAME,
     salt_secret: str | bytes | None = None,
     trace_tokenizer: str | None = None,
+    max_body_bytes: int | None = None,
 ) -> FastAPI:
     """Build the app. ``api_keys``: key -> tenant (None: one ``default`` tenant, no auth).
     ``max_queue``: generation requests in flight (running or waiting) before 429/529.
-    ``salt_secret``: the tenant-salt secret (default ``$PREFIXCACHE_SALT_SECRET`` or random)."""
+    ``salt_secret``: the tenant-salt secret (default ``$PREFIXCACHE_SALT_SECRET`` or random).
+    ``max_body_bytes``: a larger body is a 413 before it is parsed (default: 8 MiB, or 32 bytes
+    per context token for a longer context)."""
     bridge = EngineBridge(engine, max_queue)
     metrics = Metrics(
         stats_fn=lambda: bridge.cache.stats() if bridge.cache is not None else None,
@@ -118,5 +122,7 @@ def create_app(
         app.include_router(module.router)
     # No route has path parameters, so the path is the route template.
     paths = frozenset(str(getattr(r, "path", "")) for m in routers for r in m.router.routes)
-    app.add_middleware(RequestCounter, metrics=metrics, paths=paths)
+    body_limit = max_body_bytes or default_max_body_bytes(getattr(engine, "context_len", None))
+    app.add_middleware(BodyLimit, max_bytes=body_limit)
+    app.add_middleware(RequestCounter, metrics=metrics, paths=paths)  # outermost: counts the 413s too
     return app

@@ -57,7 +57,9 @@ def load_api_keys(path: str | Path) -> dict[str, str]:
         try:
             data = json.loads(stripped)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{p}: invalid JSON ({e.msg} at line {e.lineno}); expected {{\"key\": \"tenant\"}}") from e
+            raise ValueError(
+                f"{p}: invalid JSON ({e.msg} at line {e.lineno}); expected {{\"key\": \"tenant\"}}"
+            ) from e
         for k, v in data.items():
             if not isinstance(v, str) or not v:
                 raise ValueError(f"{p}: the tenant of key {k[:4]}... must be a non-empty string")

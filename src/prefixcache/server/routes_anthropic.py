@@ -25,6 +25,7 @@ from prefixcache.server.anthropic_prompt import anthropic_tool_config, plan_for,
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Finished, Usage
 from prefixcache.server.errors import APIError, anthropic_error_body
+from prefixcache.server.limits import CheckedRoute
 from prefixcache.server.routes_openai import SSE_HEADERS, _items, _start_stream, prompt_kwargs
 from prefixcache.server.schemas_anthropic import CountTokensRequest, MessagesRequest, _Prompt
 from prefixcache.server.state import ServerState, get_state, get_tenant
@@ -37,7 +38,7 @@ from prefixcache.server.tool_output import (
 )
 from prefixcache.server.tool_prompt import RenderedPrompt, ToolConfig, has_tool_turns
 
-router = APIRouter()
+router = APIRouter(route_class=CheckedRoute)
 
 
 def anthropic_usage(

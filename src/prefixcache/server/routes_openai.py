@@ -31,6 +31,7 @@ from prefixcache.engine.types import ChoiceDelta, PromptDone
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Usage, translate_error
 from prefixcache.server.errors import APIError, bad_request, openai_error_body
+from prefixcache.server.limits import CheckedRoute
 from prefixcache.server.logprobs import chat_logprobs, completion_logprobs
 from prefixcache.server.openai_prompt import chat_conversation, chat_tool_config
 from prefixcache.server.schemas_openai import (
@@ -50,7 +51,7 @@ from prefixcache.server.tool_output import (
 from prefixcache.server.tool_prompt import Message, RenderedPrompt, ToolConfig, has_tool_turns
 
 log = logging.getLogger(__name__)
-router = APIRouter()
+router = APIRouter(route_class=CheckedRoute)
 
 DEFAULT_CHAT_MAX_TOKENS = 256
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}

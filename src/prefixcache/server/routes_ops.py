@@ -13,10 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from prefixcache.cache.store import PinBudgetExceeded
 from prefixcache.server.auth import Tenant
 from prefixcache.server.errors import APIError, bad_request
+from prefixcache.server.limits import CheckedRoute
 from prefixcache.server.schemas_openai import ChatMessage
 from prefixcache.server.state import get_state, get_tenant
 
-router = APIRouter()
+router = APIRouter(route_class=CheckedRoute)
 _STARTED = int(time.time())
 
 #: Per-tenant fields of CacheStats (the others describe the whole store, i.e. other tenants).
@@ -107,7 +108,8 @@ async def cache_pin(body: PinRequest, request: Request, tenant: Tenant = Depends
     try:
         pinned = await bridge.run(lambda: bridge.cache.pin(ids, ns))
     except PinBudgetExceeded as e:
-        raise APIError(409, f"The pinned budget is full ({e}); unpin another prefix first.", code="pin_budget") from e
+        message = f"The pinned budget is full ({e}); unpin another prefix first."
+        raise APIError(409, message, code="pin_budget") from e
     return JSONResponse({"pinned_tokens": pinned, "prompt_tokens": len(ids)})
 
 

@@ -33,7 +33,8 @@ class ServerState:
         if model != self.model_name:
             raise APIError(
                 404,
-                f"Unknown model '{model[:200]}': this server serves '{self.model_name}' (see GET /v1/models).",
+                f"Unknown model '{model[:200]}': this server serves '{self.model_name}' "
+                "(see GET /v1/models).",
                 param="model",
                 code="model_not_found",
             )
@@ -53,7 +54,8 @@ class ServerState:
         if self.trace is not None:
             endpoint = request.headers.get(ENDPOINT_HEADER) or request.url.path
             self.trace.record(
-                tenant=tenant.name, endpoint=endpoint[:200], result=fin, text=text, ttl_s=ttl_s, cache_key=cache_key
+                tenant=tenant.name, endpoint=endpoint[:200], result=fin, text=text, ttl_s=ttl_s,
+                cache_key=cache_key,
             )
 
 
