@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixcache.server import routes_anthropic, routes_openai, routes_ops, routes_responses
 from prefixcache.server.auth import Authenticator
-from prefixcache.server.bridge import EngineBridge
+from prefixcache.server.bridge import Admission, EngineBridge
 from prefixcache.server.errors import install_error_handlers
 from prefixcache.server.limits import BodyLimit, default_max_body_bytes
 from prefixcache.server.metrics import Metrics
@@ -37,6 +37,7 @@ from prefixcache.server.tracelog import TraceWriter
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE = 64
+DEFAULT_TENANT_QUEUE_SHARE = 0.5
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 
@@ -80,13 +81,17 @@ def create_app(
     salt_secret: str | bytes | None = None,
     trace_tokenizer: str | None = None,
     max_body_bytes: int | None = None,
+    tenant_queue_share: float = DEFAULT_TENANT_QUEUE_SHARE,
 ) -> FastAPI:
     """Build the app. ``api_keys``: key -> tenant (None: one ``default`` tenant, no auth).
     ``max_queue``: generation requests in flight (running or waiting) before 429/529.
     ``salt_secret``: the tenant-salt secret (default ``$PREFIXCACHE_SALT_SECRET`` or random).
     ``max_body_bytes``: a larger body is a 413 before it is parsed (default: 8 MiB, or 32 bytes
-    per context token for a longer context)."""
-    bridge = EngineBridge(engine, max_queue)
+    per context token for a longer context). ``tenant_queue_share``: with two tenants or more,
+    the share of ``max_queue`` one tenant may hold (at least one request)."""
+    tenants = len(set(api_keys.values())) if api_keys else 1
+    tenant_limit = Admission.tenant_limit_for(max_queue, tenant_queue_share, tenants)
+    bridge = EngineBridge(engine, max_queue, tenant_limit)
     metrics = Metrics(
         stats_fn=lambda: bridge.cache.stats() if bridge.cache is not None else None,
         queue_depth_fn=lambda: bridge.admission.depth,

@@ -174,7 +174,7 @@ async def create_message(
         )
     # The first item is the engine's PromptDone (the prompt is prefilled): message_start carries
     # its usage; message_delta the cumulative usage at the end (the SDKs overwrite with it).
-    agen, first = await _start_stream(state, kwargs)
+    agen, first = await _start_stream(state, kwargs, request)
 
     async def events() -> AsyncIterator[str]:
         blocks = _ContentBlocks()

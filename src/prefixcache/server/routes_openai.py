@@ -122,11 +122,14 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-async def _start_stream(state: ServerState, kwargs: dict[str, Any]) -> tuple[AsyncIterator[Any], list[Any]]:
+async def _start_stream(
+    state: ServerState, kwargs: dict[str, Any], request: Request
+) -> tuple[AsyncIterator[Any], list[Any]]:
     """Open the engine stream (the bridge's :meth:`~EngineBridge.stream_choices` items:
     PromptDone, ChoiceDelta, Finished) and pull its first item, so a bad request or a full queue
-    is still answered with a 4xx before the 200 and the first byte go out."""
-    agen = state.bridge.stream_choices(kwargs)
+    is still answered with a 4xx before the 200 and the first byte go out. A client that leaves
+    while the request waits for the engine cancels it before its prefill (499)."""
+    agen = state.bridge.stream_choices(kwargs, request.is_disconnected)
     first: list[Any] = []
     try:
         first.append(await agen.__anext__())
@@ -204,7 +207,7 @@ async def chat_completions(
                 "usage": openai_usage(fin.usage),
             }
         )
-    agen, first = await _start_stream(state, kwargs)
+    agen, first = await _start_stream(state, kwargs, request)
     include_usage = body.include_usage
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> dict[str, Any]:
@@ -314,7 +317,7 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
                 "usage": openai_usage(fin.usage),
             }
         )
-    agen, first = await _start_stream(state, kwargs)
+    agen, first = await _start_stream(state, kwargs, request)
     include_usage = body.include_usage
 
     def chunk(index: int, text_delta: str, finish: str | None, lp: Any = None) -> dict[str, Any]:

@@ -267,7 +267,7 @@ async def create_response(
         reply = parse_reply(fin.text, rendered, config)
         incomplete = fin.finish_reason == "length" and not reply.calls
         return JSONResponse(shell.done(fin, output_items(reply, incomplete), bool(reply.calls)))
-    agen, first = await _start_stream(state, kwargs)
+    agen, first = await _start_stream(state, kwargs, request)
     events = ResponseEvents(shell)
 
     async def stream() -> AsyncIterator[str]:
