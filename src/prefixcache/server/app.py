@@ -31,6 +31,7 @@ from prefixcache.server.bridge import Admission, EngineBridge
 from prefixcache.server.errors import install_error_handlers
 from prefixcache.server.limits import BodyLimit, default_max_body_bytes
 from prefixcache.server.metrics import Metrics
+from prefixcache.server.snapshots import SnapshotReader
 from prefixcache.server.state import ServerState
 from prefixcache.server.tracelog import TraceWriter
 
@@ -99,11 +100,14 @@ def create_app(
     )
     trace = TraceWriter(trace_log, include_text=trace_text, tokenizer=trace_tokenizer) if trace_log else None
 
+    snapshots = SnapshotReader()
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         try:
             yield
         finally:
+            snapshots.close()
             if trace is not None:
                 trace.close()
 
@@ -120,6 +124,7 @@ def create_app(
         metrics=metrics,
         trace=trace,
         model_name=model_name,
+        snapshots=snapshots,
     )
     install_error_handlers(app)
     routers = (routes_openai, routes_responses, routes_anthropic, routes_ops)

@@ -12,6 +12,7 @@ from prefixcache.server.auth import Authenticator, Tenant
 from prefixcache.server.bridge import EngineBridge, Finished
 from prefixcache.server.errors import APIError
 from prefixcache.server.metrics import Metrics
+from prefixcache.server.snapshots import SnapshotReader
 from prefixcache.server.tracelog import TraceWriter
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ class ServerState:
     metrics: Metrics
     trace: TraceWriter | None
     model_name: str
+    snapshots: SnapshotReader  # cache reads off the event loop (/metrics, GET /v1/cache)
 
     def check_model(self, model: str) -> None:
         """404 in the route's shape unless ``model`` is the one this server serves."""
