@@ -78,6 +78,7 @@ def create_app(
     max_queue: int = DEFAULT_MAX_QUEUE,
     trace_log: str | Path | None = None,
     trace_text: bool = False,
+    trace_keys_only: bool = False,
     model_name: str = DEFAULT_MODEL_NAME,
     salt_secret: str | bytes | None = None,
     trace_tokenizer: str | None = None,
@@ -86,6 +87,8 @@ def create_app(
 ) -> FastAPI:
     """Build the app. ``api_keys``: key -> tenant (None: one ``default`` tenant, no auth).
     ``max_queue``: generation requests in flight (running or waiting) before 429/529.
+    ``trace_log``: a JSONL trace (file 0600); ``trace_text`` adds the prompt text,
+    ``trace_keys_only`` writes salted block keys instead of token ids (privacy mode).
     ``salt_secret``: the tenant-salt secret (default ``$PREFIXCACHE_SALT_SECRET`` or random).
     ``max_body_bytes``: a larger body is a 413 before it is parsed (default: 8 MiB, or 32 bytes
     per context token for a longer context). ``tenant_queue_share``: with two tenants or more,
@@ -98,7 +101,10 @@ def create_app(
         queue_depth_fn=lambda: bridge.admission.depth,
         prefilled_fn=lambda: int(getattr(engine, "prefilled_tokens", 0)),
     )
-    trace = TraceWriter(trace_log, include_text=trace_text, tokenizer=trace_tokenizer) if trace_log else None
+    trace = None
+    if trace_log:
+        trace = TraceWriter(trace_log, include_text=trace_text, tokenizer=trace_tokenizer,
+                            keys_only=trace_keys_only, block_size=bridge.block_size)
 
     snapshots = SnapshotReader()
 

@@ -57,7 +57,7 @@ class ServerState:
             endpoint = request.headers.get(ENDPOINT_HEADER) or request.url.path
             self.trace.record(
                 tenant=tenant.name, endpoint=endpoint[:200], result=fin, text=text, ttl_s=ttl_s,
-                cache_key=cache_key,
+                cache_key=cache_key, salt=tenant.salt,
             )
 
 
