@@ -97,6 +97,10 @@ async def cache_stats(request: Request, tenant: Tenant = Depends(get_tenant)) ->
 
 @router.delete("/v1/cache", summary="Flush the caller's cached blocks (blocks in use stay)")
 async def cache_flush(request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
+    """Flushes the memory tier only. TODO(issue 11, part 2): the tiers' API (get_many, put) has
+    no delete, and their entries do not record their namespace, so the tenant's disk and Redis
+    entries stay until their own expiry or eviction; needs a ``Tier.remove_namespace`` (or a
+    per-namespace index) in ``prefixcache.cache.tiers``."""
     bridge = get_state(request).bridge
     ns = bridge.namespace(tenant.name, tenant.salt)
     removed = await bridge.run(lambda: bridge.cache.flush(ns))
