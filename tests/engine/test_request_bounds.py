@@ -75,3 +75,16 @@ def test_max_token_bytes_of_a_byte_level_vocabulary() -> None:
 
     assert max_token_bytes(ByteLevelish()) == 12  # "Ġthe" is 4 bytes; the added "éé" is 4 UTF-8 bytes
     assert max_token_bytes(object()) is None
+
+
+def test_a_lone_surrogate_is_a_clear_error_not_a_tokenizer_crash(tiny_engine: Engine) -> None:
+    from prefixcache.engine import InvalidRequestError
+
+    with pytest.raises(TypeError):  # what Hugging Face's fast tokenizers do, and the tiny one too
+        tiny_engine.tokenizer.encode("a\ud800b")
+    for call in (lambda: tiny_engine.tokenize("a\ud800b"),
+                 lambda: tiny_engine.generate(messages=[{"role": "user", "content": "\udfff"}], max_tokens=1),
+                 lambda: tiny_engine.count_tokens(prompt="x\ud83d")):
+        with pytest.raises(InvalidRequestError, match="surrogate"):
+            call()
+    assert tiny_engine.tokenize("\U0001f642") == list("\U0001f642".encode())  # a valid pair is text

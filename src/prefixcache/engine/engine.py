@@ -35,7 +35,7 @@ from typing import Any
 from prefixcache.cache import CacheStats, FakeClock, PrefixCache
 from prefixcache.engine.llama import LlamaRunner, unsupported_reason
 from prefixcache.engine.model import ModelRunner, default_dtype
-from prefixcache.engine.prompts import EmptyPromptError, encode, max_token_bytes, over_bytes, render_chat
+from prefixcache.engine.prompts import check_prompt_text, encode, max_token_bytes, render_chat
 from prefixcache.engine.sampling import InvalidRequestError, SamplingParams
 from prefixcache.engine.scheduler import BatchWorker
 from prefixcache.engine.sequential import SequentialWorker, chunk_schedule
@@ -43,6 +43,7 @@ from prefixcache.engine.types import (
     MAX_TOP_LOGPROBS,
     ChoiceDelta,
     Completion,
+    EmptyPromptError,
     EngineClosedError,
     GenerationResult,
     PromptDone,
@@ -218,11 +219,9 @@ class Engine:
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text``. Text that cannot fit the context (over :attr:`max_prompt_bytes`)
-        raises :class:`PromptTooLongError` before any tokenizing: a 60 MB prompt costs no CPU."""
-        limit = self.max_prompt_bytes
-        if limit is not None and over_bytes(text, limit):
-            raise PromptTooLongError(f"the prompt is over {limit} bytes of text, more than the model's "
-                                     f"context of {self.context_len} tokens can hold; shorten the prompt")
+        raises :class:`PromptTooLongError` before any tokenizing: a 60 MB prompt costs no CPU; a
+        lone surrogate raises :class:`InvalidRequestError`."""
+        check_prompt_text(text, self.max_prompt_bytes, self.context_len)
         return encode(self.tokenizer, text)
 
     def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:

@@ -14,6 +14,7 @@ Anthropic ``cache_control`` breakpoints need.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,10 @@ Message = dict[str, Any]
 
 class EmptyPromptError(InvalidRequestError):
     """No prompt, no messages, or nothing in them."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """prompt tokens + max_tokens exceed the model's context."""
 
 
 def content_text(content: Any, upto_block: int | None = None) -> str:
@@ -113,6 +118,22 @@ def max_token_bytes(tokenizer: Any) -> int | None:
         return len(token.encode("utf-8", "surrogatepass"))
 
     return max(size(t) for t in vocab)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_prompt_text(text: str, max_bytes: int | None, context_len: int) -> None:
+    """Refuse, before any tokenizing, text that is not text (a lone UTF-16 surrogate, such as
+    ``\ud800`` without its pair: tokenizers raise TypeError on it) or that has more tokens than
+    ``context_len`` whatever the tokenizer does (over ``max_bytes`` UTF-8 bytes: see
+    :func:`max_token_bytes`)."""
+    if _SURROGATE.search(text):  # Python joins valid pairs: any surrogate left is lone
+        raise InvalidRequestError("the prompt holds a lone UTF-16 surrogate (such as \\ud800 without its "
+                                  "pair), which is not text; send valid Unicode")
+    if max_bytes is not None and over_bytes(text, max_bytes):
+        raise PromptTooLongError(f"the prompt is over {max_bytes} bytes of text, more than the model's "
+                                 f"context of {context_len} tokens can hold; shorten the prompt")
 
 
 def over_bytes(text: str, limit: int) -> bool:
