@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -33,8 +32,8 @@ def cli_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_help_lists_every_option() -> None:
     out = _ok(["simulate", "--help"])
-    for flag in ("--ttl", "--capacity", "--block-size", "--replicas", "--routing", "--keep-warm", "--prefill-tps",
-                 "--pricing", "--sweep", "--json", "--plot"):
+    for flag in ("--ttl", "--capacity", "--block-size", "--replicas", "--routing", "--keep-warm",
+                 "--prefill-tps", "--pricing", "--sweep", "--json", "--plot"):
         assert flag in out
     out = _ok(["audit", "--help"])
     for flag in ("--html", "--json", "--ttl", "--tokenizer"):
@@ -59,8 +58,8 @@ def test_simulate_sweep_json_and_plot(cli_trace: Path, tmp_path: Path) -> None:
 
 
 def test_simulate_tables_replicas_and_keep_warm_auto(cli_trace: Path) -> None:
-    out = _ok(["simulate", str(cli_trace), "--replicas", "3", "--routing", "cache-aware", "--keep-warm", "auto",
-               "--ttl", "10"])
+    out = _ok(["simulate", str(cli_trace), "--replicas", "3", "--routing", "cache-aware", "--keep-warm",
+               "auto", "--ttl", "10"])
     assert "hit rate" in out and "Per replica" in out and "anthropic" in out
     assert "keep-warm (auto): cron" in out
 
@@ -70,19 +69,20 @@ def test_simulate_rejects_unknown_routing(cli_trace: Path) -> None:
     assert res.exit_code != 0 and "round-robin" in res.output
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs headless chromium (.ci/run installs it)")
-def test_html_report_renders_in_headless_chromium(cli_trace: Path, tmp_path: Path) -> None:
+def test_html_report_renders_in_headless_chromium(cli_trace: Path, tmp_path: Path, chromium_bin: str) -> None:
     from PIL import Image
 
     html = tmp_path / "report.html"
     _ok(["audit", str(cli_trace), "--html", str(html)])
     shot = tmp_path / "shot.png"
     cmd = [
-        "chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+        chromium_bin, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run",
+        f"--user-data-dir={tmp_path / 'profile'}",
         f"--screenshot={shot}", "--window-size=1200,2000", html.resolve().as_uri(),
     ]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=120, env={**os.environ, "HOME": str(tmp_path)})
+    env = {**os.environ, "HOME": str(tmp_path)}
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120, env=env)
     assert shot.is_file() and shot.stat().st_size > 10_000
     img = Image.open(shot).convert("RGB")
     assert img.size == (1200, 2000)

@@ -25,7 +25,8 @@ def test_full_queue_is_429_for_openai_and_529_for_anthropic(serve, make_engine):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     results: list[object] = []
     holder = threading.Thread(
-        target=lambda: results.append(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2))
+        target=lambda: results.append(
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2))
     )
     holder.start()
     engine.entered.wait(30)  # the one slot is taken and the worker is held
@@ -43,7 +44,8 @@ def test_full_queue_is_429_for_openai_and_529_for_anthropic(serve, make_engine):
             raise AssertionError("expected 529")
         except anthropic.APIStatusError as e:
             assert e.status_code == 529
-            assert e.body == {"type": "error", "error": {"type": "overloaded_error", "message": e.body["error"]["message"]}}
+            message = e.body["error"]["message"]
+            assert e.body == {"type": "error", "error": {"type": "overloaded_error", "message": message}}
         # A streaming request is refused before any byte of the stream is sent.
         r = httpx.post(server.url + "/v1/chat/completions",
                        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "stream": True})
@@ -55,7 +57,8 @@ def test_full_queue_is_429_for_openai_and_529_for_anthropic(serve, make_engine):
         holder.join(30)
     assert len(results) == 1
     # The slot is free again.
-    assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).usage.completion_tokens >= 1
+    again = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert again.usage.completion_tokens >= 1
 
 
 def test_disconnect_mid_stream_stops_generation_and_releases_blocks(serve, make_engine):
@@ -63,7 +66,8 @@ def test_disconnect_mid_stream_stops_generation_and_releases_blocks(serve, make_
     server = serve(engine, model_name=MODEL)
     cache = engine.cache
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 500, "stream": True, "temperature": 0}
-    with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+    url = server.url + "/v1/chat/completions"
+    with httpx.Client(timeout=30) as http, http.stream("POST", url, json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data:"))
@@ -86,8 +90,8 @@ def test_disconnect_mid_stream_stops_generation_and_releases_blocks(serve, make_
 def test_anthropic_disconnect_mid_stream_releases_blocks(serve, make_engine):
     engine = Gated(make_engine())
     server = serve(engine, model_name=MODEL)
-    body = {"model": MODEL, "max_tokens": 500, "stream": True, "temperature": 0, "system": MESSAGES[0]["content"],
-            "messages": [{"role": "user", "content": "hello"}]}
+    body = {"model": MODEL, "max_tokens": 500, "stream": True, "temperature": 0,
+            "system": MESSAGES[0]["content"], "messages": [{"role": "user", "content": "hello"}]}
     with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/messages", json=body) as r:
         assert r.status_code == 200
         assert any(line.startswith("event: message_start") for line in r.iter_lines())
@@ -151,5 +155,47 @@ def test_a_failure_mid_stream_is_an_error_event_and_releases_blocks(serve, make_
                                                      "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 200 and "event: error" in r.text and "api_error" in r.text
     wait_until(lambda: server.state.bridge.active_streams() == 0, "the stream threads to stop")
+    assert held_refs(engine.cache) == 0
+    engine.cache.check_integrity()
+
+
+class _RecordingGate(Gated):
+    """:class:`Gated`, keeping each stream's ``cancel`` event (the bridge's, per request)."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.cancels: list[threading.Event] = []
+
+    def stream_choices(self, **kw):
+        self.cancels.append(kw["cancel"])
+        yield from super().stream_choices(**kw)
+
+
+def test_a_stream_whose_client_leaves_while_queued_is_dropped_without_a_forward_pass(serve, make_engine):
+    engine = _RecordingGate(make_engine(max_batch=1))  # one request runs, the next one waits
+    server = serve(engine, model_name=MODEL)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 500, "stream": True, "temperature": 0}
+    url = server.url + "/v1/chat/completions"
+    with httpx.Client(timeout=30) as http, http.stream("POST", url, json=body) as a:
+        lines = a.iter_lines()  # kept: dropping the iterator closes the response (a disconnect)
+        assert next(line for line in lines if '"content":"' in line and '"content":""' not in line)
+        # A is decoding (held by the gate at its next step); its prompt is all that was prefilled.
+        prefilled = engine.prefilled_tokens
+        behind = [{"role": "user", "content": "queued behind A " * 8}]
+        queued = json.dumps({**body, "messages": behind}).encode()
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(queued)}\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(head + queued)
+            wait_until(lambda: engine.queue_depth == 2, "B to wait in the engine's queue")
+        # B's client hung up while B waited: the server cancels it ...
+        wait_until(lambda: len(engine.cancels) == 2 and engine.cancels[1].is_set(), "B to be cancelled")
+        engine.resume.set()  # ... and A runs to its end
+        assert any(line == "data: [DONE]" for line in lines)
+    wait_until(lambda: engine.queue_depth == 0 and server.state.bridge.active_streams() == 0, "both to end")
+    assert engine.prefilled_tokens == prefilled  # B was never prefilled
+    wait_until(lambda: 'route="/v1/chat/completions",status="499"' in httpx.get(server.url + "/metrics").text,
+               "B to end as 499")
+    assert server.state.bridge.admission.depth == 0
     assert held_refs(engine.cache) == 0
     engine.cache.check_integrity()

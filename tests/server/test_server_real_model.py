@@ -38,19 +38,21 @@ def test_shared_system_prompt_is_read_from_the_cache_in_both_apis(serve, real_en
     cached = second.usage.prompt_tokens_details.cached_tokens
 
     def ids(question: str) -> list[int]:
-        return real_engine.render_ids([{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+        return real_engine.render_ids([{"role": "system", "content": SYSTEM},
+                                       {"role": "user", "content": question}])
 
     a, b = ids("When are you open on Saturday?"), ids("Do you repair e-bike motors?")
     shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
     assert cached == shared // 16 * 16 > 500  # every full block of the shared prefix
     third = an.messages.create(
-        model=MODEL, max_tokens=8, system=SYSTEM, messages=[{"role": "user", "content": "Do you sell cargo bikes?"}]
+        model=MODEL, max_tokens=8, system=SYSTEM,
+        messages=[{"role": "user", "content": "Do you sell cargo bikes?"}],
     )
     u = third.usage
     assert u.cache_read_input_tokens == cached  # same system prompt, same tokens, same blocks
-    assert u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens == real_engine.count_tokens(
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Do you sell cargo bikes?"}]
-    )
+    question = {"role": "user", "content": "Do you sell cargo bikes?"}
+    whole = real_engine.count_tokens(messages=[{"role": "system", "content": SYSTEM}, question])
+    assert u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens == whole
     real_engine.cache.check_integrity()
 
 
@@ -144,3 +146,39 @@ def test_a_template_that_renders_tools_is_used_and_keeps_turns_a_prefix_of_the_n
     assert json_renderer.syntax is CallSyntax.JSON
     with pytest.raises(APIError, match="tool_choice"):
         json_renderer.render(turn1)
+
+
+@pytest.mark.model
+def test_issue_11_inputs_against_the_embedded_model(serve, real_engine, one_torch_thread):
+    """What issue 11 tried against `prefixcache serve`, one request each, on the real tokenizer."""
+    import time
+
+    import httpx
+
+    server = serve(real_engine, model_name=MODEL)
+    url = server.url + "/v1/chat/completions"
+    head = b'{"model":"smollm2","max_tokens":2,"messages":[{"role":"user","content":'
+    # A lone surrogate: the HF tokenizer raises TypeError on it; a 400 naming the field, before it.
+    r = httpx.post(url, content=head + b'"\\ud800"}]}', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content", r.text
+    assert real_engine.prefilled_tokens == 0
+    with pytest.raises(Exception, match="surrogate"):  # the library refuses it too, before the tokenizer
+        real_engine.tokenize("\ud800")
+    # temperature 1e-40: greedy, not a NaN after the prefill.
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    greedy = httpx.post(url, json={**body, "temperature": 0}, timeout=120).json()
+    tiny = httpx.post(url, json={**body, "temperature": 1e-40}, timeout=120)
+    assert tiny.status_code == 200 and tiny.json()["choices"] == greedy["choices"]
+    # seed 2**64: a 400 that names seed.
+    r = httpx.post(url, json={**body, "seed": 1 << 64})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    # Over the context x 81 bytes (663,552 for SmolLM2's 8,192 tokens) but under the body limit:
+    # a 400 at once, without tokenizing; a 60 MB message: a 413 before parsing.
+    assert real_engine.max_prompt_bytes == real_engine.context_len * 81
+    start = time.monotonic()
+    r = httpx.post(url, json={**body, "messages": [{"role": "user", "content": "x " * 400_000}]}, timeout=120)
+    assert r.status_code == 400 and "context" in r.text and time.monotonic() - start < 5
+    start = time.monotonic()
+    huge = {**body, "messages": [{"role": "user", "content": "x" * 60_000_000}]}
+    r = httpx.post(url, json=huge, timeout=120)
+    assert r.status_code == 413 and time.monotonic() - start < 10

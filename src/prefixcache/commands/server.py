@@ -21,9 +21,11 @@ def parse_bytes(text: str) -> int:
 
 
 def serve(
+    ctx: typer.Context,
     model: Annotated[
         str | None,
-        typer.Argument(help="A GGUF file or Hugging Face model folder. Default: the embedded SmolLM2-135M-Instruct."),
+        typer.Argument(help="A GGUF file or Hugging Face model folder. Default: the embedded "
+                       "SmolLM2-135M-Instruct."),
     ] = None,
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
@@ -31,20 +33,51 @@ def serve(
         Path | None,
         typer.Option(
             "--api-keys",
+            envvar="PREFIXCACHE_API_KEYS_FILE",
             help="Key file mapping API keys to tenants: a JSON object {\"key\": \"tenant\"} or 'key: tenant' "
-            "lines. Without it there is one 'default' tenant and no authentication.",
+            "lines (or the same text in $PREFIXCACHE_API_KEYS). Without keys there is one 'default' tenant "
+            "and no authentication, which only a loopback --host allows by default.",
         ),
     ] = None,
+    allow_unauthenticated: Annotated[
+        bool,
+        typer.Option("--allow-unauthenticated",
+                     help="Serve on a non-loopback --host without API keys (every client that can reach it "
+                     "is trusted: cached_tokens tells a caller what others sent)."),
+    ] = False,
     max_queue: Annotated[
         int, typer.Option(min=1, help="Generation requests in flight (running or waiting) before 429 / 529.")
     ] = 64,
+    tenant_queue_share: Annotated[
+        float,
+        typer.Option(min=0.01, max=1.0,
+                     help="With two tenants or more, the share of --max-queue one tenant may hold "
+                     "(then 429).")
+    ] = 0.5,
+    max_body_bytes: Annotated[
+        str | None,
+        typer.Option(help="Largest request body (413 beyond, before parsing), e.g. 8MiB. Default: 8 MiB, or "
+                     "32 bytes per context token for longer contexts."),
+    ] = None,
     trace_log: Annotated[
-        Path | None, typer.Option("--trace-log", help="Append one JSONL line per request (trace format v1).")
+        Path | None,
+        typer.Option("--trace-log",
+                     help="Append one JSONL line per request (trace format v1); created 0600."),
     ] = None,
     trace_text: Annotated[
-        bool, typer.Option("--trace-text", help="Also write the prompt text into the trace log (default: ids only).")
+        bool,
+        typer.Option("--trace-text",
+                     help="Also write the prompt text into the trace log (default: ids only)."),
     ] = False,
-    ttl: Annotated[float, typer.Option(min=1.0, help="Default cache TTL in seconds (refreshed on every hit).")] = 300.0,
+    trace_keys_only: Annotated[
+        bool,
+        typer.Option("--trace-keys-only",
+                     help="Privacy mode: write salted block keys instead of token ids (no prompt content); "
+                     "audit and simulate still replay the trace."),
+    ] = False,
+    ttl: Annotated[
+        float, typer.Option(min=1.0, help="Default cache TTL in seconds (refreshed on every hit).")
+    ] = 300.0,
     capacity: Annotated[str, typer.Option(help="Byte budget of the KV cache, e.g. 2GiB or 512MB.")] = "2GiB",
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per cache block.")] = 16,
     prefill_chunk: Annotated[
@@ -57,10 +90,12 @@ def serve(
                           "llama, or hf (the 0.1 runner: one request at a time, 512-token hit granularity).")
     ] = "auto",
     dtype: Annotated[
-        str | None, typer.Option(help="Compute (and KV) dtype: float32 or bfloat16. Default: bfloat16 on CPUs "
-                                 "with bf16 instructions and on CUDA, float32 elsewhere.")
+        str | None, typer.Option(help="Compute (and KV) dtype: float32 or bfloat16. Default: bfloat16 on "
+                                 "CPUs with bf16 instructions and on CUDA, float32 elsewhere.")
     ] = None,
-    max_batch: Annotated[int, typer.Option(min=1, help="Requests computed together in each engine step.")] = 16,
+    max_batch: Annotated[
+        int, typer.Option(min=1, help="Requests computed together in each engine step.")
+    ] = 16,
     threads: Annotated[
         int | None, typer.Option(min=1, help="Compute threads (default: all cores).")
     ] = None,
@@ -72,8 +107,14 @@ def serve(
         typer.Option(
             envvar="PREFIXCACHE_SALT_SECRET",
             help="Secret for the per-tenant cache salts (replicas sharing a cache tier need the same). "
-            "Default: random per process.",
+            "Default: random per process. Prefer the environment or --salt-secret-file: argv is visible "
+            "to every local user.",
         ),
+    ] = None,
+    salt_secret_file: Annotated[
+        Path | None,
+        typer.Option("--salt-secret-file", envvar="PREFIXCACHE_SALT_SECRET_FILE",
+                     help="Read the salt secret from this file (its first line's text)."),
     ] = None,
     redis_url: Annotated[
         str | None,
@@ -104,13 +145,23 @@ def serve(
     from prefixcache.engine import Engine
     from prefixcache.server import create_app
     from prefixcache.server.app import DEFAULT_MODEL_NAME
-    from prefixcache.server.auth import load_api_keys
+    from prefixcache.server.exposure import RedactSecrets, exposure_refusal, install_redaction, redis_password
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        keys = load_api_keys(api_keys) if api_keys else None
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--api-keys") from e
+    source = ctx.get_parameter_source("salt_secret")
+    keys, salt_secret = _secrets(api_keys, salt_secret, salt_secret_file,
+                                 salt_on_argv=source is not None and source.name == "COMMANDLINE")
+    # No secret reaches a log: the tiers log their Redis URL, exceptions may quote a header.
+    secrets = [*(keys or {}), salt_secret or "", redis_password(redis_url) or ""]
+    redactor = install_redaction(RedactSecrets(secrets))
+    refusal = exposure_refusal(host, keys is not None, allow_unauthenticated)
+    if refusal is not None:  # before the model loads: nothing is served
+        typer.echo(f"prefixcache: {refusal}", err=True)
+        raise typer.Exit(2)
+    if trace_text and trace_keys_only:
+        raise typer.BadParameter("--trace-keys-only writes no prompt content: drop --trace-text",
+                                 param_hint="--trace-keys-only")
+    body_limit = parse_bytes(max_body_bytes) if max_body_bytes else None
     capacity_bytes = parse_bytes(capacity)
     try:
         engine = Engine(
@@ -145,16 +196,59 @@ def serve(
         model_name=name,
         salt_secret=salt_secret,
         trace_tokenizer="default" if model is None else None,
+        trace_keys_only=trace_keys_only,
+        max_body_bytes=body_limit,
+        tenant_queue_share=tenant_queue_share,
     )
     if engine.cache is not None and engine.cache.tiers:
         register_prometheus(engine.cache, app.state.prefixcache.metrics.registry)
     tiers = ", ".join(t.name for t in engine.cache.tiers) if engine.cache is not None else ""
     typer.echo(f"prefixcache: cache tiers below memory: {tiers or 'none'}")
-    typer.echo(f"prefixcache: serving '{name}' on http://{host}:{port} (OpenAI and Anthropic routes, /metrics)")
+    typer.echo(f"prefixcache: serving '{name}' on http://{host}:{port} (OpenAI and Anthropic routes, "
+               "/metrics)")
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower())  # uvicorn's handlers
+    install_redaction(redactor)
+    server = uvicorn.Server(config)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
+        server.run()
+    except KeyboardInterrupt:
+        pass
     finally:
         engine.close()
+    if not server.started:
+        raise typer.Exit(3)  # uvicorn's startup failure (the port in use, ...) is logged above
+
+
+def _secrets(
+    api_keys: Path | None, salt_secret: str | None, salt_secret_file: Path | None, *, salt_on_argv: bool
+) -> tuple[dict[str, str] | None, str | None]:
+    """The key map (``--api-keys`` file, else ``$PREFIXCACHE_API_KEYS``) and the salt secret
+    (``--salt-secret-file``, else ``--salt-secret`` / ``$PREFIXCACHE_SALT_SECRET``). A secret
+    given on the command line works, with a warning: ``ps`` shows argv to every local user."""
+    import logging
+
+    from prefixcache.server.auth import load_api_keys
+    from prefixcache.server.exposure import MIN_REDACTED_LEN, api_keys_from_env, read_secret_file
+
+    log = logging.getLogger("prefixcache.serve")
+    try:
+        keys = load_api_keys(api_keys) if api_keys else api_keys_from_env()
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--api-keys") from e
+    if keys and any(len(k) < MIN_REDACTED_LEN for k in keys):
+        log.warning("some API keys are shorter than %d characters: use long random keys", MIN_REDACTED_LEN)
+    if salt_secret_file is not None:
+        if salt_secret is not None:
+            raise typer.BadParameter("give the salt secret once: --salt-secret-file or --salt-secret "
+                                     "($PREFIXCACHE_SALT_SECRET)", param_hint="--salt-secret-file")
+        try:
+            return keys, read_secret_file(salt_secret_file, "salt secret")
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--salt-secret-file") from e
+    if salt_secret and salt_on_argv:
+        log.warning("--salt-secret on the command line is visible to every local user (ps); "
+                    "use $PREFIXCACHE_SALT_SECRET or --salt-secret-file")
+    return keys, salt_secret
 
 
 def register(app: typer.Typer) -> None:

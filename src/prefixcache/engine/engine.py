@@ -24,6 +24,7 @@ generated token's logprobs: :meth:`Engine.stream_choices` and :meth:`Engine.gene
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -35,7 +36,7 @@ from prefixcache.cache import CacheStats, FakeClock, PrefixCache
 from prefixcache.cache.config import DEFAULTS
 from prefixcache.engine.llama import LlamaRunner, unsupported_reason
 from prefixcache.engine.model import ModelRunner, default_dtype
-from prefixcache.engine.prompts import EmptyPromptError, encode, render_chat
+from prefixcache.engine.prompts import check_prompt_text, encode, max_token_bytes, render_chat
 from prefixcache.engine.sampling import InvalidRequestError, SamplingParams
 from prefixcache.engine.scheduler import BatchWorker
 from prefixcache.engine.sequential import SequentialWorker, chunk_schedule
@@ -43,6 +44,7 @@ from prefixcache.engine.types import (
     MAX_TOP_LOGPROBS,
     ChoiceDelta,
     Completion,
+    EmptyPromptError,
     EngineClosedError,
     GenerationResult,
     PromptDone,
@@ -209,7 +211,18 @@ class Engine:
         self.close()
 
     # ------------------------------------------------------------------ prompts
+    @functools.cached_property
+    def max_prompt_bytes(self) -> int | None:
+        """Text longer than this (UTF-8 bytes) has more tokens than the context holds: the
+        context times the most bytes one token stands for (None: the tokenizer does not say)."""
+        per_token = max_token_bytes(self.tokenizer)
+        return None if per_token is None else self.context_len * per_token
+
     def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text``. Text that cannot fit the context (over :attr:`max_prompt_bytes`)
+        raises :class:`PromptTooLongError` before any tokenizing: a 60 MB prompt costs no CPU; a
+        lone surrogate raises :class:`InvalidRequestError`."""
+        check_prompt_text(text, self.max_prompt_bytes, self.context_len)
         return encode(self.tokenizer, text)
 
     def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:

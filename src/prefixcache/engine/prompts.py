@@ -14,6 +14,7 @@ Anthropic ``cache_control`` breakpoints need.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,14 +28,20 @@ class EmptyPromptError(InvalidRequestError):
     """No prompt, no messages, or nothing in them."""
 
 
+class PromptTooLongError(InvalidRequestError):
+    """prompt tokens + max_tokens exceed the model's context."""
+
+
 def normalize_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
     """``[{"role", "content": str}]``; raises :class:`EmptyPromptError` / InvalidRequestError."""
     if not messages:
-        raise EmptyPromptError("messages is empty: pass at least one {'role': 'user', 'content': ...} message")
+        raise EmptyPromptError(
+            "messages is empty: pass at least one {'role': 'user', 'content': ...} message")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
-            raise InvalidRequestError(f"messages[{i}] must be a dict with 'role' and 'content'; got {m!r:.80}")
+            raise InvalidRequestError(
+                f"messages[{i}] must be a dict with 'role' and 'content'; got {m!r:.80}")
         out.append({"role": str(m["role"]), "content": content_text(m.get("content"))})
     return out
 
@@ -46,7 +53,9 @@ def _default_tokenizer() -> Any:
     return load_tokenizer()
 
 
-def render_chat(messages: Sequence[Message], tokenizer: Any = None, *, add_generation_prompt: bool = True) -> str:
+def render_chat(
+    messages: Sequence[Message], tokenizer: Any = None, *, add_generation_prompt: bool = True
+) -> str:
     """The prompt text the model sees for these messages (default: the embedded model's template)."""
     tok = tokenizer if tokenizer is not None else _default_tokenizer()
     flat = normalize_messages(messages)
@@ -62,7 +71,65 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def render_ids(messages: Sequence[Message], tokenizer: Any = None, *, add_generation_prompt: bool = True) -> list[int]:
+def max_token_bytes(tokenizer: Any) -> int | None:
+    """An upper bound on the UTF-8 bytes of text that one token stands for (None: unknown).
+
+    A tokenizer may declare it (``max_token_bytes``); otherwise it is read off the vocabulary.
+    Byte-level BPE vocabularies (GPT-2, Llama 3, SmolLM, Qwen) spell each byte as one character,
+    so a token's length in characters is its length in bytes; any other vocabulary (SentencePiece's
+    "\u2581" for a space, ``<0x0A>`` byte tokens) is counted by its UTF-8 length, which can only
+    over-count. Added tokens (the template's specials) count by their UTF-8 length. A tokenizer
+    whose normalizer deletes text (accent stripping) could beat the bound; causal LM tokenizers
+    do not normalize that way.
+    """
+    declared = getattr(tokenizer, "max_token_bytes", None)
+    if isinstance(declared, int) and declared > 0:
+        return declared
+    try:
+        vocab = tokenizer.get_vocab()
+        added = dict(tokenizer.get_added_vocab()) if hasattr(tokenizer, "get_added_vocab") else {}
+    except Exception:  # a tokenizer without a readable vocabulary: no bound
+        return None
+    if not vocab:
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    byte_level = "ByteLevel" in repr(getattr(backend, "decoder", None))
+
+    def size(token: str) -> int:
+        if byte_level and token not in added:
+            return len(token)
+        return len(token.encode("utf-8", "surrogatepass"))
+
+    return max(size(t) for t in vocab)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_prompt_text(text: str, max_bytes: int | None, context_len: int) -> None:
+    """Refuse, before any tokenizing, text that is not text (a lone UTF-16 surrogate, such as
+    ``\ud800`` without its pair: tokenizers raise TypeError on it) or that has more tokens than
+    ``context_len`` whatever the tokenizer does (over ``max_bytes`` UTF-8 bytes: see
+    :func:`max_token_bytes`)."""
+    if _SURROGATE.search(text):  # Python joins valid pairs: any surrogate left is lone
+        raise InvalidRequestError("the prompt holds a lone UTF-16 surrogate (such as \\ud800 without its "
+                                  "pair), which is not text; send valid Unicode")
+    if max_bytes is not None and over_bytes(text, max_bytes):
+        raise PromptTooLongError(f"the prompt is over {max_bytes} bytes of text, more than the model's "
+                                 f"context of {context_len} tokens can hold; shorten the prompt")
+
+
+def over_bytes(text: str, limit: int) -> bool:
+    """Whether ``text`` is over ``limit`` UTF-8 bytes. Its length in characters is at most its
+    bytes and at least a quarter of them, so it is encoded only when the length does not decide."""
+    if len(text) > limit or len(text) * 4 <= limit:
+        return len(text) > limit
+    return len(text.encode("utf-8", "surrogatepass")) > limit
+
+
+def render_ids(
+    messages: Sequence[Message], tokenizer: Any = None, *, add_generation_prompt: bool = True
+) -> list[int]:
     tok = tokenizer if tokenizer is not None else _default_tokenizer()
     return encode(tok, render_chat(messages, tok, add_generation_prompt=add_generation_prompt))
 

@@ -10,6 +10,10 @@ import torch
 #: Seeds are taken modulo 2**64 (torch's generator seeds; -1 and 2**64 - 1 are the same seed).
 SEED_MODULUS = 1 << 64
 
+#: Temperatures below this are greedy (vLLM's rule): dividing logits by 1e-40 overflows float32
+#: to inf, and the softmax of that is NaN. Far below it the distribution is one-hot anyway.
+GREEDY_BELOW = 1e-5
+
 
 class InvalidRequestError(ValueError):
     """A request the engine cannot run as given; the message says what to change."""
@@ -17,8 +21,9 @@ class InvalidRequestError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """``temperature`` 0 means greedy (argmax; ties to the lowest id). ``top_k`` 0 and
-    ``top_p`` 1.0 disable those filters. ``seed`` makes sampling reproducible."""
+    """``temperature`` 0 means greedy (argmax; ties to the lowest id), and so does any
+    temperature below :data:`GREEDY_BELOW`. ``top_k`` 0 and ``top_p`` 1.0 disable those
+    filters. ``seed`` makes sampling reproducible."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -40,7 +45,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of choice ``index`` of an ``n`` > 1 request: with a seed, choice i

@@ -15,6 +15,7 @@ from typing import Any
 PAD, BOS, EOS, IM_START = 256, 257, 258, 259
 SPECIALS = {"<pad>": PAD, "<s>": BOS, "<|im_end|>": EOS, "<|im_start|>": IM_START}
 _SPECIAL_RE = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 
 class ByteChatTokenizer:
@@ -26,6 +27,8 @@ class ByteChatTokenizer:
     eos_token_id = EOS
     bos_token_id = BOS
     pad_token_id = PAD
+    #: The longest text one token stands for: a special token's name (a byte token is 1 byte).
+    max_token_bytes = max(len(name) for name in SPECIALS)
 
     def __init__(self, vocab_size: int = 512) -> None:
         if vocab_size < 260:
@@ -37,7 +40,11 @@ class ByteChatTokenizer:
         return self.vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Bytes of ``text``; the special token strings become their ids."""
+        """Bytes of ``text``; the special token strings become their ids. A lone surrogate raises
+        TypeError, as Hugging Face's fast tokenizers do (tests then see what the real one does)."""
+        if _SURROGATE_RE.search(text):
+            raise TypeError("TextEncodeInput must be Union[TextInputSequence, "
+                            "Tuple[InputSequence, InputSequence]]")
         ids: list[int] = []
         for part in _SPECIAL_RE.split(text):
             if part in SPECIALS:

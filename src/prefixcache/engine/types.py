@@ -7,7 +7,7 @@ from typing import Any
 
 from prefixcache.cache.stats import Usage
 from prefixcache.engine.model import ModelNotFoundError
-from prefixcache.engine.prompts import EmptyPromptError
+from prefixcache.engine.prompts import EmptyPromptError, PromptTooLongError
 from prefixcache.engine.sampling import InvalidRequestError, SamplingParams
 
 __all__ = [
@@ -28,10 +28,6 @@ __all__ = [
 
 #: The most alternatives per token a request may ask for (``logprobs``; OpenAI's chat limit).
 MAX_TOP_LOGPROBS = 20
-
-
-class PromptTooLongError(InvalidRequestError):
-    """prompt tokens + max_tokens exceed the model's context."""
 
 
 class QueueFullError(RuntimeError):

@@ -27,15 +27,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixcache.server import routes_anthropic, routes_openai, routes_ops, routes_responses
 from prefixcache.server.auth import Authenticator
-from prefixcache.server.bridge import EngineBridge
+from prefixcache.server.bridge import Admission, EngineBridge
 from prefixcache.server.errors import install_error_handlers
+from prefixcache.server.limits import BodyLimit, default_max_body_bytes
 from prefixcache.server.metrics import Metrics
+from prefixcache.server.snapshots import SnapshotReader
 from prefixcache.server.state import ServerState
 from prefixcache.server.tracelog import TraceWriter
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE = 64
+DEFAULT_TENANT_QUEUE_SHARE = 0.5
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 
@@ -75,26 +78,42 @@ def create_app(
     max_queue: int = DEFAULT_MAX_QUEUE,
     trace_log: str | Path | None = None,
     trace_text: bool = False,
+    trace_keys_only: bool = False,
     model_name: str = DEFAULT_MODEL_NAME,
     salt_secret: str | bytes | None = None,
     trace_tokenizer: str | None = None,
+    max_body_bytes: int | None = None,
+    tenant_queue_share: float = DEFAULT_TENANT_QUEUE_SHARE,
 ) -> FastAPI:
     """Build the app. ``api_keys``: key -> tenant (None: one ``default`` tenant, no auth).
     ``max_queue``: generation requests in flight (running or waiting) before 429/529.
-    ``salt_secret``: the tenant-salt secret (default ``$PREFIXCACHE_SALT_SECRET`` or random)."""
-    bridge = EngineBridge(engine, max_queue)
+    ``trace_log``: a JSONL trace (file 0600); ``trace_text`` adds the prompt text,
+    ``trace_keys_only`` writes salted block keys instead of token ids (privacy mode).
+    ``salt_secret``: the tenant-salt secret (default ``$PREFIXCACHE_SALT_SECRET`` or random).
+    ``max_body_bytes``: a larger body is a 413 before it is parsed (default: 8 MiB, or 32 bytes
+    per context token for a longer context). ``tenant_queue_share``: with two tenants or more,
+    the share of ``max_queue`` one tenant may hold (at least one request)."""
+    tenants = len(set(api_keys.values())) if api_keys else 1
+    tenant_limit = Admission.tenant_limit_for(max_queue, tenant_queue_share, tenants)
+    bridge = EngineBridge(engine, max_queue, tenant_limit)
     metrics = Metrics(
         stats_fn=lambda: bridge.cache.stats() if bridge.cache is not None else None,
         queue_depth_fn=lambda: bridge.admission.depth,
         prefilled_fn=lambda: int(getattr(engine, "prefilled_tokens", 0)),
     )
-    trace = TraceWriter(trace_log, include_text=trace_text, tokenizer=trace_tokenizer) if trace_log else None
+    trace = None
+    if trace_log:
+        trace = TraceWriter(trace_log, include_text=trace_text, tokenizer=trace_tokenizer,
+                            keys_only=trace_keys_only, block_size=bridge.block_size)
+
+    snapshots = SnapshotReader()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         try:
             yield
         finally:
+            snapshots.close()
             if trace is not None:
                 trace.close()
 
@@ -111,6 +130,7 @@ def create_app(
         metrics=metrics,
         trace=trace,
         model_name=model_name,
+        snapshots=snapshots,
     )
     install_error_handlers(app)
     routers = (routes_openai, routes_responses, routes_anthropic, routes_ops)
@@ -118,5 +138,7 @@ def create_app(
         app.include_router(module.router)
     # No route has path parameters, so the path is the route template.
     paths = frozenset(str(getattr(r, "path", "")) for m in routers for r in m.router.routes)
-    app.add_middleware(RequestCounter, metrics=metrics, paths=paths)
+    body_limit = max_body_bytes or default_max_body_bytes(getattr(engine, "context_len", None))
+    app.add_middleware(BodyLimit, max_bytes=body_limit)
+    app.add_middleware(RequestCounter, metrics=metrics, paths=paths)  # outermost: counts the 413s too
     return app

@@ -1,6 +1,6 @@
 """API keys -> tenants, and each tenant's cache salt.
 
-Key file (``--api-keys FILE``), either JSON::
+Key file (``--api-keys FILE``, or its text in ``$PREFIXCACHE_API_KEYS``), either JSON::
 
     {"sk-alpha-123": "alpha", "sk-beta-456": "beta"}
 
@@ -15,8 +15,9 @@ Several keys may map to one tenant (they share its cache). A request presents it
 Without a key file every request is tenant ``default`` and keys are ignored.
 
 The salt mixed into every block key is ``HMAC-SHA256(server_secret, tenant)``. The secret is
-random per process unless ``--salt-secret`` or ``PREFIXCACHE_SALT_SECRET`` sets it (replicas
-sharing a cache tier must share the secret). The salt never leaves the server.
+random per process unless ``PREFIXCACHE_SALT_SECRET``, ``--salt-secret-file`` or ``--salt-secret``
+(visible in ``ps``: avoid it) sets it (replicas sharing a cache tier must share the secret). The
+salt never leaves the server.
 """
 
 from __future__ import annotations
@@ -51,16 +52,26 @@ def load_api_keys(path: str | Path) -> dict[str, str]:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ValueError(f"cannot read the API key file {p}: {e.strerror or e}") from e
+    return parse_api_keys(text, str(p))
+
+
+def parse_api_keys(text: str, source: str) -> dict[str, str]:
+    """Key map from a key file's text (JSON object or ``key: tenant`` lines); ``source`` names
+    where it came from in errors. Errors never quote a key, not even in part."""
     stripped = text.strip()
     keys: dict[str, str] = {}
     if stripped.startswith("{"):
         try:
             data = json.loads(stripped)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{p}: invalid JSON ({e.msg} at line {e.lineno}); expected {{\"key\": \"tenant\"}}") from e
-        for k, v in data.items():
+            raise ValueError(
+                f"{source}: invalid JSON ({e.msg} at line {e.lineno}); expected {{\"key\": \"tenant\"}}"
+            ) from e
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a JSON object {{\"key\": \"tenant\"}}")
+        for n, (k, v) in enumerate(data.items(), 1):
             if not isinstance(v, str) or not v:
-                raise ValueError(f"{p}: the tenant of key {k[:4]}... must be a non-empty string")
+                raise ValueError(f"{source}: the tenant of key number {n} must be a non-empty string")
             keys[str(k)] = v
     else:
         for n, line in enumerate(text.splitlines(), 1):
@@ -69,10 +80,10 @@ def load_api_keys(path: str | Path) -> dict[str, str]:
                 continue
             key, sep, tenant = line.partition(":")
             if not sep or not key.strip() or not tenant.strip():
-                raise ValueError(f"{p}:{n}: expected 'key: tenant'")
+                raise ValueError(f"{source}:{n}: expected 'key: tenant'")
             keys[key.strip()] = tenant.strip()
     if not keys:
-        raise ValueError(f"{p}: no API keys found; expected a JSON object or 'key: tenant' lines")
+        raise ValueError(f"{source}: no API keys found; expected a JSON object or 'key: tenant' lines")
     return keys
 
 

@@ -67,6 +67,18 @@ def queue_full_error() -> APIError:
     )
 
 
+def tenant_queue_full_error(tenant: str, limit: int) -> APIError:
+    """The caller's tenant holds its whole share of the queue: its own limit (429 on both APIs,
+    ``rate_limit_error``), not the server's overload (529)."""
+    return APIError(
+        429,
+        f"Tenant '{tenant[:100]}' already has {limit} requests in flight, its share of this server's "
+        "queue (--tenant-queue-share); retry when one of them has finished.",
+        code="tenant_queue_full",
+        headers={"retry-after": "1"},
+    )
+
+
 def translate_error(exc: BaseException) -> APIError | None:
     """An engine exception as the APIError a client should see, or None for a real bug."""
     if isinstance(exc, APIError):
@@ -114,25 +126,50 @@ async def _watch(disconnected: Callable[[], Awaitable[bool]], cancel: threading.
 
 
 class Admission:
-    """Counts generation requests in flight; refuses beyond ``max_queue`` (running or waiting)."""
+    """Counts generation requests in flight (running or waiting); refuses beyond ``max_queue``,
+    and a tenant beyond ``tenant_limit`` of them (None: no per-tenant limit), so that one tenant
+    flooding the server cannot take every slot from the others."""
 
-    def __init__(self, max_queue: int) -> None:
+    def __init__(self, max_queue: int, tenant_limit: int | None = None) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1; got {max_queue}")
+        if tenant_limit is not None and tenant_limit < 1:
+            raise ValueError(f"tenant_limit must be >= 1 or None; got {tenant_limit}")
         self.max_queue = max_queue
+        self.tenant_limit = tenant_limit
         self._lock = threading.Lock()
         self._in_flight = 0
+        self._by_tenant: dict[str, int] = {}  # tenants with requests in flight only
+
+    @staticmethod
+    def tenant_limit_for(max_queue: int, share: float, tenants: int) -> int | None:
+        """The slots one tenant may hold: ``share`` of ``max_queue`` (at least one); None when
+        there is one tenant (nobody to be fair to) or ``share`` is 1."""
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"the tenant queue share must be in (0, 1]; got {share}")
+        if tenants < 2 or share == 1.0:
+            return None
+        return max(1, int(share * max_queue))
 
     @property
     def depth(self) -> int:
         return self._in_flight
 
-    def enter(self) -> Callable[[], None]:
-        """Take a slot or raise the 429/529 APIError at once. Returns the (idempotent) release."""
+    def tenant_depth(self, tenant: str) -> int:
+        return self._by_tenant.get(tenant, 0)
+
+    def enter(self, tenant: str = "default") -> Callable[[], None]:
+        """Take a slot or raise the 429/529 APIError at once (the tenant's share first: a tenant
+        at its limit gets its own 429 even when the queue is full). Returns the (idempotent)
+        release."""
         with self._lock:
+            held = self._by_tenant.get(tenant, 0)
+            if self.tenant_limit is not None and held >= self.tenant_limit:
+                raise tenant_queue_full_error(tenant, self.tenant_limit)
             if self._in_flight >= self.max_queue:
                 raise queue_full_error()
             self._in_flight += 1
+            self._by_tenant[tenant] = held + 1
         released = False
 
         def release() -> None:
@@ -141,6 +178,11 @@ class Admission:
                 if not released:
                     released = True
                     self._in_flight -= 1
+                    left = self._by_tenant[tenant] - 1
+                    if left:
+                        self._by_tenant[tenant] = left
+                    else:
+                        del self._by_tenant[tenant]
 
         return release
 
@@ -148,9 +190,9 @@ class Admission:
 class EngineBridge:
     """Calls into a blocking engine from async routes."""
 
-    def __init__(self, engine: Any, max_queue: int) -> None:
+    def __init__(self, engine: Any, max_queue: int, tenant_limit: int | None = None) -> None:
         self.engine = engine
-        self.admission = Admission(max_queue)
+        self.admission = Admission(max_queue, tenant_limit)
         self._streams: set[threading.Thread] = set()
 
     # ------------------------------------------------------------------ generation
@@ -159,7 +201,7 @@ class EngineBridge:
     ) -> Finished:
         """One whole generation in a worker thread, under admission. With ``disconnected`` (the
         request's ``is_disconnected``), a client that goes away cancels the generation."""
-        release = self.admission.enter()
+        release = self.admission.enter(str(kwargs.get("tenant", "default")))
         cancel = threading.Event()
         watcher: asyncio.Task[None] | None = None
         if disconnected is not None:
@@ -180,9 +222,11 @@ class EngineBridge:
             release()
         return normalize(result)
 
-    async def stream(self, kwargs: dict[str, Any]) -> AsyncIterator[str | Finished]:
+    async def stream(
+        self, kwargs: dict[str, Any], disconnected: Callable[[], Awaitable[bool]] | None = None
+    ) -> AsyncIterator[str | Finished]:
         """Text deltas (of choice 0), then one :class:`Finished`. See :meth:`stream_choices`."""
-        async for item in self.stream_choices(kwargs):
+        async for item in self.stream_choices(kwargs, disconnected):
             if isinstance(item, ChoiceDelta):
                 if item.text:
                     yield item.text
@@ -190,14 +234,19 @@ class EngineBridge:
                 yield item
 
     async def stream_choices(
-        self, kwargs: dict[str, Any]
+        self, kwargs: dict[str, Any], disconnected: Callable[[], Awaitable[bool]] | None = None
     ) -> AsyncIterator[PromptDone | ChoiceDelta | Finished]:
         """One :class:`PromptDone` (the prompt is prefilled: its cache usage is final), the
         choices' :class:`ChoiceDelta` items, then one :class:`Finished`. Admission is taken
         before the first item, so a full queue raises before any byte is sent. When the
         consumer stops early (a client disconnect cancels it), the engine's generator is closed
-        in its own thread, which makes the engine release the request's block references."""
-        release = self.admission.enter()
+        in its own thread, which makes the engine release the request's block references.
+
+        ``disconnected`` (the request's ``is_disconnected``) is watched until the first item:
+        a client that leaves while its request waits in the queue cancels it there, before any
+        forward pass, and this raises the 499 :class:`APIError`. From the first item on the
+        response is streaming and the HTTP layer sees a disconnect (it stops the consumer)."""
+        release = self.admission.enter(str(kwargs.get("tenant", "default")))
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         cancel = threading.Event()
@@ -238,9 +287,15 @@ class EngineBridge:
             self._streams.discard(thread)
             release()
             raise
+        watcher = asyncio.create_task(_watch(disconnected, cancel)) if disconnected is not None else None
         try:
             while True:
                 kind, value = await items.get()
+                if watcher is not None:  # the first item: from here the response streams
+                    watcher.cancel()
+                    watcher = None
+                    if cancel.is_set() and kind != "item":  # left while queued: dropped unprefilled
+                        raise client_gone()
                 if kind == "done":
                     return
                 if kind == "error":
@@ -250,6 +305,8 @@ class EngineBridge:
                     raise api
                 yield normalize(value) if isinstance(value, Completion) else value
         finally:
+            if watcher is not None:
+                watcher.cancel()
             cancel.set()
 
     def active_streams(self) -> int:

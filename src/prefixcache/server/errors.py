@@ -74,6 +74,19 @@ class APIError(Exception):
         self.headers = headers
 
 
+class RejectedBody(StarletteHTTPException):
+    """A body refused while it is read or parsed (over the size limit, lone surrogates, too deep).
+    An HTTPException because FastAPI lets only those through from its body reading (any other
+    error there becomes a bare 400); the handler below answers it like an :class:`APIError`."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(status, detail=message)
+        self.param = param
+        self.code = code
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -131,11 +144,13 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     )
     kind = first.get("type", "")
     if kind == "json_invalid":
-        return "The request body is not valid JSON: send a JSON object with Content-Type: application/json.", None
+        return ("The request body is not valid JSON: send a JSON object with Content-Type: "
+                "application/json."), None
     loc = _loc_str(first.get("loc", ()))
     msg = str(first.get("msg", "is invalid"))
     if kind == "missing":
-        text = f"Missing required parameter '{loc}'." if loc else "The request body is missing: send a JSON object."
+        text = (f"Missing required parameter '{loc}'." if loc
+                else "The request body is missing: send a JSON object.")
     elif loc:
         text = f"Invalid value for '{loc}': {msg}."
     else:
@@ -159,6 +174,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc, RejectedBody):
+            return error_response(request, APIError(exc.status_code, str(exc.detail), param=exc.param,
+                                                    code=exc.code))
         if exc.status_code == 404:
             message = f"No route {request.method} {request.url.path}: see GET /openapi.json for the routes."
         elif exc.status_code == 405:
@@ -171,4 +189,5 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(request, APIError(500, f"Internal server error ({type(exc).__name__}); see the server log."))
+        message = f"Internal server error ({type(exc).__name__}); see the server log."
+        return error_response(request, APIError(500, message))

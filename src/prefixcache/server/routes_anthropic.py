@@ -25,6 +25,7 @@ from prefixcache.server.anthropic_prompt import anthropic_tool_config, plan_for,
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Finished, Usage
 from prefixcache.server.errors import APIError, anthropic_error_body
+from prefixcache.server.limits import CheckedRoute
 from prefixcache.server.routes_openai import SSE_HEADERS, _items, _start_stream, prompt_kwargs
 from prefixcache.server.schemas_anthropic import CountTokensRequest, MessagesRequest, _Prompt
 from prefixcache.server.state import ServerState, get_state, get_tenant
@@ -37,7 +38,7 @@ from prefixcache.server.tool_output import (
 )
 from prefixcache.server.tool_prompt import RenderedPrompt, ToolConfig, has_tool_turns
 
-router = APIRouter()
+router = APIRouter(route_class=CheckedRoute)
 
 
 def anthropic_usage(
@@ -173,7 +174,7 @@ async def create_message(
         )
     # The first item is the engine's PromptDone (the prompt is prefilled): message_start carries
     # its usage; message_delta the cumulative usage at the end (the SDKs overwrite with it).
-    agen, first = await _start_stream(state, kwargs)
+    agen, first = await _start_stream(state, kwargs, request)
 
     async def events() -> AsyncIterator[str]:
         blocks = _ContentBlocks()

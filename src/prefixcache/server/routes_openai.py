@@ -31,6 +31,7 @@ from prefixcache.engine.types import ChoiceDelta, PromptDone
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Usage, translate_error
 from prefixcache.server.errors import APIError, bad_request, openai_error_body
+from prefixcache.server.limits import CheckedRoute
 from prefixcache.server.logprobs import chat_logprobs, completion_logprobs
 from prefixcache.server.openai_prompt import chat_conversation, chat_tool_config
 from prefixcache.server.schemas_openai import (
@@ -50,7 +51,7 @@ from prefixcache.server.tool_output import (
 from prefixcache.server.tool_prompt import Message, RenderedPrompt, ToolConfig, has_tool_turns
 
 log = logging.getLogger(__name__)
-router = APIRouter()
+router = APIRouter(route_class=CheckedRoute)
 
 DEFAULT_CHAT_MAX_TOKENS = 256
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -121,11 +122,14 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-async def _start_stream(state: ServerState, kwargs: dict[str, Any]) -> tuple[AsyncIterator[Any], list[Any]]:
+async def _start_stream(
+    state: ServerState, kwargs: dict[str, Any], request: Request
+) -> tuple[AsyncIterator[Any], list[Any]]:
     """Open the engine stream (the bridge's :meth:`~EngineBridge.stream_choices` items:
     PromptDone, ChoiceDelta, Finished) and pull its first item, so a bad request or a full queue
-    is still answered with a 4xx before the 200 and the first byte go out."""
-    agen = state.bridge.stream_choices(kwargs)
+    is still answered with a 4xx before the 200 and the first byte go out. A client that leaves
+    while the request waits for the engine cancels it before its prefill (499)."""
+    agen = state.bridge.stream_choices(kwargs, request.is_disconnected)
     first: list[Any] = []
     try:
         first.append(await agen.__anext__())
@@ -203,7 +207,7 @@ async def chat_completions(
                 "usage": openai_usage(fin.usage),
             }
         )
-    agen, first = await _start_stream(state, kwargs)
+    agen, first = await _start_stream(state, kwargs, request)
     include_usage = body.include_usage
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> dict[str, Any]:
@@ -313,7 +317,7 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
                 "usage": openai_usage(fin.usage),
             }
         )
-    agen, first = await _start_stream(state, kwargs)
+    agen, first = await _start_stream(state, kwargs, request)
     include_usage = body.include_usage
 
     def chunk(index: int, text_delta: str, finish: str | None, lp: Any = None) -> dict[str, Any]:

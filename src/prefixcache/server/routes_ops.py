@@ -13,10 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from prefixcache.cache.store import PinBudgetExceeded
 from prefixcache.server.auth import Tenant
 from prefixcache.server.errors import APIError, bad_request
+from prefixcache.server.limits import CheckedRoute
 from prefixcache.server.schemas_openai import ChatMessage
+from prefixcache.server.snapshots import Snapshot
 from prefixcache.server.state import get_state, get_tenant
 
-router = APIRouter()
+router = APIRouter(route_class=CheckedRoute)
 _STARTED = int(time.time())
 
 #: Per-tenant fields of CacheStats (the others describe the whole store, i.e. other tenants).
@@ -34,8 +36,22 @@ class PinRequest(BaseModel):
     prompt_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None = None
 
 
+#: Set on an answer read from an earlier snapshot: how old it is (the cache lock was busy).
+STALE_HEADER = "x-prefixcache-snapshot-age"
+
+
+def cache_busy() -> APIError:
+    return APIError(503, "The cache is busy (a tier read holds it); retry in a moment.", code="cache_busy",
+                    headers={"retry-after": "1"})
+
+
+def _age_headers(snapshot: Snapshot) -> dict[str, str] | None:
+    return {STALE_HEADER: f"{snapshot.age_s:.3f}"} if snapshot.stale else None
+
+
 @router.get("/health", summary="Liveness")
 async def health(request: Request) -> Any:
+    """Never touches the cache (nor its lock): it answers while a tier read stalls the cache."""
     state = get_state(request)
     return {"status": "ok", "model": state.model_name, "queue_depth": state.bridge.admission.depth}
 
@@ -51,22 +67,40 @@ async def models(request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
-    body = get_state(request).metrics.render()
-    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+    """Rendered off the loop (the cache collector takes the cache lock); while the lock is busy,
+    the last rendering, with its age in ``x-prefixcache-snapshot-age``."""
+    state = get_state(request)
+    snapshot = await state.snapshots.read("metrics", state.metrics.render)
+    if snapshot is None:
+        raise cache_busy()
+    return Response(snapshot.value, media_type="text/plain; version=0.0.4; charset=utf-8",
+                    headers=_age_headers(snapshot))
 
 
 @router.get("/v1/cache", summary="The caller's cache statistics")
 async def cache_stats(request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
+    """Read off the loop, as /metrics (a stale answer carries ``x-prefixcache-snapshot-age``)."""
     state = get_state(request)
     cache = state.bridge.cache
     if cache is None:
         raise APIError(400, "The prompt cache is disabled on this server.", code="cache_disabled")
-    stats = cache.stats(tenant.name).as_dict()
-    return {k: stats[k] for k in TENANT_FIELDS if k in stats}
+
+    def read() -> dict[str, Any]:
+        stats = cache.stats(tenant.name).as_dict()
+        return {k: stats[k] for k in TENANT_FIELDS if k in stats}
+
+    snapshot = await state.snapshots.read(("tenant", tenant.name), read)
+    if snapshot is None:
+        raise cache_busy()
+    return JSONResponse(snapshot.value, headers=_age_headers(snapshot))
 
 
 @router.delete("/v1/cache", summary="Flush the caller's cached blocks (blocks in use stay)")
 async def cache_flush(request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
+    """Flushes the memory tier only. TODO(issue 11, part 2): the tiers' API (get_many, put) has
+    no delete, and their entries do not record their namespace, so the tenant's disk and Redis
+    entries stay until their own expiry or eviction; needs a ``Tier.remove_namespace`` (or a
+    per-namespace index) in ``prefixcache.cache.tiers``."""
     bridge = get_state(request).bridge
     ns = bridge.namespace(tenant.name, tenant.salt)
     removed = await bridge.run(lambda: bridge.cache.flush(ns))
@@ -107,7 +141,8 @@ async def cache_pin(body: PinRequest, request: Request, tenant: Tenant = Depends
     try:
         pinned = await bridge.run(lambda: bridge.cache.pin(ids, ns))
     except PinBudgetExceeded as e:
-        raise APIError(409, f"The pinned budget is full ({e}); unpin another prefix first.", code="pin_budget") from e
+        message = f"The pinned budget is full ({e}); unpin another prefix first."
+        raise APIError(409, message, code="pin_budget") from e
     return JSONResponse({"pinned_tokens": pinned, "prompt_tokens": len(ids)})
 
 

@@ -34,6 +34,7 @@ from prefixcache.engine.types import ChoiceDelta, PromptDone
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Finished, Usage
 from prefixcache.server.errors import APIError, bad_request
+from prefixcache.server.limits import CheckedRoute
 from prefixcache.server.openai_prompt import responses_conversation, responses_tool_config
 from prefixcache.server.routes_openai import (
     DEFAULT_CHAT_MAX_TOKENS,
@@ -49,7 +50,7 @@ from prefixcache.server.state import get_state, get_tenant
 from prefixcache.server.tool_calls import ParsedCall, ParsedReply, new_call_id
 from prefixcache.server.tool_output import CallsFound, parse_reply, split_stream, with_ids
 
-router = APIRouter()
+router = APIRouter(route_class=CheckedRoute)
 
 #: ``include`` values that ask for nothing this server could produce (there is no reasoning).
 HARMLESS_INCLUDES = frozenset({"reasoning.encrypted_content"})
@@ -266,7 +267,7 @@ async def create_response(
         reply = parse_reply(fin.text, rendered, config)
         incomplete = fin.finish_reason == "length" and not reply.calls
         return JSONResponse(shell.done(fin, output_items(reply, incomplete), bool(reply.calls)))
-    agen, first = await _start_stream(state, kwargs)
+    agen, first = await _start_stream(state, kwargs, request)
     events = ResponseEvents(shell)
 
     async def stream() -> AsyncIterator[str]:

@@ -82,7 +82,9 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["user", "assistant"]
     content: StrictStr | list[ContentBlock]
-    cache_control: CacheControl | None = Field(None, description="Extension: a breakpoint after the whole message.")
+    cache_control: CacheControl | None = Field(
+        None, description="Extension: a breakpoint after the whole message."
+    )
 
     def blocks(self) -> list[TextBlock | ToolUseBlock | ToolResultBlock]:
         if isinstance(self.content, str):

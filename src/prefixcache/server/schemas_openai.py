@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 MaxTokens = Annotated[StrictInt, Field(ge=1, le=1_000_000)]
+#: torch.Generator.manual_seed's range: any int64 or uint64 (a negative seed is taken mod 2**64).
+Seed = Annotated[StrictInt, Field(ge=-(1 << 63), le=(1 << 64) - 1)]
 
 
 class TextPart(BaseModel):
@@ -82,7 +84,7 @@ class _Sampling(_CachedGeneration):
     top_k: Annotated[StrictInt, Field(ge=0)] | None = Field(
         None, description="Extension: sample from the k most likely tokens (0: off)."
     )
-    seed: StrictInt | None = None
+    seed: Seed | None = Field(None, description="Reproducible sampling: an integer from -2**63 to 2**64 - 1.")
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
     stream_options: StreamOptions | None = None
     n: Annotated[StrictInt, Field(ge=1)] | None = Field(

@@ -12,6 +12,7 @@ from prefixcache.server.auth import Authenticator, Tenant
 from prefixcache.server.bridge import EngineBridge, Finished
 from prefixcache.server.errors import APIError
 from prefixcache.server.metrics import Metrics
+from prefixcache.server.snapshots import SnapshotReader
 from prefixcache.server.tracelog import TraceWriter
 
 log = logging.getLogger(__name__)
@@ -27,13 +28,15 @@ class ServerState:
     metrics: Metrics
     trace: TraceWriter | None
     model_name: str
+    snapshots: SnapshotReader  # cache reads off the event loop (/metrics, GET /v1/cache)
 
     def check_model(self, model: str) -> None:
         """404 in the route's shape unless ``model`` is the one this server serves."""
         if model != self.model_name:
             raise APIError(
                 404,
-                f"Unknown model '{model[:200]}': this server serves '{self.model_name}' (see GET /v1/models).",
+                f"Unknown model '{model[:200]}': this server serves '{self.model_name}' "
+                "(see GET /v1/models).",
                 param="model",
                 code="model_not_found",
             )
@@ -53,7 +56,8 @@ class ServerState:
         if self.trace is not None:
             endpoint = request.headers.get(ENDPOINT_HEADER) or request.url.path
             self.trace.record(
-                tenant=tenant.name, endpoint=endpoint[:200], result=fin, text=text, ttl_s=ttl_s, cache_key=cache_key
+                tenant=tenant.name, endpoint=endpoint[:200], result=fin, text=text, ttl_s=ttl_s,
+                cache_key=cache_key, salt=tenant.salt,
             )
 
 
