@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from prefixcache.cache.store import Block
+from prefixcache.cache.blocks import Block
 from prefixcache.cache.tiers.base import BackgroundWriter, TierStats
 from prefixcache.cache.tiers.codec import CorruptEntry, TensorCodec
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prefixcache.cache.store import Block
+from prefixcache.cache.blocks import Block
 from prefixcache.cache.tiers.base import BackgroundWriter, TierStats
 from prefixcache.cache.tiers.codec import CorruptEntry, TensorCodec
 
