@@ -99,15 +99,15 @@ class BudgetedTree(RunTree):
         if depth != first:
             raise ValueError(f"keys[{first}] follows a block at depth {depth - 1}: the chain is not rooted")
         return self._insert(keys, packed, step, first, stop, parent_run, payload_fn, namespace, tenant, ttls,
-                            uniform_nbytes, hold)
+                            uniform_nbytes, hold, self.clock())
 
     def _insert(
         self, keys: list[BlockHash], packed: bytes, step: int, first: int, stop: int, parent_run: Run | None,
         payload_fn: PayloadFn | None, namespace: bytes, tenant: str, ttls: list[float],
-        uniform_nbytes: int | None, hold: bool,
+        uniform_nbytes: int | None, hold: bool, now: float,
     ) -> tuple[int, bool, Run | None]:
         """:meth:`insert_chain` once ``parent_run`` is known to be the run whose tail is block
-        ``first - 1`` (None at 0) and ``keys[first]`` is not stored."""
+        ``first - 1`` (None at 0) and ``keys[first]`` is not stored; ``now``: the insert's time."""
         cap = self.capacity_bytes
         payloads: list[Any] | None = None
         no_room = False
@@ -140,7 +140,7 @@ class BudgetedTree(RunTree):
         if ttls[at - 1] < self.min_ttl_s:  # (the chain's shortest TTL is its last: TTLs fall along it)
             self.min_ttl_s = float(ttls[at - 1])
         last = self._add_runs(keys, packed, step, first, at, parent_run, payloads, sizes, unit, namespace,
-                              tenant, ttls, self.clock())
+                              tenant, ttls, now)
         if self._listeners:
             for run, _, _ in self.chain(keys, first, at):
                 for offset in range(len(run.keys)):
@@ -196,8 +196,11 @@ class BudgetedTree(RunTree):
         """Remove every unreferenced, unpinned block whose TTL has passed. Returns blocks removed.
         O(expired + TTL classes)."""
         now = self.clock()
-        removed = 0
         leaves = self._leaves
+        if now < leaves.earliest:  # nothing is due (every request sweeps: this is the usual case)
+            return 0
+        leaves.earliest = float("inf")  # (every class's last pop_due sets it again; so does enter)
+        removed = 0
         # Removing a leaf can make its parent a due leaf (in this class or a longer one), so
         # repeat until a pass removes nothing.
         progress = True
@@ -255,35 +258,45 @@ class BudgetedTree(RunTree):
         cap = self.capacity_bytes
         leaves = self._leaves
         while self.bytes + nbytes > cap:
-            popped = leaves.pop_victim(protect)
-            if popped is None:
+            picked = leaves.victim(protect)
+            if picked is None:
                 return False
-            # ``front``: the least recently used leaf left in the queue.
-            victim, front = popped
+            # ``front``: the first queued run other than the victim, before anything moves.
+            victim, front, lead = picked
+            queued = True
             while True:
                 # Block by block, each parent left inside the run is the next victim when it is
                 # at least as old as the front (it inherits the tail's time); else it is queued.
+                length = len(victim.keys)
                 if front is not None and victim.last_used > front.last_used:
                     count = 1
                 elif victim.unit:  # (the usual case, inlined: blocks of one size)
-                    count = min(-(-(self.bytes + nbytes - cap) // victim.unit), len(victim.keys))
+                    count = -(-(self.bytes + nbytes - cap) // victim.unit)
+                    if count > length:
+                        count = length
                 else:
                     count = self._blocks_to_free(victim, self.bytes + nbytes - cap)
-                orphan = self._drop(victim, count, "capacity", requeue=False)
-                if victim.keys:  # part of the run is left: its new tail is queued as a leaf entering
-                    leaves.enter(victim, ordered=True)
+                if count < length:  # part of the run is left: its new tail is queued as a leaf entering
+                    self._drop(victim, count, "capacity", requeue=False)  # (touches no queue)
+                    if queued:
+                        leaves.requeue_trimmed(victim, front, lead)
+                    else:
+                        leaves.enter(victim, ordered=True)
                     break
+                if queued:
+                    leaves.leave(victim)
+                orphan = self._drop(victim, count, "capacity", requeue=False)
                 # The run is gone; its parent, if now an evictable leaf, is the next victim while
                 # room is needed and it is at least as old as the front.
                 if orphan is None:
                     break
-                front = leaves.first()
+                front = leaves.first()  # (the orphan is in no queue: this is the first other run)
                 if (
                     self.bytes + nbytes > cap
                     and orphan is not protect
                     and (front is None or orphan.last_used <= front.last_used)
                 ):
-                    victim = orphan
+                    victim, queued = orphan, False
                     continue
                 leaves.enter(orphan, ordered=True)
                 break

@@ -30,12 +30,15 @@ from prefixcache.cache.blocks import Run, expires
 class LeafQueues:
     """The LRU queue, one expiry queue per TTL class, and each class's late heap."""
 
-    __slots__ = ("lru", "expiry", "classes", "_late", "_latest", "_seq")
+    __slots__ = ("lru", "expiry", "classes", "earliest", "_late", "_latest", "_seq")
 
     def __init__(self) -> None:
         self.lru: OrderedDict[Run, None] = OrderedDict()  # runs whose tail is an evictable leaf
         self.expiry: dict[float, OrderedDict[Run, None]] = {}
         self.classes: list[float] = []  # the keys of ``expiry``, sorted (rebound, never mutated)
+        #: No queued leaf expires before this: a lower bound (leaves may have left since), exact
+        #: after a sweep. Lets a sweep with nothing due stop at once.
+        self.earliest = float("inf")
         # Per class: leaves queued behind leaves that expire after them, as (expiry, seq, run),
         # and the latest expiry queued in order (see enter).
         self._late: dict[float, list[tuple[float, int, Run]]] = {}
@@ -56,17 +59,19 @@ class LeafQueues:
             order = self.lru
             order[run] = None
             if ordered and len(order) > 1 and run.last_used <= next(iter(order)).last_used:
-                order.move_to_end(run, last=False)
+                order.move_to_end(run, False)
         ttl = run.ttl_s
         queue = self.expiry.get(ttl)
         if queue is None:
             queue = self._new_class(ttl)
         queue[run] = None
         when = run.last_used + ttl
+        if when < self.earliest:
+            self.earliest = when
         if ordered and len(queue) > 1:
             front = next(iter(queue))
             if when <= front.last_used + front.ttl_s:
-                queue.move_to_end(run, last=False)
+                queue.move_to_end(run, False)
                 return
         if when < self._latest.get(ttl, when):
             self._seq += 1
@@ -94,45 +99,74 @@ class LeafQueues:
         """The least recently used leaf, or None."""
         return next(iter(self.lru), None)
 
-    def pop_victim(self, protect: Run | None) -> tuple[Run, Run | None] | None:
-        """Unqueue and return the least recently used leaf other than ``protect``, with the first
-        run left in the LRU (None if none), or None when there is no such leaf. A victim that
-        keeps blocks goes back with ``enter(victim, ordered=True)``: exactly where leaves
-        inheriting its time would go."""
+    def victim(self, protect: Run | None) -> tuple[Run, Run | None, bool] | None:
+        """The least recently used leaf other than ``protect``, left queued: (victim, the first
+        queued run other than it or None, whether the victim is the LRU's first), or None when
+        there is no such leaf."""
         others = iter(self.lru)
         victim = next(others, None)
-        if victim is protect and victim is not None:
-            front: Run | None = victim
-            victim = next(others, None)
-        else:
-            front = next(others, None)
         if victim is None:
             return None
-        del self.lru[victim]
-        del self.expiry[victim.ttl_s][victim]
-        return victim, front
+        if victim is not protect:
+            return victim, next(others, None), True
+        second = next(others, None)
+        return None if second is None else (second, victim, False)
+
+    def requeue_trimmed(self, run: Run, front: Run | None, lead: bool) -> None:
+        """``run``, queued, just lost its last blocks to eviction: its new tail inherits nothing
+        and is as old as the run was. Move it to exactly where leaving and entering with
+        ``ordered`` would put it, in place (no re-insertion: the queues are large ordered dicts).
+        ``front`` and ``lead`` are :meth:`victim`'s, from before the blocks went."""
+        lru = self.lru
+        if front is not None:
+            if run.last_used > front.last_used:
+                lru.move_to_end(run)
+            elif not lead:
+                lru.move_to_end(run, False)
+        queue = self.expiry[run.ttl_s]
+        others = iter(queue)
+        first = next(others)
+        lead_in_class = first is run
+        if lead_in_class:
+            first = next(others, None)
+        if first is not None and run.last_used + run.ttl_s <= first.last_used + first.ttl_s:
+            if not lead_in_class:
+                queue.move_to_end(run, False)
+            return  # (at the front of its class: as enter's ordered placement leaves it)
+        # Behind the class's first run, or alone in it: at the back, as enter places it there.
+        queue.move_to_end(run)
+        when = run.last_used + run.ttl_s
+        if when < self._latest.get(run.ttl_s, when):
+            self._seq += 1
+            heapq.heappush(self._late[run.ttl_s], (when, self._seq, run))
+        else:
+            self._latest[run.ttl_s] = when
 
     def pop_due(self, ttl: float, now: float) -> tuple[Run, Run | None] | None:
         """Unqueue and return the leaf of class ``ttl`` that expires first, if it is due at
         ``now``, with the class's next leaf to expire after it (None when none is left). None
-        when nothing of the class is due."""
+        when nothing of the class is due (then :attr:`earliest` takes the class's next expiry:
+        after a sweep's last pass over every class it is exact again)."""
         queue = self.expiry[ttl]
         if not queue:
             return None
-        if self._late[ttl]:  # the earlier of the queue's front and the late heap's top
+        late = self._late[ttl]
+        if late:  # the earlier of the queue's front and the late heap's top
             run = self.next_due(ttl)
-            if run.last_used + run.ttl_s > now:
-                return None
-            del self.lru[run]
-            del queue[run]
-            return run, (self.next_due(ttl) if queue else None)
-        others = iter(queue)
-        run = next(others)
-        if run.last_used + run.ttl_s > now:
+            after = None
+        else:
+            others = iter(queue)
+            run = next(others)
+            after = next(others, None)  # the queue's front once ``run`` has left
+        when = run.last_used + run.ttl_s
+        if when > now:
+            if when < self.earliest:
+                self.earliest = when
             return None
-        after = next(others, None)  # the queue's front once ``run`` has left
         del self.lru[run]
         del queue[run]
+        if late:
+            after = self.next_due(ttl) if queue else None
         return run, after
 
     def none_before(self, ttl: float, when: float) -> bool:
@@ -169,3 +203,4 @@ class LeafQueues:
         assert len(self.lru) == sum(len(queue) for queue in self.expiry.values()), "LRU and expiry disagree"
         assert all(run in is_leaf for run in self.lru), "a dropped run is queued"
         assert self.classes == sorted(self.expiry), "TTL classes out of order"
+        assert all(expires(run) >= self.earliest for run in self.lru), "a leaf expires before 'earliest'"

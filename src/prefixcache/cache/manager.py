@@ -28,9 +28,6 @@ from prefixcache.cache.tiers.stack import TierStack
 
 __all__ = ["CommitResult", "Match", "PayloadFn", "PrefixCache", "Tier"]
 
-# (module names: a class attribute lookup of an enum member costs more on the hot path)
-_HIT, _PARTIAL, _MISS = Outcome.HIT, Outcome.PARTIAL, Outcome.MISS
-
 
 @dataclass(slots=True, eq=False)
 class Match:
@@ -107,7 +104,7 @@ class PrefixCache:
         self._tier_stack = TierStack(self.store)
         self.tiers: list[Tier] = self._tier_stack.tiers  # in lookup order; add with add_tier
         self._lock = threading.RLock()
-        self._totals = TenantCounters()
+        # Traffic counters per tenant; the totals are their sum (one count per request, not two).
         self._tenants: dict[str, TenantCounters] = {}
         self._pins: dict[tuple[bytes, BlockHash], list[BlockHash]] = {}
         #: Set by an engine with a KV pool: turns a payload promoted from a tier into the
@@ -149,10 +146,10 @@ class PrefixCache:
         align, keys, packed, ttls = self._prepare(tokens, ns, align_tokens, ttl_s, ttl_plan, keys, packed)
         prompt_tokens = len(packed) >> 2
         with self._lock:
-            usable, outcome, held = self._begin(ns, keys, packed, prompt_tokens, align, ttls)
+            usable, outcome, held, _ = self._begin(ns, keys, packed, prompt_tokens, align, ttls)
             return Match(namespace=ns, prompt_tokens=prompt_tokens, keys=keys, ttls=ttls, packed=packed,
-                         block_size=self.block_size, outcome=outcome, cached_blocks=usable, _cache=self,
-                         _held=held, _depth=usable)
+                         block_size=self.block_size, outcome=Outcome(outcome), cached_blocks=usable,
+                         _cache=self, _held=held, _depth=usable)
 
     def cached_prefix(self, keys: list[BlockHash], packed: bytes) -> int:
         """Blocks of this prompt that a request would find cached now (live, verified), without
@@ -189,7 +186,7 @@ class PrefixCache:
             if short:
                 m.skipped_blocks = stop - reached
             m._depth = reached
-            written = self._written(m.namespace.tenant, keys, reached, ranges)
+            written = self._written(self._tenants[m.namespace.tenant], keys, reached, ranges)
         return CommitResult(written, written * block_size, m.skipped_blocks)
 
     def replay(
@@ -207,18 +204,20 @@ class PrefixCache:
         ...)``, ``commit(m, None, uniform_nbytes=nbytes, upto_tokens=...)`` and ``release(m)`` do,
         with payloads None, through the same steps minus the :class:`Match` (a simulator replays
         millions). Returns (cached tokens, written tokens)."""
-        align, keys, packed, ttls = self._prepare(None, ns, align_tokens, ttl_s, None, keys, packed)
         block_size = self.block_size
+        align = align_tokens or block_size
+        if align % block_size or len(keys) != len(packed) // (4 * block_size):
+            self._prepare(None, ns, align_tokens, ttl_s, None, keys, packed)  # raises what match raises
+        ttls = self.policy.block_ttls(len(keys), block_size, ttl_s)
         stop = len(keys) if upto_tokens is None else min(len(keys), max(upto_tokens, 0) // block_size)
+        store = self.store
         with self._lock:
-            usable, _, held = self._begin(ns, keys, packed, len(packed) >> 2, align, ttls)
-            reached, ranges, _, held = self.store.write_chain(
-                keys, packed, 4 * block_size, usable, stop, held, None, namespace=ns.root, tenant=ns.tenant,
-                ttls=ttls, uniform_nbytes=nbytes,
-            )
-            written = self._written(ns.tenant, keys, reached, ranges)
+            usable, _, held, counters = self._begin(ns, keys, packed, len(packed) >> 2, align, ttls)
+            reached, ranges, _, held = store.write_chain(keys, packed, 4 * block_size, usable, stop, held, None,
+                                                         ns.root, ns.tenant, ttls, nbytes)
+            written = self._written(counters, keys, reached, ranges) if ranges else 0
             if held is not None:
-                self.store.release(held)
+                store.release(held)
         return usable * block_size, written * block_size
 
     def release(self, m: Match) -> None:
@@ -256,10 +255,10 @@ class PrefixCache:
     def _begin(
         self, ns: Namespace, keys: list[BlockHash], packed: bytes, prompt_tokens: int, align: int,
         ttls: list[float],
-    ) -> tuple[int, Outcome, Run | None]:
+    ) -> tuple[int, str, Run | None, TenantCounters]:
         """Match's work, under the lock: expire what is due, find the usable cached prefix (the
         tiers continue it), hold and refresh its deepest block, count the request. Returns
-        (usable blocks, outcome, the run held or None)."""
+        (usable blocks, the outcome's value, the run held or None, the tenant's counters)."""
         block_size = self.block_size
         # Cap: at least one token is computed (there must be logits to sample from), and a hit
         # ends on an alignment boundary (the prefill chunk schedule makes that exact).
@@ -274,34 +273,31 @@ class PrefixCache:
             found += promoted
         usable = (found * block_size // align) * align // block_size
         held = None
+        outcome = "miss"
         if usable:
-            at = None  # (promoted blocks: the store walks the chain)
-            if not promoted:
+            if promoted:
+                held = store.hold_chain(keys, 0, usable, ttls)  # (the store walks the chain)
+            else:
                 run, first, _ = segments[-1]  # the hit's deepest block is most often in the last segment
-                at = (run, usable - 1 - run.depth) if usable - 1 - run.depth >= first else _at(segments, usable - 1)
-            held = store.hold_chain(keys, 0, usable, ttls, at=at)
-            outcome, label = (_HIT, "hit") if usable == max_blocks else (_PARTIAL, "partial")
-        else:
-            outcome, label = _MISS, "miss"
-        self._totals.count(prompt_tokens, usable * block_size, label)
+                if usable - 1 - run.depth < first:
+                    run = _run_of(segments, usable - 1)
+                held = store.hold_chain(keys, 0, usable, ttls, run)
+            outcome = "hit" if usable == max_blocks else "partial"
         counters = self._tenants.get(ns.tenant)
         if counters is None:
             counters = self._tenants[ns.tenant] = TenantCounters()
-        counters.count(prompt_tokens, usable * block_size, label)
-        return usable, outcome, held
+        counters.count(prompt_tokens, usable * block_size, outcome)
+        return usable, outcome, held, counters
 
-    def _written(self, tenant: str, keys: list[BlockHash], reached: int, ranges: list[tuple[int, int]]) -> int:
-        """Count the blocks a commit wrote (``ranges`` of the chain ``keys[:reached]``) and write
-        them through to the tiers. Returns how many."""
+    def _written(
+        self, counters: TenantCounters, keys: list[BlockHash], reached: int, ranges: list[tuple[int, int]]
+    ) -> int:
+        """Count the blocks a commit wrote (``ranges`` of the chain ``keys[:reached]``) on the
+        tenant's ``counters`` and write them through to the tiers. Returns how many."""
         written = 0
         for _, count in ranges:
             written += count
-        tokens = written * self.block_size
-        self._totals.written_tokens += tokens
-        counters = self._tenants.get(tenant)
-        if counters is None:
-            counters = self._tenants[tenant] = TenantCounters()
-        counters.written_tokens += tokens
+        counters.written_tokens += written * self.block_size
         if written and self.tiers:
             self._tier_stack.write_through(keys, reached, ranges)
         return written
@@ -382,7 +378,7 @@ class PrefixCache:
 
     def stats(self, tenant: str | None = None) -> CacheStats:
         with self._lock:
-            counters = self._totals if tenant is None else self._tenants.get(tenant, TenantCounters())
+            counters = self._totals() if tenant is None else self._tenants.get(tenant, TenantCounters())
             store = self.store
             evictions = dict(store.counters.evictions)
             return CacheStats(
@@ -403,6 +399,18 @@ class PrefixCache:
                 tenant=tenant,
             )
 
+    def _totals(self) -> TenantCounters:
+        """Every tenant's counters summed (caller holds the lock)."""
+        totals = TenantCounters()
+        for counters in self._tenants.values():
+            totals.requests += counters.requests
+            totals.queried_tokens += counters.queried_tokens
+            totals.hit_tokens += counters.hit_tokens
+            totals.written_tokens += counters.written_tokens
+            for outcome, requests in counters.outcomes.items():
+                totals.outcomes[outcome] += requests
+        return totals
+
     def check_integrity(self) -> None:
         """Assert every invariant of the store and of the pinned prefixes (O(n): tests)."""
         with self._lock:
@@ -413,9 +421,9 @@ class PrefixCache:
                     assert run is not None and run.pin_count > 0, "a pinned prefix lost a block"
 
 
-def _at(segments: list[Segment], index: int) -> tuple[Run, int]:
-    """The run and offset of block ``index`` among a walk's segments."""
+def _run_of(segments: list[Segment], index: int) -> Run:
+    """The run holding block ``index`` among a walk's segments."""
     for run, offset, _ in reversed(segments):
         if run.depth + offset <= index:
-            return run, index - run.depth
+            return run
     raise IndexError(index)

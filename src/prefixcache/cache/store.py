@@ -69,7 +69,7 @@ class BlockStore(BudgetedTree):
 
     def write_chain(
         self, keys: list[BlockHash], packed: bytes, step: int, start: int, stop: int, held: Run | None,
-        payload_fn: PayloadFn | None, *, namespace: bytes, tenant: str, ttls: list[float],
+        payload_fn: PayloadFn | None, namespace: bytes, tenant: str, ttls: list[float],
         uniform_nbytes: int | None = None,
     ) -> tuple[int, list[tuple[int, int]], bool, Run | None]:
         """Store the blocks ``start..stop-1`` of the chain ``keys`` not stored yet, then hold the
@@ -83,8 +83,8 @@ class BlockStore(BudgetedTree):
         lack of room, the run now held: ``held`` when no block was reached).
         """
         index = self._index
-        # ``prev``: the run and offset of block ``at - 1`` (the hold's ``at`` at the end).
-        prev = (held, len(held.keys) - 1) if start and held is not None else None
+        now = self.clock()  # (one instant for the inserts and the hold)
+        last = held  # the run holding block ``at - 1`` (None at 0)
         ranges: list[tuple[int, int]] = []
         short = False
         at = start
@@ -92,59 +92,62 @@ class BlockStore(BudgetedTree):
             if keys[at] in index:  # stored, or a collision: walk over what is there
                 run, count, collided = self.match_run(keys, packed, at, stop, keys[at - 1] if at else None)
                 if count:
-                    prev = (run, at + count - 1 - run.depth)  # type: ignore[union-attr]
+                    last = run
                     at += count
                 if collided:
                     break  # the chain cannot continue under this key
                 continue
             parent_run = None
-            if prev is not None:
-                parent_run, offset = prev
-                if offset < len(parent_run.keys) - 1:  # a new branch off the middle of a run
-                    parent_run = self.split(parent_run, offset)
-                    prev = (parent_run, offset)
-            inserted, no_room, last = self._insert(keys, packed, step, at, stop, parent_run, payload_fn,
-                                                   namespace, tenant, ttls, uniform_nbytes, True)
+            if at:
+                parent_run = last
+                if at < parent_run.depth + len(parent_run.keys):  # a new branch off the middle of a run
+                    parent_run = last = self.split(parent_run, at - 1 - parent_run.depth)
+            inserted, no_room, run = self._insert(keys, packed, step, at, stop, parent_run, payload_fn,
+                                                  namespace, tenant, ttls, uniform_nbytes, True, now)
             if inserted:
                 ranges.append((at, inserted))
-                prev = (last, len(last.keys) - 1)  # type: ignore[union-attr]
+                last = run
                 at += inserted
             if no_room or not inserted:
                 short = True
                 break
         if at > start:
-            held = self.hold_chain(keys, start, at, ttls, prev, held)
+            held = self.hold_chain(keys, start, at, ttls, last, held, now)
         return at, ranges, short, held
 
     def hold_chain(
-        self, keys: list[BlockHash], start: int, stop: int, ttls: list[float],
-        at: tuple[Run, int] | None = None, previous: Run | None = None,
+        self, keys: list[BlockHash], start: int, stop: int, ttls: list[float], run: Run | None = None,
+        previous: Run | None = None, now: float | None = None,
     ) -> Run:
         """Take a reference on block ``stop - 1`` of the stored chain ``keys`` and refresh it,
         dropping the reference on ``previous`` (the caller's, or None); raise the blocks of
         ``keys[start:stop]`` to the TTLs asked (``ttls``, indexed from block 0: a block keeps the
         longest TTL it was asked for). Returns the run whose tail that block now is: the caller
-        must :meth:`release` it. ``at``: the run and offset of the block when the caller knows
-        them (else the chain is walked from its root).
+        must :meth:`release` it. ``run``: the run holding the block when the caller knows it
+        (else the chain is walked from its root). ``now``: the time of the use (default: the
+        clock's).
 
         Holding the deepest block protects the whole chain (ancestors have a child, so they are
         never evicted or expired), and refreshing it refreshes them.
         """
-        run, offset = at if at is not None else self.locate(keys, stop - 1)
-        tail = self.split(run, offset) if offset < len(run.keys) - 1 else run
+        if now is None:
+            now = self.clock()
+        if run is None:
+            run = self.locate(keys, stop - 1)[0]
+        tail = run if stop == run.depth + len(run.keys) else self.split(run, stop - 1 - run.depth)
         if tail in self._lru:  # (acquire, inlined: this is every request's path)
             self._leaves.leave(tail)
         tail.ref_count += 1
         if previous is not None:
-            self.release(previous)
+            self.release(previous, now)
         # ttls[start] is the longest asked (asked TTLs never grow along a chain); no block can be
         # below it when no run was ever stored with a shorter class (the usual single-TTL case).
         if ttls[start] > self.min_ttl_s:
             self._raise_ttls(keys, start, stop, ttls, tail)
         if ttls[stop - 1] > tail.ttl_s:
-            self.touch(tail, ttls[stop - 1])
+            self.touch(tail, ttls[stop - 1], now)
         else:  # (touch, inlined: a held block is in no queue, and its class stays)
-            tail.last_used = self.clock()
+            tail.last_used = now
         return tail
 
     def _raise_ttls(self, keys: list[BlockHash], start: int, stop: int, ttls: list[float], tail: Run) -> None:
@@ -176,9 +179,10 @@ class BlockStore(BudgetedTree):
                 current, end = rest, begin
 
     # ------------------------------------------------------------------ uses and references
-    def touch(self, run: Run, ttl_s: float | None = None) -> None:
-        """A use of ``run``'s tail: refresh the TTL (to the longest class ever asked) and the LRU
-        position. Touch the deepest block of a hit; its ancestors' freshness follows from it."""
+    def touch(self, run: Run, ttl_s: float | None = None, now: float | None = None) -> None:
+        """A use of ``run``'s tail at ``now`` (default: the clock's): refresh the TTL (to the
+        longest class ever asked) and the LRU position. Touch the deepest block of a hit; its
+        ancestors' freshness follows from it."""
         if ttl_s is not None and ttl_s > run.ttl_s and len(run.keys) > 1:
             self.split(run, len(run.keys) - 2)  # only the tail moves to the longer class
         queued = run in self._lru
@@ -186,7 +190,7 @@ class BlockStore(BudgetedTree):
             self._leaves.leave(run)
         if ttl_s is not None and ttl_s > run.ttl_s:
             run.ttl_s = float(ttl_s)
-        run.last_used = self.clock()
+        run.last_used = self.clock() if now is None else now
         if queued:
             self._leaves.enter(run)
 
@@ -206,13 +210,14 @@ class BlockStore(BudgetedTree):
             self._leaves.leave(run)
         run.ref_count += 1
 
-    def release(self, run: Run) -> None:
-        """Drop a reference. The block's use ends now: its TTL and LRU position are refreshed."""
+    def release(self, run: Run, now: float | None = None) -> None:
+        """Drop a reference. The block's use ends now (``now``, default: the clock's): its TTL
+        and LRU position are refreshed."""
         if run.ref_count <= 0:
             raise RuntimeError(f"release of block {run.keys[-1].hex()[:12]} that holds no reference")
         run.ref_count -= 1
         if run.ref_count == 0 and run.keys:
-            run.last_used = self.clock()
+            run.last_used = self.clock() if now is None else now
             if run.pin_count == 0 and run.n_children == 0:
                 self._leaves.enter(run)
 
