@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from prefixcache.cache.clock import Clock, monotonic
 from prefixcache.cache.keys import BlockHash, Hasher, Namespace, block_keys, pack_tokens, sha256_hasher
+from prefixcache.cache.pins import PinnedPrefixes
 from prefixcache.cache.policy import TtlPlan, TtlPolicy
-from prefixcache.cache.stats import CacheStats, Outcome, RequestUsage, TenantCounters
+from prefixcache.cache.request import CommitResult, Match
+from prefixcache.cache.stats import CacheStats, Outcome, TenantCounters
 from prefixcache.cache.store import Block, BlockStore, PayloadFn, Run, Segment
 from prefixcache.cache.tiers.base import Tier
 from prefixcache.cache.tiers.stack import TierStack
@@ -29,70 +30,12 @@ from prefixcache.cache.tiers.stack import TierStack
 __all__ = ["CommitResult", "Match", "PayloadFn", "PrefixCache", "Tier"]
 
 
-@dataclass(slots=True, eq=False)
-class Match:
-    """One request's view of the cache, from :meth:`PrefixCache.match` to ``release``."""
-
-    namespace: Namespace
-    prompt_tokens: int
-    keys: list[BlockHash]  # every full block of the prompt
-    ttls: list[float]  # the TTL each full block is stored or refreshed with
-    packed: bytes = field(repr=False)
-    block_size: int = 16
-    outcome: Outcome = Outcome.MISS
-    cached_blocks: int = 0  # the cached prefix: keys[:cached_blocks]
-    written_keys: list[BlockHash] = field(default_factory=list)  # blocks this request stored
-    skipped_blocks: int = 0
-    released: bool = False
-    _cache: PrefixCache | None = field(default=None, repr=False)
-    _held: Run | None = field(default=None, repr=False)  # the run whose tail (our deepest block) we hold
-    _depth: int = 0  # blocks of the prompt covered by _held's chain
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.cached_blocks * self.block_size
-
-    @property
-    def blocks(self) -> list[Block]:
-        """Snapshots of the cached prefix's blocks, in order (payloads included). Read them
-        before :meth:`PrefixCache.release`: until then the prefix cannot be evicted."""
-        if self._cache is None or not self.cached_blocks:
-            return []
-        return self._cache.snapshots(self.keys[: self.cached_blocks])
-
-    @property
-    def written(self) -> list[Block]:
-        """Snapshots of the blocks this request stored (those still cached)."""
-        return [] if self._cache is None else self._cache.snapshots(self.written_keys, missing_ok=True)
-
-    @property
-    def usage(self) -> RequestUsage:
-        return RequestUsage(
-            prompt_tokens=self.prompt_tokens,
-            cached_tokens=self.cached_blocks * self.block_size,
-            cache_write_tokens=len(self.written_keys) * self.block_size,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class CommitResult:
-    written_blocks: int
-    written_tokens: int
-    skipped_blocks: int  # full blocks that could not be stored (no room)
-
-
 class PrefixCache:
     """Exact prefix cache: chained block keys over a :class:`BlockStore`, with tiers below it."""
 
     def __init__(
-        self,
-        *,
-        block_size: int = 16,
-        capacity_bytes: int = 2 << 30,
-        pinned_capacity_bytes: int = 256 << 20,
-        default_ttl_s: float = 300.0,
-        clock: Clock | None = None,
-        hasher: Hasher | None = None,
+        self, *, block_size: int = 16, capacity_bytes: int = 2 << 30, pinned_capacity_bytes: int = 256 << 20,
+        default_ttl_s: float = 300.0, clock: Clock | None = None, hasher: Hasher | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1; got {block_size}")
@@ -106,7 +49,7 @@ class PrefixCache:
         self._lock = threading.RLock()
         # Traffic counters per tenant; the totals are their sum (one count per request, not two).
         self._tenants: dict[str, TenantCounters] = {}
-        self._pins: dict[tuple[bytes, BlockHash], list[BlockHash]] = {}
+        self._pins = PinnedPrefixes(self.store)
         #: Set by an engine with a KV pool: turns a payload promoted from a tier into the
         #: engine's own kind (a pool block). None keeps tier payloads as they come.
         self.adopt: Callable[[Any], Any] | None = None
@@ -124,14 +67,8 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ request path
     def match(
-        self,
-        tokens: Sequence[int] | None,
-        ns: Namespace,
-        *,
-        align_tokens: int | None = None,
-        ttl_s: float | None = None,
-        ttl_plan: TtlPlan | None = None,
-        keys: list[BlockHash] | None = None,
+        self, tokens: Sequence[int] | None, ns: Namespace, *, align_tokens: int | None = None,
+        ttl_s: float | None = None, ttl_plan: TtlPlan | None = None, keys: list[BlockHash] | None = None,
         packed: bytes | None = None,
     ) -> Match:
         """Find, touch and acquire the longest usable cached prefix of ``tokens``.
@@ -178,8 +115,8 @@ class PrefixCache:
         with self._lock:
             start = m._depth
             reached, ranges, short, m._held = self.store.write_chain(
-                keys, m.packed, 4 * block_size, start, stop, m._held, payload_fn, namespace=m.namespace.root,
-                tenant=m.namespace.tenant, ttls=m.ttls, uniform_nbytes=uniform_nbytes,
+                keys, m.packed, 4 * block_size, start, stop, m._held, payload_fn, m.namespace.root,
+                m.namespace.tenant, m.ttls, uniform_nbytes,
             )
             for first, count in ranges:
                 m.written_keys.extend(keys[first : first + count])
@@ -190,15 +127,8 @@ class PrefixCache:
         return CommitResult(written, written * block_size, m.skipped_blocks)
 
     def replay(
-        self,
-        ns: Namespace,
-        keys: list[BlockHash],
-        packed: bytes,
-        *,
-        nbytes: int,
-        ttl_s: float | None = None,
-        align_tokens: int | None = None,
-        upto_tokens: int | None = None,
+        self, ns: Namespace, keys: list[BlockHash], packed: bytes, *, nbytes: int, ttl_s: float | None = None,
+        align_tokens: int | None = None, upto_tokens: int | None = None,
     ) -> tuple[int, int]:
         """One whole request for a simulator: what ``m = match(None, ns, keys=keys, packed=packed,
         ...)``, ``commit(m, None, uniform_nbytes=nbytes, upto_tokens=...)`` and ``release(m)`` do,
@@ -213,8 +143,9 @@ class PrefixCache:
         store = self.store
         with self._lock:
             usable, _, held, counters = self._begin(ns, keys, packed, len(packed) >> 2, align, ttls)
-            reached, ranges, _, held = store.write_chain(keys, packed, 4 * block_size, usable, stop, held, None,
-                                                         ns.root, ns.tenant, ttls, nbytes)
+            reached, ranges, _, held = store.write_chain(
+                keys, packed, 4 * block_size, usable, stop, held, None, ns.root, ns.tenant, ttls, nbytes
+            )
             written = self._written(counters, keys, reached, ranges) if ranges else 0
             if held is not None:
                 store.release(held)
@@ -309,40 +240,14 @@ class PrefixCache:
         :class:`~prefixcache.cache.store.PinBudgetExceeded`, pinning nothing."""
         keys = self.block_keys(tokens, ns)
         packed = pack_tokens(tokens)
-        store = self.store
         with self._lock:
-            found, _ = store.lookup(keys, packed, len(keys))
-            if not found:
-                return 0
-            pin_id = (ns.root, keys[found - 1])
-            if pin_id in self._pins:
-                return found * self.block_size
-            runs = [store.isolate(keys, index) for index in range(found)]  # a pinned block is a run of its own
-            done: list[Run] = []
-            try:
-                for run in runs:
-                    store.pin(run)
-                    done.append(run)
-            except BaseException:
-                for run in reversed(done):
-                    store.unpin(run)
-                raise
-            self._pins[pin_id] = keys[:found]
-            return found * self.block_size
+            return self._pins.pin(keys, packed, ns.root) * self.block_size
 
     def unpin(self, tokens: Sequence[int], ns: Namespace) -> int:
         """Undo :meth:`pin` for every pinned prefix of ``tokens``. Returns tokens unpinned."""
-        keys = set(self.block_keys(tokens, ns))
-        unpinned = 0
+        keys = self.block_keys(tokens, ns)
         with self._lock:
-            for pin_id in [p for p in self._pins if p[0] == ns.root and p[1] in keys]:
-                chain = self._pins.pop(pin_id)
-                for key in reversed(chain):
-                    run = self.store.run_of(key)
-                    if run is not None:
-                        self.store.unpin(run)
-                unpinned = max(unpinned, len(chain) * self.block_size)
-        return unpinned
+            return self._pins.unpin(keys, ns.root) * self.block_size
 
     def pinned_prefixes(self) -> int:
         with self._lock:
@@ -371,32 +276,24 @@ class PrefixCache:
         """Snapshots of the stored blocks ``keys`` (a chain from depth 0, or any keys with
         ``missing_ok``, which skips those no longer stored)."""
         with self._lock:
-            if missing_ok:
-                return [block for block in map(self.store.get, keys) if block is not None]
-            segments = self.store.chain(list(keys), 0, len(keys))
-            return [run.block(offset + n) for run, offset, count in segments for n in range(count)]
+            return self.store.snapshots(keys, missing_ok=missing_ok)
 
     def stats(self, tenant: str | None = None) -> CacheStats:
         with self._lock:
             counters = self._totals() if tenant is None else self._tenants.get(tenant, TenantCounters())
             store = self.store
             evictions = dict(store.counters.evictions)
+            if tenant is None:
+                blocks, held_bytes = len(store), store.bytes + store.pinned_bytes
+            else:
+                blocks, held_bytes = store.tenant_blocks.get(tenant, 0), store.tenant_bytes.get(tenant, 0)
             return CacheStats(
-                requests=counters.requests,
-                queried_tokens=counters.queried_tokens,
-                hit_tokens=counters.hit_tokens,
-                written_tokens=counters.written_tokens,
-                blocks=len(store) if tenant is None else store.tenant_blocks.get(tenant, 0),
-                bytes=(store.bytes + store.pinned_bytes) if tenant is None else store.tenant_bytes.get(tenant, 0),
-                pinned_blocks=store.pinned_blocks,
-                pinned_bytes=store.pinned_bytes,
-                capacity_bytes=store.capacity_bytes,
-                evictions=evictions,
-                expirations=evictions.get("ttl", 0),
-                collisions=store.counters.collisions,
-                hits_by_outcome=dict(counters.outcomes),
-                tier_hits=self._tier_stack.promoted_blocks,
-                tenant=tenant,
+                requests=counters.requests, queried_tokens=counters.queried_tokens,
+                hit_tokens=counters.hit_tokens, written_tokens=counters.written_tokens, blocks=blocks,
+                bytes=held_bytes, pinned_blocks=store.pinned_blocks, pinned_bytes=store.pinned_bytes,
+                capacity_bytes=store.capacity_bytes, evictions=evictions, expirations=evictions.get("ttl", 0),
+                collisions=store.counters.collisions, hits_by_outcome=dict(counters.outcomes),
+                tier_hits=self._tier_stack.promoted_blocks, tenant=tenant,
             )
 
     def _totals(self) -> TenantCounters:
@@ -415,10 +312,7 @@ class PrefixCache:
         """Assert every invariant of the store and of the pinned prefixes (O(n): tests)."""
         with self._lock:
             self.store.check_integrity()
-            for chain in self._pins.values():
-                for key in chain:
-                    run = self.store.run_of(key)
-                    assert run is not None and run.pin_count > 0, "a pinned prefix lost a block"
+            self._pins.check()
 
 
 def _run_of(segments: list[Segment], index: int) -> Run:

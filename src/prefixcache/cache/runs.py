@@ -247,8 +247,9 @@ class RunTree:
                 run_payloads: list[Any] = [None] * (end - start)
             else:
                 run_payloads = payloads[start - first : end - first]
-            run = Run(run_keys, packed[start * step : end * step], run_payloads,
-                      sizes[start - first : end - first], unit, start, parent, namespace, tenant, ttl, now, up)
+            run_sizes = sizes[start - first : end - first]
+            run = Run(run_keys, packed[start * step : end * step], run_payloads, run_sizes, unit, start,
+                      parent, namespace, tenant, ttl, now, up)
             if end < stop:
                 run.n_children = 1
             if run_keys[0] not in index:

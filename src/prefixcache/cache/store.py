@@ -21,6 +21,8 @@ through its public methods only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prefixcache.cache.blocks import Block, Run, Segment, StoreCounters
 from prefixcache.cache.budget import BudgetedTree, Listener, PayloadFn
 from prefixcache.cache.clock import Clock, monotonic
@@ -177,6 +179,14 @@ class BlockStore(BudgetedTree):
                 if rest is None:
                     break
                 current, end = rest, begin
+
+    def snapshots(self, keys: Sequence[BlockHash], *, missing_ok: bool = False) -> list[Block]:
+        """Snapshots of the stored blocks ``keys``: a chain from depth 0 (O(blocks)), or any keys
+        with ``missing_ok``, which skips those not stored (a scan per inner key: admin use)."""
+        if missing_ok:
+            return [block for block in map(self.get, keys) if block is not None]
+        segments = self.chain(list(keys), 0, len(keys))
+        return [run.block(offset + n) for run, offset, count in segments for n in range(count)]
 
     # ------------------------------------------------------------------ uses and references
     def touch(self, run: Run, ttl_s: float | None = None, now: float | None = None) -> None:

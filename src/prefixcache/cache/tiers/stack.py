@@ -67,8 +67,7 @@ class TierStack:
         targets = [tier for tier in self.tiers if tier.write_through]
         if not targets:
             return
-        segments = self.store.chain(keys, 0, stop)
-        chain = [run.block(offset + n) for run, offset, count in segments for n in range(count)]
+        chain = self.store.snapshots(keys[:stop])
         blocks = [chain[index] for first, count in written for index in range(first, first + count)]
         for tier in targets:
             for block in blocks:
