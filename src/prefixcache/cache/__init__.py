@@ -15,10 +15,11 @@ from prefixcache.cache.keys import (
     pack_tokens,
     unpack_tokens,
 )
-from prefixcache.cache.manager import CommitResult, Match, PrefixCache, Tier
+from prefixcache.cache.manager import CommitResult, Match, PrefixCache
 from prefixcache.cache.policy import TTL_CLASSES, TtlPolicy
 from prefixcache.cache.stats import CacheStats, Outcome, RequestUsage
 from prefixcache.cache.store import Block, BlockStore, CacheFullError, PinBudgetExceeded
+from prefixcache.cache.tiers.base import Tier
 
 __all__ = [
     "KV_LAYOUT_VERSION",

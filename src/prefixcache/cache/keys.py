@@ -50,7 +50,9 @@ def unpack_tokens(data: bytes) -> list[int]:
     return np.frombuffer(data, dtype="<u4").tolist()
 
 
-def model_fingerprint(weights_id: str, dtype: str, block_size: int, kv_layout: str = KV_LAYOUT_VERSION) -> str:
+def model_fingerprint(
+    weights_id: str, dtype: str, block_size: int, kv_layout: str = KV_LAYOUT_VERSION
+) -> str:
     """The model part of a namespace: two engines share blocks only if all four agree."""
     return f"{weights_id}|{dtype}|B{block_size}|{kv_layout}"
 

@@ -1,8 +1,9 @@
 """Tiers below the in-memory store: a local disk directory and a shared Redis.
 
-Both speak :class:`~prefixcache.cache.manager.Tier`: the same chained keys as memory, entries
+Both speak :class:`~prefixcache.cache.tiers.base.Tier`: the same chained keys as memory, entries
 verified on read (key, parent, token ids, checksum), promoted into memory on a hit, written
-through on commit (or demoted on capacity eviction). Typical use, by the server::
+through on commit (or demoted on capacity eviction): see :class:`~.stack.TierStack`, which the
+cache drives. Typical use, by the server::
 
     from prefixcache.cache.tiers import attach_tiers
     tiers = attach_tiers(engine.cache, disk_dir="/var/cache/prefixcache", redis_url="redis://host:6379/0")
@@ -18,10 +19,11 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from prefixcache.cache.tiers.base import BackgroundWriter, TierStats
+from prefixcache.cache.tiers.base import BackgroundWriter, Tier, TierStats
 from prefixcache.cache.tiers.codec import CorruptEntry, Entry, TensorCodec
 from prefixcache.cache.tiers.disk import DiskTier
 from prefixcache.cache.tiers.redis import CircuitBreaker, RedisTier
+from prefixcache.cache.tiers.stack import TierStack
 
 if TYPE_CHECKING:
     from prefixcache.cache.manager import PrefixCache
@@ -36,6 +38,8 @@ __all__ = [
     "Entry",
     "RedisTier",
     "TensorCodec",
+    "Tier",
+    "TierStack",
     "TierStats",
     "attach_tiers",
     "flush_tiers",
@@ -99,28 +103,20 @@ def attach_tiers(
 
 
 def tier_stats(cache: PrefixCache) -> list[TierStats]:
-    """Counters of every tier of ``cache`` that reports them."""
-    out: list[TierStats] = []
-    for tier in cache.tiers:
-        fn = getattr(tier, "stats", None)
-        if callable(fn):
-            out.append(fn())
-    return out
+    """Counters of every tier of ``cache``, in lookup order."""
+    return [tier.stats() for tier in cache.tiers]
 
 
 def flush_tiers(cache: PrefixCache, timeout: float | None = 30.0) -> None:
     """Wait until every tier's queued writes are done (tests, shutdown, keep-warm)."""
     for tier in cache.tiers:
-        fn = getattr(tier, "flush", None)
-        if callable(fn):
-            fn(timeout)
+        tier.flush(timeout)
 
 
 def refresh_pinned(cache: PrefixCache, ttl_s: float | None = None) -> int:
     """Keep-warm in the shared tiers: extend the Redis expiry of every block pinned in ``cache``
     (re-writing those Redis lost). Returns the blocks found alive. O(blocks held): periodic use."""
-    with cache._lock:  # a consistent view of the pinned blocks; payloads are immutable
-        pinned = [b for b in cache.store if b.pin_count > 0]
+    pinned = cache.pinned_blocks()  # a consistent view, taken under the cache's lock
     alive = 0
     for tier in cache.tiers:
         if isinstance(tier, RedisTier):

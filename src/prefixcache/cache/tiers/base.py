@@ -1,9 +1,10 @@
-"""What the tiers share: counters and a bounded background writer.
+"""What the tiers share: the :class:`Tier` protocol, counters and a bounded background writer.
 
 A tier's ``put`` is called by :class:`~prefixcache.cache.manager.PrefixCache` while it holds its
-lock (write-through on commit, demotion on eviction), so it must be quick and must not raise:
-it only enqueues; a daemon thread encodes and writes. When the queue is full the block is dropped
-(counted): a tier is a cache, losing a write costs a recompute later, never correctness.
+lock (write-through on commit, demotion on eviction; see :mod:`~prefixcache.cache.tiers.stack`),
+so it must be quick and must not raise: it only enqueues; a daemon thread encodes and writes. When
+the queue is full the block is dropped (counted): a tier is a cache, losing a write costs a
+recompute later, never correctness.
 """
 
 from __future__ import annotations
@@ -11,11 +12,40 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
+
+from prefixcache.cache.blocks import Block
+from prefixcache.cache.keys import BlockHash
 
 log = logging.getLogger(__name__)
+
+
+class Tier(Protocol):
+    """A store below memory (disk, Redis) under the same keys, verified on read."""
+
+    name: str
+    #: True: every committed block is written at once (shared tiers); False: on eviction only.
+    write_through: bool
+
+    def get_many(self, keys: Sequence[BlockHash], tokens: Sequence[bytes]) -> list[tuple[Any, int]]:
+        """(payload, nbytes) of the leading run of ``keys`` held and verified by this tier, in
+        order; stops at the first block missing or failing verification (may be empty)."""
+        ...
+
+    def put(self, block: Block) -> None:
+        """Persist one block (key, parent, tokens, payload). Quick, and must not raise on a
+        backend failure (it is called under the cache's lock)."""
+        ...
+
+    def stats(self) -> TierStats:
+        """A copy of this tier's counters."""
+        ...
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Wait until every queued write is done: True, or False once ``timeout`` passes."""
+        ...
 
 
 @dataclass(slots=True)

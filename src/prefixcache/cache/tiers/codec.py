@@ -21,10 +21,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # torch is imported lazily: the cache layer stays importable without it
-    import torch
+from typing import Any
 
 MAGIC = b"PXKV"
 VERSION = 1
@@ -76,7 +73,7 @@ class TensorCodec:
     def encode(self, key: bytes, parent: bytes | None, tokens: bytes, payload: Any) -> bytes:
         """Serialize one block. ``payload``: a torch tensor, or an object whose ``as_tensor()``
         gives one (the engine's pool blocks). Raises TypeError otherwise."""
-        import torch
+        import torch  # (lazily: the cache layer stays importable without torch)
 
         if not isinstance(payload, torch.Tensor) and callable(getattr(payload, "as_tensor", None)):
             payload = payload.as_tensor()
@@ -157,17 +154,3 @@ class TensorCodec:
         )
         return Entry(key=key_b, parent=parent_b, tokens=tok_b, payload=tensor, nbytes=nraw)
 
-
-def peek_key(data: bytes | memoryview) -> bytes | None:
-    """The key of an entry without verifying it (for listing a directory); None if unreadable."""
-    try:
-        mv = memoryview(data)
-        _, _, _, _, _, klen, _, _, _ = _HEADER.unpack_from(mv, 0)
-        return bytes(mv[_HEADER.size : _HEADER.size + klen])
-    except struct.error:
-        return None
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes of a tensor's data (what the engine reports as a block's ``nbytes``)."""
-    return t.numel() * t.element_size()

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from prefixcache.cache.store import Block
+from prefixcache.cache.blocks import Block
 from prefixcache.cache.tiers.base import BackgroundWriter, TierStats
 from prefixcache.cache.tiers.codec import CorruptEntry, TensorCodec
 
@@ -75,14 +75,14 @@ class DiskTier:
         """Payloads of the leading run of ``keys`` found on disk and verified (key, parent chain,
         token ids, checksum). Stops at the first missing or bad entry; a bad one is deleted."""
         out: list[tuple[Any, int]] = []
-        for i, key in enumerate(keys):
-            hx = key.hex()
-            path = self._path(hx)
+        for index, key in enumerate(keys):
+            key_hex = key.hex()
+            path = self._path(key_hex)
             try:
                 data = path.read_bytes()
             except FileNotFoundError:
                 with self._lock:
-                    self._forget(hx)
+                    self._forget(key_hex)
                     self._stats.misses += 1
                 break
             except OSError as exc:
@@ -91,20 +91,21 @@ class DiskTier:
                     self._stats.errors += 1
                 break
             try:
-                entry = self.codec.decode(data, key=key, tokens=tokens[i], parent=keys[i - 1] if i else False)
+                parent = keys[index - 1] if index else False
+                entry = self.codec.decode(data, key=key, tokens=tokens[index], parent=parent)
             except CorruptEntry as exc:
                 log.warning("disk tier: corrupt entry %s (%s): deleted, not served", path.name, exc)
                 with self._lock:
                     self._stats.corrupt += 1
-                    self._forget(hx)
+                    self._forget(key_hex)
                 self._unlink(path)
                 break
             with self._lock:
                 self._stats.hits += 1
-                if hx in self._index:
-                    self._index.move_to_end(hx)
+                if key_hex in self._index:
+                    self._index.move_to_end(key_hex)
                 else:  # written by another process sharing the directory
-                    self._remember(hx, len(data))
+                    self._remember(key_hex, len(data))
             with contextlib.suppress(OSError):  # LRU order survives a restart through mtimes
                 os.utime(path)
             out.append((entry.payload, entry.nbytes))
@@ -112,12 +113,12 @@ class DiskTier:
 
     def put(self, block: Block) -> None:
         """Persist ``block`` in the background (skipped if already held)."""
-        hx = block.key.hex()
+        key_hex = block.key.hex()
         with self._lock:
-            if hx in self._index:
+            if key_hex in self._index:
                 return
         key, parent, tokens, payload = bytes(block.key), block.parent, block.tokens, block.payload
-        if not self._writer.submit(lambda: self._write(hx, key, parent, tokens, payload), block.nbytes):
+        if not self._writer.submit(lambda: self._write(key_hex, key, parent, tokens, payload), block.nbytes):
             with self._lock:
                 self._stats.write_drops += 1
 
@@ -143,14 +144,14 @@ class DiskTier:
         return self._path(key.hex())
 
     # ------------------------------------------------------------------ internals
-    def _path(self, hx: str) -> Path:
-        return self.directory / hx[:2] / f"{hx}{_SUFFIX}"
+    def _path(self, key_hex: str) -> Path:
+        return self.directory / key_hex[:2] / f"{key_hex}{_SUFFIX}"
 
-    def _write(self, hx: str, key: bytes, parent: bytes | None, tokens: bytes, payload: Any) -> None:
+    def _write(self, key_hex: str, key: bytes, parent: bytes | None, tokens: bytes, payload: Any) -> None:
         try:
             data = self.codec.encode(key, parent, tokens, payload)
         except (TypeError, ValueError) as exc:
-            log.warning("disk tier: cannot encode block %s: %s", hx[:12], exc)
+            log.warning("disk tier: cannot encode block %s: %s", key_hex[:12], exc)
             with self._lock:
                 self._stats.write_drops += 1
             return
@@ -158,8 +159,8 @@ class DiskTier:
             with self._lock:
                 self._stats.write_drops += 1
             return
-        path = self._path(hx)
-        tmp = self._tmp / f"{hx}.{os.getpid()}.{threading.get_ident()}.tmp"
+        path = self._path(key_hex)
+        tmp = self._tmp / f"{key_hex}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             path.parent.mkdir(exist_ok=True)
             with open(tmp, "wb") as f:
@@ -178,8 +179,8 @@ class DiskTier:
         victims: list[str] = []
         with self._lock:
             self._stats.writes += 1
-            self._forget(hx)
-            self._remember(hx, len(data))
+            self._forget(key_hex)
+            self._remember(key_hex, len(data))
             while self._bytes > self.capacity_bytes and self._index:
                 old, size = self._index.popitem(last=False)
                 self._bytes -= size
@@ -188,12 +189,12 @@ class DiskTier:
         for old in victims:
             self._unlink(self._path(old))
 
-    def _remember(self, hx: str, size: int) -> None:  # caller holds the lock
-        self._index[hx] = size
+    def _remember(self, key_hex: str, size: int) -> None:  # caller holds the lock
+        self._index[key_hex] = size
         self._bytes += size
 
-    def _forget(self, hx: str) -> None:  # caller holds the lock
-        size = self._index.pop(hx, None)
+    def _forget(self, key_hex: str) -> None:  # caller holds the lock
+        size = self._index.pop(key_hex, None)
         if size is not None:
             self._bytes -= size
 
@@ -216,11 +217,11 @@ class DiskTier:
                 continue
             for entry in os.scandir(sub):
                 if entry.name.endswith(_SUFFIX) and entry.is_file():
-                    st = entry.stat()
-                    found.append((st.st_mtime, entry.name[: -len(_SUFFIX)], st.st_size))
+                    status = entry.stat()
+                    found.append((status.st_mtime, entry.name[: -len(_SUFFIX)], status.st_size))
         found.sort()
-        for _, hx, size in found:
-            self._remember(hx, size)
+        for _, key_hex, size in found:
+            self._remember(key_hex, size)
         if found:
             log.info("disk tier %s: %d entries, %d bytes found", self.directory, len(found), self._bytes)
         victims: list[str] = []

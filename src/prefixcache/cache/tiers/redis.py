@@ -17,6 +17,7 @@ probes again; a success closes the breaker.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -25,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prefixcache.cache.store import Block
+from prefixcache.cache.blocks import Block
 from prefixcache.cache.tiers.base import BackgroundWriter, TierStats
 from prefixcache.cache.tiers.codec import CorruptEntry, TensorCodec
 
@@ -143,30 +144,28 @@ class RedisTier:
         try:
             for start in range(0, len(keys), self.batch_blocks):
                 batch = keys[start : start + self.batch_blocks]
-                values = self.client.mget([self.redis_key(k) for k in batch])
+                values = self.client.mget([self.redis_key(key) for key in batch])
                 stop = False
-                for j, value in enumerate(values):
-                    i = start + j
+                for offset, value in enumerate(values):
+                    index = start + offset
                     if value is None:
                         with self._lock:
                             self._stats.misses += 1
                         stop = True
                         break
                     try:
-                        entry = self.codec.decode(
-                            value, key=keys[i], tokens=tokens[i], parent=keys[i - 1] if i else False
-                        )
+                        parent = keys[index - 1] if index else False
+                        entry = self.codec.decode(value, key=keys[index], tokens=tokens[index], parent=parent)
                     except CorruptEntry as exc:
-                        log.warning(
-                            "redis tier: corrupt entry %s (%s): deleted, not served", keys[i].hex()[:12], exc
-                        )
+                        log.warning("redis tier: corrupt entry %s (%s): deleted, not served",
+                                    keys[index].hex()[:12], exc)
                         with self._lock:
                             self._stats.corrupt += 1
-                        self.client.delete(self.redis_key(keys[i]))
+                        self.client.delete(self.redis_key(keys[index]))
                         stop = True
                         break
                     out.append((entry.payload, entry.nbytes))
-                    hit_keys.append(self.redis_key(keys[i]))
+                    hit_keys.append(self.redis_key(keys[index]))
                 if stop:
                     break
         except redis_lib.RedisError as exc:
@@ -207,20 +206,18 @@ class RedisTier:
         ttl = max(1, math.ceil(ttl_s or self.ttl_s or self.refresh_ttl_s))
         try:
             pipe = self.client.pipeline(transaction=False)
-            for b in blocks:
-                pipe.expire(self.redis_key(b.key), ttl)
+            for block in blocks:
+                pipe.expire(self.redis_key(block.key), ttl)
             alive = pipe.execute()
         except redis_lib.RedisError as exc:
             self._failed("refresh", exc)
             return 0
         self.breaker.success()
-        for b, ok in zip(blocks, alive, strict=True):
-            if not ok:
-                key, parent, tokens, payload = bytes(b.key), b.parent, b.tokens, b.payload
-                self._writer.submit(
-                    lambda k=key, p=parent, t=tokens, pl=payload: self._write(k, p, t, pl, ttl)
-                )
-        return sum(1 for ok in alive if ok)
+        for block, found in zip(blocks, alive, strict=True):
+            if not found:  # gone from Redis: write it again
+                key, parent, tokens, payload = bytes(block.key), block.parent, block.tokens, block.payload
+                self._writer.submit(functools.partial(self._write, key, parent, tokens, payload, ttl))
+        return sum(1 for found in alive if found)
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Wait until every queued write has been sent."""
@@ -283,11 +280,11 @@ class RedisTier:
         ttl = max(1, math.ceil(ttl_s))
         try:
             pipe = self.client.pipeline(transaction=False)
-            for n in names:
+            for name in names:
                 if self._expire_gt:
-                    pipe.expire(n, ttl, gt=True)
+                    pipe.expire(name, ttl, gt=True)
                 else:
-                    pipe.expire(n, ttl)
+                    pipe.expire(name, ttl)
             pipe.execute()
         except redis_lib.ResponseError:
             self._expire_gt = False  # an old Redis without EXPIRE ... GT

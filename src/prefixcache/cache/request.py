@@ -1,0 +1,72 @@
+"""What a request gets back from :class:`~prefixcache.cache.manager.PrefixCache`: a :class:`Match`
+(its view of the cache from ``match`` to ``release``) and a :class:`CommitResult`.
+
+A Match's underscored fields are the cache's bookkeeping: PrefixCache sets them under its lock,
+and nothing else should.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prefixcache.cache.blocks import Block, Run
+from prefixcache.cache.keys import BlockHash, Namespace
+from prefixcache.cache.stats import Outcome, RequestUsage
+
+if TYPE_CHECKING:
+    from prefixcache.cache.manager import PrefixCache
+
+__all__ = ["CommitResult", "Match"]
+
+
+@dataclass(slots=True, eq=False)
+class Match:
+    """One request's view of the cache, from :meth:`PrefixCache.match` to ``release``."""
+
+    namespace: Namespace
+    prompt_tokens: int
+    keys: list[BlockHash]  # every full block of the prompt
+    ttls: list[float]  # the TTL each full block is stored or refreshed with
+    packed: bytes = field(repr=False)
+    block_size: int = 16
+    outcome: Outcome = Outcome.MISS
+    cached_blocks: int = 0  # the cached prefix: keys[:cached_blocks]
+    written_keys: list[BlockHash] = field(default_factory=list)  # blocks this request stored
+    skipped_blocks: int = 0
+    released: bool = False
+    _cache: PrefixCache | None = field(default=None, repr=False)
+    _held: Run | None = field(default=None, repr=False)  # the run whose tail (our deepest block) we hold
+    _depth: int = 0  # blocks of the prompt covered by _held's chain
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cached_blocks * self.block_size
+
+    @property
+    def blocks(self) -> list[Block]:
+        """Snapshots of the cached prefix's blocks, in order (payloads included). Read them
+        before :meth:`PrefixCache.release`: until then the prefix cannot be evicted."""
+        if self._cache is None or not self.cached_blocks:
+            return []
+        return self._cache.snapshots(self.keys[: self.cached_blocks])
+
+    @property
+    def written(self) -> list[Block]:
+        """Snapshots of the blocks this request stored (those still cached)."""
+        return [] if self._cache is None else self._cache.snapshots(self.written_keys, missing_ok=True)
+
+    @property
+    def usage(self) -> RequestUsage:
+        return RequestUsage(
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_blocks * self.block_size,
+            cache_write_tokens=len(self.written_keys) * self.block_size,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    written_blocks: int
+    written_tokens: int
+    skipped_blocks: int  # full blocks that could not be stored (no room)

@@ -1,0 +1,81 @@
+"""TierStack: the tiers below one in-memory store, and the three ways blocks cross between them.
+
+* **promote**: a lookup that ends short in memory continues in the tiers, in order (disk, then
+  Redis); what they hold, verified, is inserted into the store as if computed.
+* **write-through**: blocks a commit stored go at once to every tier with ``write_through``.
+* **demote**: blocks evicted from memory for capacity go to every tier without it (a spill tier).
+
+:class:`~prefixcache.cache.manager.PrefixCache` owns one stack and calls it while holding its lock;
+the stack reaches the store through its public methods only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prefixcache.cache.blocks import Block
+from prefixcache.cache.keys import BlockHash
+from prefixcache.cache.store import BlockStore
+from prefixcache.cache.tiers.base import Tier
+
+
+class TierStack:
+    """The tiers below ``store``, in lookup order. Not thread-safe: the cache's lock covers it."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self.store = store
+        self.tiers: list[Tier] = []
+        self.promoted_blocks = 0  # blocks brought up from the tiers (``CacheStats.tier_hits``)
+
+    def add(self, tier: Tier) -> None:
+        """Add ``tier`` below the others. The first write-back tier starts the store's eviction feed."""
+        if not tier.write_through and all(other.write_through for other in self.tiers):
+            self.store.add_listener(self._demote)
+        self.tiers.append(tier)
+
+    def promote(
+        self, keys: list[BlockHash], packed: bytes, step: int, start: int, stop: int, namespace: bytes,
+        tenant: str, ttls: list[float], adopt: Callable[[Any], Any] | None,
+    ) -> int:
+        """Bring blocks ``start..stop-1`` of the chain ``keys`` up from the tiers into the store, as
+        far as the tiers hold them in a row (block ``start - 1`` must be stored). Each is queued as
+        a leaf. ``adopt`` turns a tier's payload into the engine's own kind (None keeps it).
+        Returns how many came up."""
+        at = start
+        for tier in self.tiers:
+            if at >= stop:
+                break
+            first = at
+            tokens = [packed[index * step : (index + 1) * step] for index in range(first, stop)]
+            for payload, nbytes in tier.get_many(keys[first:stop], tokens):
+                if adopt is not None:
+                    payload = adopt(payload)
+                inserted, _, _ = self.store.insert_chain(
+                    keys, packed, step, at, at + 1, None, lambda _index, p=payload, size=nbytes: (p, size),
+                    namespace=namespace, tenant=tenant, ttls=ttls,
+                )
+                if not inserted:
+                    break
+                at += 1
+        self.promoted_blocks += at - start
+        return at - start
+
+    def write_through(self, keys: list[BlockHash], stop: int, written: list[tuple[int, int]]) -> None:
+        """Hand the blocks just written to every write-through tier, in order: ``written`` holds
+        (first, count) ranges of the stored chain ``keys[:stop]``."""
+        targets = [tier for tier in self.tiers if tier.write_through]
+        if not targets:
+            return
+        chain = self.store.snapshots(keys[:stop])
+        blocks = [chain[index] for first, count in written for index in range(first, first + count)]
+        for tier in targets:
+            for block in blocks:
+                tier.put(block)
+
+    def _demote(self, event: str, block: Block) -> None:
+        """The store's listener: a block evicted for capacity goes down to the write-back tiers."""
+        if event == "evict" and block.evicted_reason == "capacity":
+            for tier in self.tiers:
+                if not tier.write_through:
+                    tier.put(block)
