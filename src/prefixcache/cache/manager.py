@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from prefixcache.cache.clock import Clock, monotonic
+from prefixcache.cache.config import DEFAULTS
 from prefixcache.cache.keys import BlockHash, Hasher, Namespace, block_keys, pack_tokens, sha256_hasher
 from prefixcache.cache.pins import PinnedPrefixes
 from prefixcache.cache.policy import TtlPlan, TtlPolicy
@@ -34,8 +35,14 @@ class PrefixCache:
     """Exact prefix cache: chained block keys over a :class:`BlockStore`, with tiers below it."""
 
     def __init__(
-        self, *, block_size: int = 16, capacity_bytes: int = 2 << 30, pinned_capacity_bytes: int = 256 << 20,
-        default_ttl_s: float = 300.0, clock: Clock | None = None, hasher: Hasher | None = None,
+        self,
+        *,
+        block_size: int = DEFAULTS.block_size,
+        capacity_bytes: int = DEFAULTS.capacity_bytes,
+        pinned_capacity_bytes: int = DEFAULTS.pinned_capacity_bytes,
+        default_ttl_s: float = DEFAULTS.default_ttl_s,
+        clock: Clock | None = None,
+        hasher: Hasher | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1; got {block_size}")

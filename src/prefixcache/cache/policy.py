@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from prefixcache.cache.config import DEFAULTS
+
 #: (token_end, ttl_s): every block that ends at or before token_end gets at least ttl_s.
 TtlPlan = Sequence[tuple[int, float]]
 
@@ -23,7 +25,7 @@ TTL_CLASSES: dict[str, float] = {"5m": 300.0, "1h": 3600.0, "in_memory": 300.0, 
 class TtlPolicy:
     """Resolves a request's TTL settings into one TTL per full block."""
 
-    default_ttl_s: float = 300.0
+    default_ttl_s: float = DEFAULTS.default_ttl_s
 
     def block_ttls(
         self, n_blocks: int, block_size: int, ttl_s: float | None = None, ttl_plan: TtlPlan | None = None

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from prefixcache.cache.blocks import Block, Run, Segment, StoreCounters
 from prefixcache.cache.budget import BudgetedTree, Listener, PayloadFn
 from prefixcache.cache.clock import Clock, monotonic
+from prefixcache.cache.config import DEFAULTS
 from prefixcache.cache.keys import BlockHash
 
 __all__ = [
@@ -50,8 +51,8 @@ class BlockStore(BudgetedTree):
 
     def __init__(
         self,
-        capacity_bytes: int = 2 << 30,
-        pinned_capacity_bytes: int = 256 << 20,
+        capacity_bytes: int = DEFAULTS.capacity_bytes,
+        pinned_capacity_bytes: int = DEFAULTS.pinned_capacity_bytes,
         clock: Clock = monotonic,
     ) -> None:
         super().__init__(capacity_bytes, pinned_capacity_bytes, clock)

@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from prefixcache.cache.config import DEFAULTS
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -77,9 +79,11 @@ def serve(
     ] = False,
     ttl: Annotated[
         float, typer.Option(min=1.0, help="Default cache TTL in seconds (refreshed on every hit).")
-    ] = 300.0,
-    capacity: Annotated[str, typer.Option(help="Byte budget of the KV cache, e.g. 2GiB or 512MB.")] = "2GiB",
-    block_size: Annotated[int, typer.Option(min=1, help="Tokens per cache block.")] = 16,
+    ] = DEFAULTS.default_ttl_s,
+    capacity: Annotated[
+        str, typer.Option(help="Byte budget of the KV cache, e.g. 2GiB or 512MB.")
+    ] = f"{DEFAULTS.capacity_bytes >> 30}GiB",
+    block_size: Annotated[int, typer.Option(min=1, help="Tokens per cache block.")] = DEFAULTS.block_size,
     prefill_chunk: Annotated[
         int | None,
         typer.Option(min=1, help="Prefill tokens per engine step (a multiple of the block size; with "

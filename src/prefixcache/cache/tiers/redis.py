@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prefixcache.cache.blocks import Block
+from prefixcache.cache.config import DEFAULTS
 from prefixcache.cache.tiers.base import BackgroundWriter, TierStats
 from prefixcache.cache.tiers.codec import CorruptEntry, TensorCodec
 
@@ -84,7 +85,7 @@ class RedisTier:
         deployment: str = "default",
         prefix: str = "prefixcache:",
         ttl_s: float | None = None,
-        refresh_ttl_s: float = 300.0,
+        refresh_ttl_s: float = DEFAULTS.default_ttl_s,
         codec: TensorCodec | None = None,
         write_through: bool = True,
         sync_writes: bool = False,
