@@ -8,7 +8,8 @@ prompts, two of them busted by a timestamp / uuid). Stages of a loaded trace are
 process (wall and CPU seconds; the audit with ``always_replay`` runs a PrefixCache replay in a
 forked child beside its scan, so its row is wall time). Then the streamed forms (a reader
 process parses the file and computes keys while the consumers work: ``audit_file``,
-``simulate_file``), with the CPU seconds of every process. Last, the two commands a user runs are timed end to end, as subprocesses: ``prefixcache
+``simulate_file``), with the CPU seconds of every process. Last, the two commands a user runs are
+timed end to end, as subprocesses: ``prefixcache
 audit TRACE --json`` and ``prefixcache simulate TRACE --json`` (``--repeat`` times each: the
 median, with the range). Writes a table to stdout, ``benchmarks/results/analysis.md`` and a bar
 chart ``benchmarks/results/analysis.png``.
@@ -60,12 +61,18 @@ class _Timer:
 def _cli(args: list[str]) -> float:
     """Wall seconds of one ``prefixcache`` command (output discarded)."""
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "prefixcache", *args], check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "prefixcache", *args],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return time.perf_counter() - t
 
 
-def bench(n: int, folder: Path, cli: bool, repeat: int, console: Console) -> list[tuple[str, float, float | None, int]]:
+def bench(
+    n: int, folder: Path, cli: bool, repeat: int, console: Console
+) -> list[tuple[str, float, float | None, int]]:
     """Rows (stage, wall s, CPU s or None, requests) for one trace size."""
     path = folder / f"trace_{n}.jsonl"
     rows: list[tuple[str, float, float | None]] = []
@@ -136,7 +143,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--no-cli", action="store_true", help="skip the end-to-end command rows")
-    ap.add_argument("--repeat", type=int, default=1, help="runs of each end-to-end command (the median is shown)")
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="runs of each end-to-end command (the median is shown)"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     console = Console()
@@ -153,7 +162,8 @@ def main() -> None:
         table.add_row(name, *cells)
         md.append(f"| {name} | " + " | ".join(cells) + " |")
     console.print(table)
-    host = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs (shared), Python {platform.python_version()}"
+    cpu = platform.processor() or platform.machine()
+    host = f"{cpu}, {os.cpu_count()} CPUs (shared), Python {platform.python_version()}"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     png = args.out.with_suffix(".png")
     plot(rows, png)
@@ -161,10 +171,10 @@ def main() -> None:
         "# Ops tools throughput\n\n"
         f"`python benchmarks/bench_analysis.py --sizes {' '.join(map(str, args.sizes))}` on {host}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n"
-        "Default synth scenario (five endpoints, ~97 blocks of 16 tokens per request, 35% of traffic busted).\n"
+        "Default synth scenario (five endpoints, ~97 blocks of 16 tokens per request, "
+        "35% of traffic busted).\n"
         "Wall time depends on what else runs on the shared machine; CPU time is steadier (this process; "
-        "for the streamed rows, every process).\n\n"
-        + "\n".join(md) + f"\n\n![stage times]({png.name})\n"
+        "for the streamed rows, every process).\n\n" + "\n".join(md) + f"\n\n![stage times]({png.name})\n"
     )
     console.print(f"wrote {args.out} and {png}")
 

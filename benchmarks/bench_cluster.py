@@ -417,14 +417,14 @@ def write_report(runs: list[Run], args: argparse.Namespace, elapsed: float, note
         f"`{cmd}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs shared with "
         f"other work, load average {os.getloadavg()[0]:.1f} at the end; {elapsed:.0f} s in all).",
         "",
-        f"{args.replicas} replicas of the embedded SmolLM2-135M (float32, prefill chunk {args.align}: the hit "
-        f"granularity), {args.tenants} tenants (own API key, so own salt; own ~{args.system_words}-word system "
-        f"prompt), {args.per_tenant} requests per tenant with a unique question, interleaved in a seeded random "
-        "order and sent one at a time through the router (streamed, max_tokens=1). Each row uses fresh prefixes. "
-        "Measured: hit rate = cached / prompt tokens from the responses' usage; TTFT client side, send to first "
-        "content chunk. Predicted: the same requests at the same send times replayed by "
-        "`prefixcache.analysis.simulate` with the same replica count and routing (the shared-tier row as one "
-        "replica, since every replica reads every prefix from Redis).",
+        f"{args.replicas} replicas of the embedded SmolLM2-135M (float32, prefill chunk {args.align}: the "
+        f"hit granularity), {args.tenants} tenants (own API key, so own salt; own ~{args.system_words}-word "
+        f"system prompt), {args.per_tenant} requests per tenant with a unique question, interleaved in a "
+        "seeded random order and sent one at a time through the router (streamed, max_tokens=1). Each row "
+        "uses fresh prefixes. Measured: hit rate = cached / prompt tokens from the responses' usage; TTFT "
+        "client side, send to first content chunk. Predicted: the same requests at the same send times "
+        "replayed by `prefixcache.analysis.simulate` with the same replica count and routing (the "
+        "shared-tier row as one replica, since every replica reads every prefix from Redis).",
         "",
         "| routing | requests | hit rate measured | hit rate predicted | mean TTFT measured "
         "| predicted (default cost) | predicted (calibrated) | requests per replica | failed |",
@@ -440,14 +440,15 @@ def write_report(runs: list[Run], args: argparse.Namespace, elapsed: float, note
         lines += ["", "Simulator cost models: " + "; ".join(notes) + "."]
     lines += [
         "",
-        "Reading it: the hit-rate predictions replay the same PrefixCache code, so for the routing rows they "
-        "should agree to the token; a gap on an async shared-tier row is the asynchronous write-through (a "
-        "request reaching another replica before the previous one's blocks land in Redis recomputes), which the "
-        "one-replica prediction does not model; synchronous writes close it. The calibrated TTFT is not given for "
-        "the shared-tier rows: one simulated replica would queue what three replicas served. Rendezvous hashing of "
-        "4 tenants over 3 replicas can put several tenants on one replica (see requests per replica); the load "
-        "guard only steps in when in-flight counts diverge. Measured TTFT on a shared, loaded CPU is dominated by "
-        "contention; compare rows with each other, not with the default cost model.",
+        "Reading it: the hit-rate predictions replay the same PrefixCache code, so for the routing rows "
+        "they should agree to the token; a gap on an async shared-tier row is the asynchronous "
+        "write-through (a request reaching another replica before the previous one's blocks land in Redis "
+        "recomputes), which the one-replica prediction does not model; synchronous writes close it. The "
+        "calibrated TTFT is not given for the shared-tier rows: one simulated replica would queue what "
+        "three replicas served. Rendezvous hashing of 4 tenants over 3 replicas can put several tenants on "
+        "one replica (see requests per replica); the load guard only steps in when in-flight counts "
+        "diverge. Measured TTFT on a shared, loaded CPU is dominated by contention; compare rows with each "
+        "other, not with the default cost model.",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")

@@ -1,6 +1,6 @@
 """Engine benchmark: the same code as `prefixcache bench` (see src/prefixcache/engine/bench.py).
 
-    python benchmarks/bench_engine.py --repeats 3 --lengths 256,512,1024,1536,2048
+python benchmarks/bench_engine.py --repeats 3 --lengths 256,512,1024,1536,2048
 """
 
 from __future__ import annotations

@@ -76,39 +76,95 @@ TOKENS_PER_WORD = 1.3  # calibrated on the SmolLM2 tokenizer for the generated t
 # --------------------------------------------------------------------------------------------------
 
 SUBJECTS = [
-    "The assistant", "Every support agent", "The billing team", "A reviewer", "The on-call engineer",
-    "Each regional office", "The compliance officer", "The account owner", "A team lead",
-    "The escalation desk", "Customer care staff", "The security team",
+    "The assistant",
+    "Every support agent",
+    "The billing team",
+    "A reviewer",
+    "The on-call engineer",
+    "Each regional office",
+    "The compliance officer",
+    "The account owner",
+    "A team lead",
+    "The escalation desk",
+    "Customer care staff",
+    "The security team",
 ]
 MODALS = ["must", "should", "may", "must never", "is expected to", "is allowed to", "should always"]
 VERBS = [
-    "confirm", "review", "document", "escalate", "verify", "archive", "approve", "summarise",
-    "record", "refund", "restore", "export", "reject", "acknowledge", "audit", "update",
+    "confirm",
+    "review",
+    "document",
+    "escalate",
+    "verify",
+    "archive",
+    "approve",
+    "summarise",
+    "record",
+    "refund",
+    "restore",
+    "export",
+    "reject",
+    "acknowledge",
+    "audit",
+    "update",
 ]
 OBJECTS = [
-    "the customer's invoice", "any refund request", "the shipping address", "the warranty claim",
-    "a password reset", "the contract renewal", "every data export", "the device replacement",
-    "a priority ticket", "the backup schedule", "the login history", "a billing dispute",
-    "the service level report", "each quota increase", "the privacy notice", "an account deletion",
+    "the customer's invoice",
+    "any refund request",
+    "the shipping address",
+    "the warranty claim",
+    "a password reset",
+    "the contract renewal",
+    "every data export",
+    "the device replacement",
+    "a priority ticket",
+    "the backup schedule",
+    "the login history",
+    "a billing dispute",
+    "the service level report",
+    "each quota increase",
+    "the privacy notice",
+    "an account deletion",
 ]
 CONDITIONS = [
-    "before the end of the business day", "within two working days", "after the identity check",
-    "when the order is older than thirty days", "unless a manager has approved an exception",
-    "if the customer asks for it in writing", "once the payment has cleared",
-    "before any change is made to the plan", "whenever the region has a local holiday",
-    "after the previous ticket has been closed", "if the amount exceeds the monthly limit",
+    "before the end of the business day",
+    "within two working days",
+    "after the identity check",
+    "when the order is older than thirty days",
+    "unless a manager has approved an exception",
+    "if the customer asks for it in writing",
+    "once the payment has cleared",
+    "before any change is made to the plan",
+    "whenever the region has a local holiday",
+    "after the previous ticket has been closed",
+    "if the amount exceeds the monthly limit",
     "when the network outage has been confirmed",
 ]
 REASONS = [
-    "so that the audit trail stays complete", "because regulators may ask for the record",
-    "to keep response times predictable", "so that customers are treated consistently",
-    "because duplicate charges are the most common complaint", "to protect personal data",
-    "so that the next agent can pick up the case", "because refunds cannot be reversed",
+    "so that the audit trail stays complete",
+    "because regulators may ask for the record",
+    "to keep response times predictable",
+    "so that customers are treated consistently",
+    "because duplicate charges are the most common complaint",
+    "to protect personal data",
+    "so that the next agent can pick up the case",
+    "because refunds cannot be reversed",
 ]
 SECTION_TOPICS = [
-    "Billing and invoices", "Refunds and returns", "Shipping", "Warranty", "Accounts and logins",
-    "Privacy and data requests", "Escalation", "Tone and style", "Service levels", "Security",
-    "Contracts and renewals", "Outages", "Exceptions", "Record keeping",
+    "Billing and invoices",
+    "Refunds and returns",
+    "Shipping",
+    "Warranty",
+    "Accounts and logins",
+    "Privacy and data requests",
+    "Escalation",
+    "Tone and style",
+    "Service levels",
+    "Security",
+    "Contracts and renewals",
+    "Outages",
+    "Exceptions",
+    "Record keeping",
 ]
 QUESTIONS = [
     "My invoice for order {n} shows the same charge twice. What should I do?",
@@ -136,8 +192,10 @@ def estimate_tokens(text: str) -> int:
 
 def policy_text(rng: random.Random, target_tokens: int, title: str) -> str:
     """Plausible instructions/policy text of about ``target_tokens`` tokens."""
-    parts = [f"You are {title}, the customer support assistant of an online electronics shop. "
-             "Follow the policy below exactly, be polite and brief, and never invent facts."]
+    parts = [
+        f"You are {title}, the customer support assistant of an online electronics shop. "
+        "Follow the policy below exactly, be polite and brief, and never invent facts."
+    ]
     section = 0
     words = len(parts[0].split())
     while words * TOKENS_PER_WORD < target_tokens:
@@ -202,8 +260,13 @@ class TargetSpec:
 class TargetAction(argparse.Action):
     """Appends a TargetSpec to ``namespace.targets`` so the order of mixed options is kept."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         text = str(values)
         name, sep, rest = text.partition("=")
         if not sep or not name:
@@ -243,12 +306,34 @@ class ManagedServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = dict(os.environ)
         if spec.kind == "serve":
-            self.cmd = [sys.executable, "-m", "prefixcache.cli", "serve", "--host", "127.0.0.1",
-                        "--port", str(self.port), *spec.args]
+            self.cmd = [
+                sys.executable,
+                "-m",
+                "prefixcache.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *spec.args,
+            ]
         else:
-            self.cmd = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model_dir,
-                        "--dtype", "bfloat16", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-                        "--host", "127.0.0.1", "--port", str(self.port), *spec.args]
+            self.cmd = [
+                spec.python,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                spec.model_dir,
+                "--dtype",
+                "bfloat16",
+                "--enable-prefix-caching",
+                "--enable-prompt-tokens-details",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *spec.args,
+            ]
             for k, v in VLLM_CPU_ENV.items():
                 self.env.setdefault(k, v)
         self.log_path = log_dir / f"{spec.name}.log"
@@ -263,8 +348,9 @@ class ManagedServer:
         console.print(f"[bold]{self.spec.name}[/]: starting {self.env_prefix()}{shlex.join(self.cmd)}")
         console.print(f"  log: {self.log_path}")
         log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=ROOT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT, start_new_session=True
+        )
         log.close()
         t0 = time.monotonic()
         with console.status(f"{self.spec.name}: waiting for {self.url}/health") as status:
@@ -282,8 +368,10 @@ class ManagedServer:
                     self.print_log_tail()
                     self.stop()
                     raise RuntimeError(f"{self.spec.name}: not healthy within {timeout_s:.0f} s")
-                status.update(f"{self.spec.name}: waiting for {self.url}/health ({waited:.0f} s / "
-                              f"{timeout_s:.0f} s) — {self.last_log_line()[:80]}")
+                status.update(
+                    f"{self.spec.name}: waiting for {self.url}/health ({waited:.0f} s / "
+                    f"{timeout_s:.0f} s) — {self.last_log_line()[:80]}"
+                )
                 time.sleep(0.5)
         console.print(f"  healthy after {time.monotonic() - t0:.1f} s")
 
@@ -377,11 +465,18 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, model: str, messages: list[dict[str, str]],
-                      max_tokens: int) -> tuple[str, float | None, float, dict[str, Any] | None]:
+async def stream_chat(
+    client: httpx.AsyncClient, url: str, model: str, messages: list[dict[str, str]], max_tokens: int
+) -> tuple[str, float | None, float, dict[str, Any] | None]:
     """One streamed chat completion: (text, ttft_s, total_s, usage)."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft: float | None = None
     text: list[str] = []
@@ -421,8 +516,9 @@ def usage_fields(usage: dict[str, Any] | None) -> tuple[int | None, int | None, 
     return usage.get("prompt_tokens"), (cached if cached is not None else 0), usage.get("completion_tokens")
 
 
-async def run_level(url: str, model: str, name: str, work: Workload, clients: int, tag: str,
-                    max_tokens: int, timeout_s: float) -> RunResult:
+async def run_level(
+    url: str, model: str, name: str, work: Workload, clients: int, tag: str, max_tokens: int, timeout_s: float
+) -> RunResult:
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(work.chats)):
         queue.put_nowait(i)
@@ -451,22 +547,48 @@ async def run_level(url: str, model: str, name: str, work: Workload, clients: in
                         reply, ttft, tot, usage = await stream_chat(http, url, model, messages, max_tokens)
                     except Exception as e:  # any failure counts as an error
                         err = f"{type(e).__name__}: {e}"[:300]
-                        records.append(RequestRecord(cid, chat, turn, t_rel, None,
-                                                     time.perf_counter() - t_start - t_rel, None, None, None, err))
+                        records.append(
+                            RequestRecord(
+                                cid,
+                                chat,
+                                turn,
+                                t_rel,
+                                None,
+                                time.perf_counter() - t_start - t_rel,
+                                None,
+                                None,
+                                None,
+                                err,
+                            )
+                        )
                         done += 1
                         console.print(f"  [red]{name} c={clients} chat {chat} turn {turn}: {err}[/]")
                         break  # the chat cannot continue without the reply
                     p, c, o = usage_fields(usage)
-                    records.append(RequestRecord(cid, chat, turn, t_rel, ttft, tot, p, c, o,
-                                                 None if usage else "no usage in the stream"))
+                    records.append(
+                        RequestRecord(
+                            cid,
+                            chat,
+                            turn,
+                            t_rel,
+                            ttft,
+                            tot,
+                            p,
+                            c,
+                            o,
+                            None if usage else "no usage in the stream",
+                        )
+                    )
                     messages.append({"role": "assistant", "content": reply})
                     done += 1
 
         async def progress() -> None:
             with console.status("") as status:
                 while True:
-                    status.update(f"{name}, {clients} client(s): {done}/{total} requests, "
-                                  f"{time.perf_counter() - t_start:.0f} s")
+                    status.update(
+                        f"{name}, {clients} client(s): {done}/{total} requests, "
+                        f"{time.perf_counter() - t_start:.0f} s"
+                    )
                     await asyncio.sleep(0.5)
 
         prog = asyncio.create_task(progress())
@@ -484,11 +606,20 @@ async def run_level(url: str, model: str, name: str, work: Workload, clients: in
     out = sum(r.completion_tokens or 0 for r in ok)
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     return RunResult(
-        target=name, clients=clients, tag=tag, wall_s=wall, requests=len(records),
-        errors=sum(r.error is not None for r in records), prompt_tokens=prompt, cached_tokens=cached,
-        completion_tokens=out, output_tok_s=out / wall if wall > 0 else 0.0,
-        ttft_p50_s=percentile(ttfts, 50), ttft_p95_s=percentile(ttfts, 95),
-        cached_share=cached / prompt if prompt else None, records=records,
+        target=name,
+        clients=clients,
+        tag=tag,
+        wall_s=wall,
+        requests=len(records),
+        errors=sum(r.error is not None for r in records),
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        completion_tokens=out,
+        output_tok_s=out / wall if wall > 0 else 0.0,
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p95_s=percentile(ttfts, 95),
+        cached_share=cached / prompt if prompt else None,
+        records=records,
     )
 
 
@@ -499,7 +630,10 @@ def model_of(url: str) -> str:
 
 
 async def warm_up(url: str, model: str, work: Workload, max_tokens: int, timeout_s: float) -> float:
-    messages = [{"role": "system", "content": work.warmup_system}, {"role": "user", "content": work.warmup_user}]
+    messages = [
+        {"role": "system", "content": work.warmup_system},
+        {"role": "user", "content": work.warmup_user},
+    ]
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0)) as http:
         _, _, total, _ = await stream_chat(http, url, model, messages, max_tokens)
     return total
@@ -528,19 +662,39 @@ def scaling(results: list[RunResult], r: RunResult) -> float | None:
     return None if base is None else ratio(r.output_tok_s, base.output_tok_s)
 
 
-MAIN_HEADERS = ["target", "clients", "requests", "errors", "wall s", "out tok/s", "TTFT p50 ms",
-                "TTFT p95 ms", "cached share", "prompt tok", "tok/s ÷ own 1-client"]
+MAIN_HEADERS = [
+    "target",
+    "clients",
+    "requests",
+    "errors",
+    "wall s",
+    "out tok/s",
+    "TTFT p50 ms",
+    "TTFT p95 ms",
+    "cached share",
+    "prompt tok",
+    "tok/s ÷ own 1-client",
+]
 
 
 def main_rows(results: list[RunResult]) -> list[list[str]]:
     rows = []
     for r in results:
-        rows.append([
-            r.target, str(r.clients), str(r.requests), str(r.errors), f"{r.wall_s:.1f}", f"{r.output_tok_s:.1f}",
-            fmt_ms(r.ttft_p50_s), fmt_ms(r.ttft_p95_s),
-            "—" if r.cached_share is None else f"{r.cached_share:.1%}", str(r.prompt_tokens),
-            "—" if r.clients == 1 else fmt_ratio(scaling(results, r)),
-        ])
+        rows.append(
+            [
+                r.target,
+                str(r.clients),
+                str(r.requests),
+                str(r.errors),
+                f"{r.wall_s:.1f}",
+                f"{r.output_tok_s:.1f}",
+                fmt_ms(r.ttft_p50_s),
+                fmt_ms(r.ttft_p95_s),
+                "—" if r.cached_share is None else f"{r.cached_share:.1%}",
+                str(r.prompt_tokens),
+                "—" if r.clients == 1 else fmt_ratio(scaling(results, r)),
+            ]
+        )
     return rows
 
 
@@ -555,8 +709,14 @@ def ratio_rows(results: list[RunResult], ref: str) -> list[list[str]]:
         base = next((x for x in results if x.target == ref and x.clients == r.clients), None)
         if base is None:
             continue
-        rows.append([r.target, str(r.clients), fmt_ratio(ratio(r.output_tok_s, base.output_tok_s)),
-                     fmt_ratio(ratio(r.ttft_p50_s, base.ttft_p50_s))])
+        rows.append(
+            [
+                r.target,
+                str(r.clients),
+                fmt_ratio(ratio(r.output_tok_s, base.output_tok_s)),
+                fmt_ratio(ratio(r.ttft_p50_s, base.ttft_p50_s)),
+            ]
+        )
     return rows
 
 
@@ -610,8 +770,10 @@ def plot(results: list[RunResult], path: Path) -> None:
         ax1.plot([r.clients for r in rs], [r.output_tok_s for r in rs], marker="o", label=name)
         pts = [(r.clients, r.ttft_p50_s * 1000) for r in rs if r.ttft_p50_s is not None]
         ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-    for ax, ylabel, title in ((ax1, "output tokens / s", "Output throughput"),
-                              (ax2, "TTFT p50 (ms)", "Time to first token (median)")):
+    for ax, ylabel, title in (
+        (ax1, "output tokens / s", "Output throughput"),
+        (ax2, "TTFT p50 (ms)", "Time to first token (median)"),
+    ):
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
@@ -627,33 +789,49 @@ def plot(results: list[RunResult], path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(args: argparse.Namespace, results: list[RunResult], info: dict[str, dict[str, Any]],
-                  work: Workload) -> None:
+def write_outputs(
+    args: argparse.Namespace, results: list[RunResult], info: dict[str, dict[str, Any]], work: Workload
+) -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = args.name
     date = dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    machine = f"{nproc()} CPU(s), {cpu_model()}, {platform.system()} {platform.release()}, Python " \
-              f"{platform.python_version()}"
+    machine = (
+        f"{nproc()} CPU(s), {cpu_model()}, {platform.system()} {platform.release()}, Python "
+        f"{platform.python_version()}"
+    )
     sys_tok = [estimate_tokens(s) for s in work.systems]
     lines = [
-        "# Serving benchmark", "",
-        f"Command: `{command_line()}`", "",
-        f"Date: {date}  ", f"Machine: {machine}", "",
-        f"Workload (seed {args.seed}): {len(work.chats)} chats × {len(work.chats[0])} turns, chat i uses system "
+        "# Serving benchmark",
+        "",
+        f"Command: `{command_line()}`",
+        "",
+        f"Date: {date}  ",
+        f"Machine: {machine}",
+        "",
+        f"Workload (seed {args.seed}): {len(work.chats)} chats × {len(work.chats[0])} turns, "
+        "chat i uses system "
         f"prompt i % 4 (about {', '.join(map(str, sys_tok))} tokens, estimated); each turn carries the "
         f"previous turns' messages and the server's replies. Streaming, temperature 0, max_tokens "
         f"{args.max_tokens}. N clients share the chats (one chat at a time each). Each concurrency level "
         "has its own run tag at the front of the system prompts (no cache carried over between levels); "
-        "one untimed warm-up request per server with a different system prompt.", "",
+        "one untimed warm-up request per server with a different system prompt.",
+        "",
         "out tok/s = sum of completion tokens / wall time; TTFT = send to first content chunk (client "
-        "side); cached share = sum cached / sum prompt tokens (from the servers' usage).", "",
-        md_table(MAIN_HEADERS, main_rows(results)), "",
+        "side); cached share = sum cached / sum prompt tokens (from the servers' usage).",
+        "",
+        md_table(MAIN_HEADERS, main_rows(results)),
+        "",
     ]
     if args.ratio_to:
         rows = ratio_rows(results, args.ratio_to)
         if rows:
-            lines += [f"Ratios to `{args.ratio_to}` at the same concurrency:", "", md_table(RATIO_HEADERS, rows), ""]
+            lines += [
+                f"Ratios to `{args.ratio_to}` at the same concurrency:",
+                "",
+                md_table(RATIO_HEADERS, rows),
+                "",
+            ]
     lines += ["Targets:", ""]
     for name, d in info.items():
         desc = d.get("command") or d.get("url")
@@ -663,11 +841,17 @@ def write_outputs(args: argparse.Namespace, results: list[RunResult], info: dict
     lines += ["", f"![serve]({stem}.png)", ""]
     (out / f"{stem}.md").write_text("\n".join(lines))
     payload = {
-        "command": command_line(), "date": date, "machine": {"nproc": nproc(), "cpu": cpu_model()},
+        "command": command_line(),
+        "date": date,
+        "machine": {"nproc": nproc(), "cpu": cpu_model()},
         "args": {k: v for k, v in vars(args).items() if k != "targets"},
         "targets": info,
-        "workload": {"seed": args.seed, "system_prompt_tokens_estimated": sys_tok, "chats": len(work.chats),
-                     "turns": len(work.chats[0])},
+        "workload": {
+            "seed": args.seed,
+            "system_prompt_tokens_estimated": sys_tok,
+            "chats": len(work.chats),
+            "turns": len(work.chats[0]),
+        },
         "runs": [asdict(r) for r in results],
     }
     (out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
@@ -699,33 +883,69 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(targets=[])
     g = p.add_argument_group("targets (repeatable, run one after another in the order given)")
-    g.add_argument("--target", action=TargetAction, metavar="NAME=URL", default=argparse.SUPPRESS,
-                   help="An already running server, e.g. mine=http://127.0.0.1:8000 (loopback only).")
-    g.add_argument("--serve", action=TargetAction, metavar='NAME="ARGS"', default=argparse.SUPPRESS,
-                   help="Start `python -m prefixcache.cli serve --host 127.0.0.1 --port <free> ARGS` with this "
-                   "interpreter, benchmark it, stop it. ARGS may be empty: --serve hf=")
-    g.add_argument("--vllm", action=TargetAction, metavar="NAME=PYTHON:MODEL_DIR[:EXTRA]", default=argparse.SUPPRESS,
-                   help="Start `PYTHON -m vllm.entrypoints.openai.api_server --model MODEL_DIR --dtype bfloat16 "
-                   "--enable-prefix-caching --enable-prompt-tokens-details` (plus EXTRA args) with the CPU env "
-                   f"{VLLM_CPU_ENV} (caller's values win), benchmark it, stop it.")
-    p.add_argument("--clients", type=parse_levels, default=[8], metavar="N[,N...]",
-                   help="Concurrent clients; a comma list runs several levels, e.g. 1,8.")
-    p.add_argument("--chats", type=int, default=16, help="Chats in the workload (chat i uses system prompt i %% 4).")
+    g.add_argument(
+        "--target",
+        action=TargetAction,
+        metavar="NAME=URL",
+        default=argparse.SUPPRESS,
+        help="An already running server, e.g. mine=http://127.0.0.1:8000 (loopback only).",
+    )
+    g.add_argument(
+        "--serve",
+        action=TargetAction,
+        metavar='NAME="ARGS"',
+        default=argparse.SUPPRESS,
+        help="Start `python -m prefixcache.cli serve --host 127.0.0.1 --port <free> ARGS` with this "
+        "interpreter, benchmark it, stop it. ARGS may be empty: --serve hf=",
+    )
+    g.add_argument(
+        "--vllm",
+        action=TargetAction,
+        metavar="NAME=PYTHON:MODEL_DIR[:EXTRA]",
+        default=argparse.SUPPRESS,
+        help="Start `PYTHON -m vllm.entrypoints.openai.api_server --model MODEL_DIR --dtype bfloat16 "
+        "--enable-prefix-caching --enable-prompt-tokens-details` (plus EXTRA args) with the CPU env "
+        f"{VLLM_CPU_ENV} (caller's values win), benchmark it, stop it.",
+    )
+    p.add_argument(
+        "--clients",
+        type=parse_levels,
+        default=[8],
+        metavar="N[,N...]",
+        help="Concurrent clients; a comma list runs several levels, e.g. 1,8.",
+    )
+    p.add_argument(
+        "--chats", type=int, default=16, help="Chats in the workload (chat i uses system prompt i %% 4)."
+    )
     p.add_argument("--turns", type=int, default=3, help="User turns per chat.")
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of every request.")
     p.add_argument("--seed", type=int, default=0, help="Seed of the workload text.")
-    p.add_argument("--tag", default=None,
-                   help="Run tag put in front of the system prompts (plus -c<N> per level). Default: random per "
-                   "invocation, so repeated runs against a running server start cold.")
-    p.add_argument("--ratio-to", metavar="NAME", default=None,
-                   help="Also report every other target's tok/s and TTFT p50 as ratios to this target's.")
-    p.add_argument("--startup-timeout", type=float, default=600.0,
-                   help="Seconds to wait for GET /health of a started server.")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="Read timeout of one request, seconds.")
+    p.add_argument(
+        "--tag",
+        default=None,
+        help="Run tag put in front of the system prompts (plus -c<N> per level). Default: random per "
+        "invocation, so repeated runs against a running server start cold.",
+    )
+    p.add_argument(
+        "--ratio-to",
+        metavar="NAME",
+        default=None,
+        help="Also report every other target's tok/s and TTFT p50 as ratios to this target's.",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="Seconds to wait for GET /health of a started server.",
+    )
+    p.add_argument(
+        "--request-timeout", type=float, default=600.0, help="Read timeout of one request, seconds."
+    )
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"), help="Where the outputs go.")
     p.add_argument("--name", default="serve", help="Stem of the output files (NAME.md, NAME.json, NAME.png).")
-    p.add_argument("--log-dir", default=None,
-                   help="Where started servers' logs go (default: a new temporary directory).")
+    p.add_argument(
+        "--log-dir", default=None, help="Where started servers' logs go (default: a new temporary directory)."
+    )
     p.add_argument("--no-write", action="store_true", help="Print the table only; write no files.")
     return p
 
@@ -736,8 +956,15 @@ def check_loopback(url: str) -> None:
         raise SystemExit(f"{url}: only servers on 127.0.0.1 are allowed")
 
 
-def run_target(spec: TargetSpec, args: argparse.Namespace, work: Workload, tag: str, log_dir: Path,
-               info: dict[str, dict[str, Any]], results: list[RunResult]) -> None:
+def run_target(
+    spec: TargetSpec,
+    args: argparse.Namespace,
+    work: Workload,
+    tag: str,
+    log_dir: Path,
+    info: dict[str, dict[str, Any]],
+    results: list[RunResult],
+) -> None:
     server: ManagedServer | None = None
     d: dict[str, Any] = {"kind": spec.kind}
     info[spec.name] = d
@@ -756,8 +983,11 @@ def run_target(spec: TargetSpec, args: argparse.Namespace, work: Workload, tag: 
         warm = asyncio.run(warm_up(url, model, work, min(args.max_tokens, 8), args.request_timeout))
         console.print(f"[bold]{spec.name}[/]: model {model}, warm-up request {warm:.2f} s")
         for n in args.clients:
-            r = asyncio.run(run_level(url, model, spec.name, work, n, f"{tag}-c{n}", args.max_tokens,
-                                      args.request_timeout))
+            r = asyncio.run(
+                run_level(
+                    url, model, spec.name, work, n, f"{tag}-c{n}", args.max_tokens, args.request_timeout
+                )
+            )
             results.append(r)
             console.print(
                 f"  {spec.name} c={n}: {r.requests} requests, {r.errors} errors, {r.wall_s:.1f} s, "
@@ -791,8 +1021,10 @@ def main(argv: list[str] | None = None) -> int:
     work = build_workload(args.seed, args.chats, args.turns)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bench_serve_"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    console.print(f"workload: {args.chats} chats × {args.turns} turns, system prompts of about "
-                  f"{[estimate_tokens(s) for s in work.systems]} tokens; levels {args.clients}; tag {tag}")
+    console.print(
+        f"workload: {args.chats} chats × {args.turns} turns, system prompts of about "
+        f"{[estimate_tokens(s) for s in work.systems]} tokens; levels {args.clients}; tag {tag}"
+    )
 
     results: list[RunResult] = []
     info: dict[str, dict[str, Any]] = {}

@@ -24,5 +24,10 @@ def fixed_gap_trace(path: Path, *, sys_tokens: int = 1024, user_tokens: int = 32
         w.segment("quiet-sys", rng.integers(97, 123, sys_tokens))
         events = [(float(i), "busy") for i in range(200)] + [(0.5 + 900.0 * i, "quiet") for i in range(8)]
         for t, ep in sorted(events):
-            w.request(t, endpoint=ep, parts=[f"{ep}-sys", rng.integers(97, 123, user_tokens).tolist()], output_tokens=10)
+            w.request(
+                t,
+                endpoint=ep,
+                parts=[f"{ep}-sys", rng.integers(97, 123, user_tokens).tolist()],
+                output_tokens=10,
+            )
     return path

@@ -13,4 +13,6 @@ def scenario_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default five-endpoint scenario, 3,000 requests."""
     from prefixcache.analysis.synth import DEFAULT_SCENARIO
 
-    return make_trace(tmp_path_factory.mktemp("trace") / "scenario.jsonl", list(DEFAULT_SCENARIO), 3000, seed=1)
+    return make_trace(
+        tmp_path_factory.mktemp("trace") / "scenario.jsonl", list(DEFAULT_SCENARIO), 3000, seed=1
+    )

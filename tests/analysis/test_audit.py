@@ -18,10 +18,17 @@ def _row(res, name: str) -> dict:
 
 @pytest.mark.parametrize(
     ("kind", "at", "expected_kind"),
-    [("timestamp", "top", "timestamp"), ("uuid", "middle", "uuid"), ("counter", "top", "counter"),
-     ("hex_id", "middle", "hex_id"), ("epoch", "top", "timestamp")],
+    [
+        ("timestamp", "top", "timestamp"),
+        ("uuid", "middle", "uuid"),
+        ("counter", "top", "counter"),
+        ("hex_id", "middle", "hex_id"),
+        ("epoch", "top", "timestamp"),
+    ],
 )
-def test_planted_busting_span_is_found_at_its_position(tmp_path: Path, kind: str, at: str, expected_kind: str) -> None:
+def test_planted_busting_span_is_found_at_its_position(
+    tmp_path: Path, kind: str, at: str, expected_kind: str
+) -> None:
     p = make_trace(tmp_path / "t.jsonl", [f"ep:rate=2,system=600,bust={kind},bust_at={at}"], 300)
     trace = load_trace(p)
     planted = trace.header["planted"][0]
@@ -39,7 +46,11 @@ def test_planted_busting_span_is_found_at_its_position(tmp_path: Path, kind: str
 
 
 def test_clean_trace_has_no_busting_finding(tmp_path: Path) -> None:
-    p = make_trace(tmp_path / "t.jsonl", ["a:rate=2,system=800", "b:rate=1,system=500,turns=3", "c:rate=1,system=300,deploys=100"], 600)
+    p = make_trace(
+        tmp_path / "t.jsonl",
+        ["a:rate=2,system=800", "b:rate=1,system=500,turns=3", "c:rate=1,system=300,deploys=100"],
+        600,
+    )
     res = audit(load_trace(p), AuditConfig(replay=False))
     assert all(e["busting"] == [] for e in res.endpoints)
     assert _row(res, "c")["prefix_versions"] == 2  # one deploy: two versions
@@ -47,9 +58,13 @@ def test_clean_trace_has_no_busting_finding(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("always_replay", [False, True], ids=["scan", "replay"])
-def test_ttl_shorter_than_gaps_quiet_endpoint_near_zero_busy_near_full(tmp_path: Path, always_replay: bool) -> None:
+def test_ttl_shorter_than_gaps_quiet_endpoint_near_zero_busy_near_full(
+    tmp_path: Path, always_replay: bool
+) -> None:
     trace = load_trace(fixed_gap_trace(tmp_path / "g.jsonl"))
-    res = audit(trace, AuditConfig(ttl_s=300, always_replay=always_replay))  # the scan's hits, or a PrefixCache replay's
+    res = audit(
+        trace, AuditConfig(ttl_s=300, always_replay=always_replay)
+    )  # the scan's hits, or a PrefixCache replay's
     assert res.achieved_source.startswith("replay" if always_replay else "PrefixCache, TTL 300 s")
     busy, quiet = _row(res, "busy"), _row(res, "quiet")
     # quiet: every gap (900 s) exceeds the TTL, so nothing is ever served from the cache.
@@ -125,17 +140,30 @@ def test_replay_in_a_forked_child_matches_in_process(tmp_path: Path, monkeypatch
     _same(inproc, audit(trace, cfg))
 
 
-@pytest.mark.parametrize(("ttl", "align", "block"), [(300, None, 16), (30, None, 16), (5, None, 16), (60, 64, 16),
-                                                     (45, 512, 16), (20, None, 4), (45, 32, 4)])
-def test_the_scans_hits_are_the_prefixcache_replays(tmp_path: Path, ttl: float, align: int | None, block: int) -> None:
+@pytest.mark.parametrize(
+    ("ttl", "align", "block"),
+    [(300, None, 16), (30, None, 16), (5, None, 16), (60, 64, 16), (45, 512, 16), (20, None, 4), (45, 32, 4)],
+)
+def test_the_scans_hits_are_the_prefixcache_replays(
+    tmp_path: Path, ttl: float, align: int | None, block: int
+) -> None:
     """The audit's achieved hits without a replay (the scan's within-TTL depths) equal, request
     for request, a replay through the real PrefixCache: busy and quiet endpoints, tenants,
     multi-turn chats, deploys, busting, bursts."""
-    trace = load_trace(make_trace(tmp_path / "mix.jsonl", [
-        "a:rate=0.3,system=300,turns=4,tenant=x", "b:rate=0.1,system=64,user=8,tenant=y,arrival=bursty",
-        "c:rate=0.05,system=2000,bust=hex_id,bust_at=bottom", "d:rate=0.02,system=500,deploys=3000;9000,turns=2,tenant=x",
-        "e:rate=0.004,system=900,arrival=diurnal",
-    ], 3000, seed=9))
+    trace = load_trace(
+        make_trace(
+            tmp_path / "mix.jsonl",
+            [
+                "a:rate=0.3,system=300,turns=4,tenant=x",
+                "b:rate=0.1,system=64,user=8,tenant=y,arrival=bursty",
+                "c:rate=0.05,system=2000,bust=hex_id,bust_at=bottom",
+                "d:rate=0.02,system=500,deploys=3000;9000,turns=2,tenant=x",
+                "e:rate=0.004,system=900,arrival=diurnal",
+            ],
+            3000,
+            seed=9,
+        )
+    )
     cfg = AuditConfig(ttl_s=ttl, align_tokens=align, block_size=block)
     scan = audit(trace, cfg)
     replay = audit(trace, AuditConfig(ttl_s=ttl, align_tokens=align, block_size=block, always_replay=True))
@@ -162,7 +190,10 @@ def test_a_trace_with_its_own_ttls_is_replayed(tmp_path: Path) -> None:
 def test_scan_matches_across_block_sizes_and_alignment(scenario_trace: Path) -> None:
     """Smaller blocks and a prefill alignment exercise more runs, partial blocks and the TTL walk."""
     trace = load_trace(scenario_trace)
-    for cfg in (AuditConfig(replay=False, block_size=4, ttl_s=30), AuditConfig(replay=False, align_tokens=64, ttl_s=5)):
+    for cfg in (
+        AuditConfig(replay=False, block_size=4, ttl_s=30),
+        AuditConfig(replay=False, align_tokens=64, ttl_s=5),
+    ):
         res = audit(trace, cfg)
         assert (res.achievable <= res.prompt_tokens).all() and (res.diverge <= res.prompt_tokens).all()
         assert (res.achievable % (cfg.align_tokens or cfg.block_size) == 0).all()

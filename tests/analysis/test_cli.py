@@ -24,16 +24,41 @@ def _ok(args: list[str]) -> str:
 @pytest.fixture(scope="module")
 def cli_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     p = tmp_path_factory.mktemp("cli") / "t.jsonl"
-    _ok(["trace", "synth", str(p), "-n", "400", "--seed", "2",
-         "-e", "web:rate=3,system=700", "-e", "api:rate=1,system=500,bust=uuid",
-         "-e", "cron:rate=0.05,system=600"])
+    _ok(
+        [
+            "trace",
+            "synth",
+            str(p),
+            "-n",
+            "400",
+            "--seed",
+            "2",
+            "-e",
+            "web:rate=3,system=700",
+            "-e",
+            "api:rate=1,system=500,bust=uuid",
+            "-e",
+            "cron:rate=0.05,system=600",
+        ]
+    )
     return p
 
 
 def test_help_lists_every_option() -> None:
     out = _ok(["simulate", "--help"])
-    for flag in ("--ttl", "--capacity", "--block-size", "--replicas", "--routing", "--keep-warm",
-                 "--prefill-tps", "--pricing", "--sweep", "--json", "--plot"):
+    for flag in (
+        "--ttl",
+        "--capacity",
+        "--block-size",
+        "--replicas",
+        "--routing",
+        "--keep-warm",
+        "--prefill-tps",
+        "--pricing",
+        "--sweep",
+        "--json",
+        "--plot",
+    ):
         assert flag in out
     out = _ok(["audit", "--help"])
     for flag in ("--html", "--json", "--ttl", "--tokenizer"):
@@ -50,16 +75,41 @@ def test_audit_json_finds_the_planted_uuid(cli_trace: Path) -> None:
 
 def test_simulate_sweep_json_and_plot(cli_trace: Path, tmp_path: Path) -> None:
     png = tmp_path / "sweep.png"
-    d = json.loads(_ok(["simulate", str(cli_trace), "--sweep", "ttl=10,60,600", "--json", "--plot", str(png),
-                        "--prefill-tps", "500"]))
+    d = json.loads(
+        _ok(
+            [
+                "simulate",
+                str(cli_trace),
+                "--sweep",
+                "ttl=10,60,600",
+                "--json",
+                "--plot",
+                str(png),
+                "--prefill-tps",
+                "500",
+            ]
+        )
+    )
     rates = [r["hit_rate"] for r in d["results"]]
     assert rates == sorted(rates) and rates[0] < rates[-1]  # longer TTL, more hits (unbounded here)
     assert png.stat().st_size > 5000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_simulate_tables_replicas_and_keep_warm_auto(cli_trace: Path) -> None:
-    out = _ok(["simulate", str(cli_trace), "--replicas", "3", "--routing", "cache-aware", "--keep-warm",
-               "auto", "--ttl", "10"])
+    out = _ok(
+        [
+            "simulate",
+            str(cli_trace),
+            "--replicas",
+            "3",
+            "--routing",
+            "cache-aware",
+            "--keep-warm",
+            "auto",
+            "--ttl",
+            "10",
+        ]
+    )
     assert "hit rate" in out and "Per replica" in out and "anthropic" in out
     assert "keep-warm (auto): cron" in out
 
@@ -76,10 +126,18 @@ def test_html_report_renders_in_headless_chromium(cli_trace: Path, tmp_path: Pat
     _ok(["audit", str(cli_trace), "--html", str(html)])
     shot = tmp_path / "shot.png"
     cmd = [
-        chromium_bin, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run",
+        chromium_bin,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
         f"--user-data-dir={tmp_path / 'profile'}",
-        f"--screenshot={shot}", "--window-size=1200,2000", html.resolve().as_uri(),
+        f"--screenshot={shot}",
+        "--window-size=1200,2000",
+        html.resolve().as_uri(),
     ]
     env = {**os.environ, "HOME": str(tmp_path)}
     subprocess.run(cmd, check=True, capture_output=True, timeout=120, env=env)

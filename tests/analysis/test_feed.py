@@ -69,13 +69,24 @@ def _read_all(path: Path) -> tuple[list[list[bytes]], object]:
 
 
 def _same_trace(a, b) -> None:
-    for name in ("ts", "tenant", "endpoint", "prompt_tokens", "output_tokens", "cached_tokens", "has_cached",
-                 "ttft_s", "ttl_s"):
+    for name in (
+        "ts",
+        "tenant",
+        "endpoint",
+        "prompt_tokens",
+        "output_tokens",
+        "cached_tokens",
+        "has_cached",
+        "ttft_s",
+        "ttl_s",
+    ):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and np.array_equal(x, y, equal_nan=x.dtype.kind == "f"), name
     assert a.parts == b.parts and a.tenants == b.tenants and a.endpoints == b.endpoints
     assert a.header == b.header and a.tokenizer == b.tokenizer
-    assert len(a.segments) == len(b.segments) and all(np.array_equal(x, y) for x, y in zip(a.segments, b.segments, strict=True))
+    assert len(a.segments) == len(b.segments) and all(
+        np.array_equal(x, y) for x, y in zip(a.segments, b.segments, strict=True)
+    )
 
 
 @pytest.mark.parametrize("jitter", [False, True], ids=["sorted", "jittered"])
@@ -86,7 +97,9 @@ def test_stream_serves_the_loaded_trace_in_time_order_with_the_same_keys(
     keys, streamed = _read_all(path)
     loaded = load_trace(path)
     if jitter:
-        assert not np.all(np.diff([json.loads(x)["ts"] for x in path.read_text().splitlines() if '"ts"' in x]) >= 0)
+        assert not np.all(
+            np.diff([json.loads(x)["ts"] for x in path.read_text().splitlines() if '"ts"' in x]) >= 0
+        )
     _same_trace(streamed, loaded)
     assert keys == list(feed_mod.TraceFeed.of(loaded, FP, B))
     assert len(keys) == len(loaded) and sum(map(len, keys)) > 0
@@ -100,8 +113,15 @@ def test_text_prompts_and_gzip_stream_like_they_load(tmp_path: Path, small_chunk
             if i % 2:
                 w.request(float(i), tenant=f"t{i % 3}", prompt=sys_prompt + f"question {i}")
             else:
-                w.request(float(i), endpoint="chat", messages=[{"role": "system", "content": sys_prompt},
-                                                                {"role": "user", "content": f"hi {i}"}], ttl=3600)
+                w.request(
+                    float(i),
+                    endpoint="chat",
+                    messages=[
+                        {"role": "system", "content": sys_prompt},
+                        {"role": "user", "content": f"hi {i}"},
+                    ],
+                    ttl=3600,
+                )
     with gzip.open(p, "rb") as fh:
         assert fh.read(1)  # really compressed
     keys, streamed = _read_all(p)
@@ -110,13 +130,16 @@ def test_text_prompts_and_gzip_stream_like_they_load(tmp_path: Path, small_chunk
     assert keys == list(feed_mod.TraceFeed.of(loaded, FP, B))
 
 
-def test_simulate_file_gives_what_simulate_of_the_loaded_trace_gives(scenario_trace: Path, tmp_path: Path,
-                                                                      small_chunks: None) -> None:
+def test_simulate_file_gives_what_simulate_of_the_loaded_trace_gives(
+    scenario_trace: Path, tmp_path: Path, small_chunks: None
+) -> None:
     path = _jittered(scenario_trace, tmp_path / "j.jsonl")
     loaded = load_trace(path)
-    for cfg in (SimConfig(capacity_bytes=64 << 20, ttl_s=30),
-                SimConfig(replicas=3, routing="cache-aware", align_tokens=64),
-                SimConfig(replicas=2, routing="prefix-affinity")):
+    for cfg in (
+        SimConfig(capacity_bytes=64 << 20, ttl_s=30),
+        SimConfig(replicas=3, routing="cache-aware", align_tokens=64),
+        SimConfig(replicas=2, routing="prefix-affinity"),
+    ):
         seen: list[tuple[str, float, float]] = []
         a = simulate_file(path, cfg, progress=lambda *x: seen.append(x))  # noqa: B023
         b = simulate(loaded, cfg)
@@ -163,7 +186,9 @@ def test_a_trace_out_of_order_beyond_the_window_is_loaded_whole_instead(
     _same(audit_file(path, AuditConfig()), audit_mod.audit(loaded, AuditConfig()))
 
 
-def test_a_bad_line_is_reported_with_its_number(scenario_trace: Path, tmp_path: Path, small_chunks: None) -> None:
+def test_a_bad_line_is_reported_with_its_number(
+    scenario_trace: Path, tmp_path: Path, small_chunks: None
+) -> None:
     lines = scenario_trace.read_bytes().splitlines(keepends=True)
     lines[1500] = b'{"v": 1, "ts": 5, "tokens": [1, 2,\n'
     path = tmp_path / "bad.jsonl"

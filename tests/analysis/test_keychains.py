@@ -31,9 +31,14 @@ def _reference(root: bytes, tokens: np.ndarray, B: int) -> list[bytes]:
     return out
 
 
-def _random_requests(rng: np.random.Generator, segments: list[np.ndarray], roots: list[bytes], n: int) -> list:
+def _random_requests(
+    rng: np.random.Generator, segments: list[np.ndarray], roots: list[bytes], n: int
+) -> list:
     return [
-        (roots[int(rng.integers(len(roots)))], tuple(int(x) for x in rng.integers(0, len(segments), int(rng.integers(1, 6)))))
+        (
+            roots[int(rng.integers(len(roots)))],
+            tuple(int(x) for x in rng.integers(0, len(segments), int(rng.integers(1, 6)))),
+        )
         for _ in range(n)
     ]
 
@@ -41,7 +46,9 @@ def _random_requests(rng: np.random.Generator, segments: list[np.ndarray], roots
 @pytest.fixture
 def segments() -> list[np.ndarray]:
     rng = np.random.default_rng(3)
-    return [rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32) for n in (0, 5, 16, 37, 160, 1, 33)]
+    return [
+        rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32) for n in (0, 5, 16, 37, 160, 1, 33)
+    ]
 
 
 def test_sha256_keychains_equal_block_keys_for_shared_and_unaligned_parts(segments: list[np.ndarray]) -> None:
@@ -63,7 +70,12 @@ def test_fingerprints_match_the_documented_formula(segments: list[np.ndarray], m
     single = KeyChains(segments, 16, max_states=max_states, hasher="fingerprint")
     for (root, parts), keys in zip(reqs, batched, strict=True):
         tokens = np.concatenate([segments[j] for j in parts])
-        assert keys == _reference(root, tokens, 16) == single.keys(root, parts) == single.token_keys(root, tokens)
+        assert (
+            keys
+            == _reference(root, tokens, 16)
+            == single.keys(root, parts)
+            == single.token_keys(root, tokens)
+        )
         assert all(type(k) is bytes and len(k) == 16 for k in keys) and len(keys) == len(tokens) // 16
 
 
@@ -81,7 +93,9 @@ def test_equal_prefixes_equal_keys_across_segmentations_and_instances() -> None:
     assert len(want) == 62 and len(set(want)) == 62
     for parts in splits[1:]:
         assert chains.keys(root, parts) == want
-        assert KeyChains(segments, 16, hasher="fingerprint").keys(root, parts) == want  # deterministic across instances
+        assert (
+            KeyChains(segments, 16, hasher="fingerprint").keys(root, parts) == want
+        )  # deterministic across instances
     # A prompt that extends another shares its keys as far as it goes.
     assert chains.keys(root, splits[2][:3]) == want[:31]
 
@@ -132,12 +146,15 @@ def test_commit_with_uniform_nbytes_matches_block_by_block() -> None:
     prompts = []
     for _ in range(150):
         head = shared[: int(rng.integers(0, 200))]
-        prompts.append(np.concatenate([head, rng.integers(0, 1000, int(rng.integers(1, 120))).astype(np.uint32)]))
+        prompts.append(
+            np.concatenate([head, rng.integers(0, 1000, int(rng.integers(1, 120))).astype(np.uint32)])
+        )
     results = []
     for uniform in (None, 100):
         clock = FakeClock(0.0)
-        cache = PrefixCache(block_size=16, capacity_bytes=100 * 60, pinned_capacity_bytes=0, default_ttl_s=6.0,
-                            clock=clock)
+        cache = PrefixCache(
+            block_size=16, capacity_bytes=100 * 60, pinned_capacity_bytes=0, default_ttl_s=6.0, clock=clock
+        )
         ns = Namespace.create("fp")
         evicted: list[bytes] = []
         cache.store.add_listener(lambda ev, b, log=evicted: log.append(b.key) if ev == "evict" else None)

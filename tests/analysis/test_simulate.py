@@ -15,7 +15,9 @@ from prefixcache.analysis.trace import TraceWriter, load_trace
 TINY = CostModel(kv_bytes_per_token=1, prefill_tps=1000.0)  # capacity in tokens
 
 
-def _multi_endpoint_trace(path: Path, endpoints: int = 8, requests: int = 1600, sys_tokens: int = 512) -> Path:
+def _multi_endpoint_trace(
+    path: Path, endpoints: int = 8, requests: int = 1600, sys_tokens: int = 512
+) -> Path:
     rng = np.random.default_rng(3)
     with TraceWriter(path) as w:
         for e in range(endpoints):
@@ -45,7 +47,9 @@ def _fields(cfg: SimConfig) -> dict:
     return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
 
 
-@pytest.mark.parametrize("routing", ["round-robin", "random", "least-loaded", "prefix-affinity", "cache-aware"])
+@pytest.mark.parametrize(
+    "routing", ["round-robin", "random", "least-loaded", "prefix-affinity", "cache-aware"]
+)
 def test_every_routing_runs_and_is_deterministic(tmp_path: Path, routing: str) -> None:
     trace = load_trace(_multi_endpoint_trace(tmp_path / "m.jsonl", requests=300))
     a = simulate(trace, SimConfig(replicas=3, routing=routing, cost=TINY))
@@ -132,8 +136,18 @@ def test_calibration_from_prefixcache_bench(tmp_path: Path) -> None:
     from prefixcache.analysis.costs import DEFAULT_PREFILL_TPS, cost_model
 
     cal = tmp_path / "calibration.json"
-    cal.write_text(json.dumps({"prefill_tps": 812.5, "decode_tps": 31.2, "kv_bytes_per_token": 46080,
-                               "single_pass_tps": 900.0, "prefill_chunk": 512, "rows": [{"prefill_tps": 1.0}]}))
+    cal.write_text(
+        json.dumps(
+            {
+                "prefill_tps": 812.5,
+                "decode_tps": 31.2,
+                "kv_bytes_per_token": 46080,
+                "single_pass_tps": 900.0,
+                "prefill_chunk": 512,
+                "rows": [{"prefill_tps": 1.0}],
+            }
+        )
+    )
     m = cost_model(None, cal)
     assert (m.prefill_tps, m.decode_tps, m.kv_bytes_per_token, m.source) == (812.5, 31.2, 46080, str(cal))
     assert cost_model(300.0, cal).prefill_tps == 300.0  # the flag wins
@@ -153,8 +167,13 @@ def test_fingerprint_replay_matches_sha256_match_commit_release(
     cfg = SimConfig(capacity_bytes=capacity_blocks * 16, cost=TINY, ttl_s=ttl, align_tokens=align)
     sim = simulate(trace, cfg)
     clock = FakeClock(float(trace.ts[0]))
-    cache = PrefixCache(block_size=16, capacity_bytes=capacity_blocks * 16, default_ttl_s=ttl, clock=clock,
-                        pinned_capacity_bytes=0)
+    cache = PrefixCache(
+        block_size=16,
+        capacity_bytes=capacity_blocks * 16,
+        default_ttl_s=ttl,
+        clock=clock,
+        pinned_capacity_bytes=0,
+    )
     namespaces = [Namespace.create(cfg.fingerprint, tenant=t, salt=f"tenant:{t}") for t in trace.tenants]
     cached, written = [], []
     for i in range(len(trace)):

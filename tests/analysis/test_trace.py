@@ -21,7 +21,15 @@ def test_roundtrip_parts_tokens_prompt_and_keys(tmp_path: Path) -> None:
     p = tmp_path / "t.jsonl"
     with TraceWriter(p, header={"tokenizer": "bytes"}) as w:
         w.segment("sys", list(range(40)))
-        w.request(2.0, tenant="a", endpoint="x", parts=["sys", [7, 8]], cached_tokens=32, ttft_s=0.5, output_tokens=3)
+        w.request(
+            2.0,
+            tenant="a",
+            endpoint="x",
+            parts=["sys", [7, 8]],
+            cached_tokens=32,
+            ttft_s=0.5,
+            output_tokens=3,
+        )
         w.request(1.0, tokens=np.arange(5))
         w.request(3.0, prompt="hi!")
         w.request(4.0, block_keys=[b"\x01" * 32, b"\x02" * 32], block_size=16, prompt_tokens=40)
@@ -54,9 +62,12 @@ BAD_LINES = [
     ('{"v": 1, "ts": 1, "parts": ["nope"]}', "before its definition"),
     ('{"v": 1, "ts": 1, "parts": ["later"]}', "before its definition"),  # defined on a later line
     ('{"v": 1, "ts": 1}', "no prompt"),
-    ('[1, 2]', "not a JSON object"),
+    ("[1, 2]", "not a JSON object"),
     ('{"v": 1, "ts": 1, "parts": [[1, 2], 7]}', "list of token ids"),
-    ('{"v": 1, "ts": 1, "block_keys": ["aa", "bb"], "block_size": 16, "prompt_tokens": 20}', "prompt_tokens 20"),
+    (
+        '{"v": 1, "ts": 1, "block_keys": ["aa", "bb"], "block_size": 16, "prompt_tokens": 20}',
+        "prompt_tokens 20",
+    ),
 ]
 
 
@@ -71,7 +82,9 @@ def test_bad_lines_name_the_line(tmp_path: Path, line: str, msg: str) -> None:
 
 @pytest.mark.parametrize(("line", "msg"), [*BAD_LINES, (b"\xff\xfe{}", "not UTF-8")])
 @pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
-def test_bad_lines_counted_past_blank_and_segment_lines(tmp_path: Path, line: str | bytes, msg: str, suffix: str) -> None:
+def test_bad_lines_counted_past_blank_and_segment_lines(
+    tmp_path: Path, line: str | bytes, msg: str, suffix: str
+) -> None:
     # Line numbers count every line, blank ones included, in plain and gzip files alike.
     p = tmp_path / f"bad{suffix}"
     good = [
@@ -161,7 +174,12 @@ def _reference_load(path: Path) -> Trace:
         elif "prompt" in obj:
             parts = (text("p" + json.dumps(obj["prompt"]), lambda o=obj: o["prompt"]),)
         elif "messages" in obj:
-            parts = (text("m" + json.dumps(obj["messages"], sort_keys=True), lambda o=obj: render_messages(o["messages"])),)
+            parts = (
+                text(
+                    "m" + json.dumps(obj["messages"], sort_keys=True),
+                    lambda o=obj: render_messages(o["messages"]),
+                ),
+            )
         else:
             bs, keys = obj.get("block_size", 16), obj["block_keys"]
             stand_in = [0] * obj.get("prompt_tokens", len(keys) * bs)
@@ -170,27 +188,38 @@ def _reference_load(path: Path) -> Trace:
             stand_in[len(keys) * bs :] = [0xFFFFFFFF] * (len(stand_in) - len(keys) * bs)
             parts = (intern(stand_in),)
         ttl = obj.get("ttl")
-        rows.append({
-            "ts": float(obj["ts"]),
-            "tenant": tenants.setdefault(obj.get("tenant") or "default", len(tenants)),
-            "endpoint": endpoints.setdefault(obj.get("endpoint") or "default", len(endpoints)),
-            "parts": parts,
-            "prompt": sum(len(segments[j]) for j in parts),
-            "out": obj.get("output_tokens") or 0,
-            "cached": obj.get("cached_tokens") or 0,
-            "has": obj.get("cached_tokens") is not None,
-            "ttft": float("nan") if obj.get("ttft_s") is None else obj["ttft_s"],
-            "ttl": float(ttl) if isinstance(ttl, int | float) else float("nan"),
-        })
+        rows.append(
+            {
+                "ts": float(obj["ts"]),
+                "tenant": tenants.setdefault(obj.get("tenant") or "default", len(tenants)),
+                "endpoint": endpoints.setdefault(obj.get("endpoint") or "default", len(endpoints)),
+                "parts": parts,
+                "prompt": sum(len(segments[j]) for j in parts),
+                "out": obj.get("output_tokens") or 0,
+                "cached": obj.get("cached_tokens") or 0,
+                "has": obj.get("cached_tokens") is not None,
+                "ttft": float("nan") if obj.get("ttft_s") is None else obj["ttft_s"],
+                "ttl": float(ttl) if isinstance(ttl, int | float) else float("nan"),
+            }
+        )
     rows.sort(key=lambda r: r["ts"])  # stable, like the loader's argsort
     col = lambda k, dt: np.array([r[k] for r in rows], dtype=dt)  # noqa: E731
     return Trace(
-        ts=col("ts", np.float64), tenant=col("tenant", np.int32), endpoint=col("endpoint", np.int32),
-        parts=[r["parts"] for r in rows], segments=[np.array(s, dtype=np.uint32) for s in segments],
-        prompt_tokens=col("prompt", np.int64), output_tokens=col("out", np.int64),
-        cached_tokens=col("cached", np.int64), has_cached=col("has", bool), ttft_s=col("ttft", np.float64),
-        ttl_s=col("ttl", np.float64), tenants=list(tenants), endpoints=list(endpoints),
-        tokenizer=header.get("tokenizer"), header=header,
+        ts=col("ts", np.float64),
+        tenant=col("tenant", np.int32),
+        endpoint=col("endpoint", np.int32),
+        parts=[r["parts"] for r in rows],
+        segments=[np.array(s, dtype=np.uint32) for s in segments],
+        prompt_tokens=col("prompt", np.int64),
+        output_tokens=col("out", np.int64),
+        cached_tokens=col("cached", np.int64),
+        has_cached=col("has", bool),
+        ttft_s=col("ttft", np.float64),
+        ttl_s=col("ttl", np.float64),
+        tenants=list(tenants),
+        endpoints=list(endpoints),
+        tokenizer=header.get("tokenizer"),
+        header=header,
     )
 
 
@@ -221,7 +250,10 @@ def _mixed_trace(path: Path, n: int = 400, seed: int = 3) -> None:
             lines.append({"v": 1, "type": "segment", "id": "b", "tokens": sys_b})
             lines.append({"v": 1, "type": "segment", "id": "a", "tokens": sys_b[:9]})
             lines.append("")
-        obj: dict = {"v": 1, "ts": round(float(rng.uniform(0, 100)), 3) if i % 5 else float(i % 7)}  # ties, unsorted
+        obj: dict = {
+            "v": 1,
+            "ts": round(float(rng.uniform(0, 100)), 3) if i % 5 else float(i % 7),
+        }  # ties, unsorted
         if i % 3:
             obj["tenant"] = ["t0", "t1", "t2"][i % 3]
         if i % 4:
@@ -237,7 +269,10 @@ def _mixed_trace(path: Path, n: int = 400, seed: int = 3) -> None:
         elif kind == 3:
             obj["prompt"] = f"hello {i % 4} \u00e9\u4e16"
         elif kind == 4:
-            obj["messages"] = [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{i % 3}"}]
+            obj["messages"] = [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": f"q{i % 3}"},
+            ]
         elif kind == 5:
             keys = [f"{k:064x}" for k in rng.integers(0, 5, int(rng.integers(1, 4)))]
             obj.update(block_keys=keys, block_size=4, prompt_tokens=len(keys) * 4 + int(rng.integers(0, 3)))
@@ -262,7 +297,9 @@ def test_loader_matches_a_plain_reference_parse(tmp_path: Path) -> None:
     p = tmp_path / "mixed.jsonl"
     _mixed_trace(p)
     want = _reference_load(p)
-    assert not np.all(np.diff([json.loads(ln)["ts"] for ln in p.read_text().splitlines() if '"ts"' in ln]) >= 0)
+    assert not np.all(
+        np.diff([json.loads(ln)["ts"] for ln in p.read_text().splitlines() if '"ts"' in ln]) >= 0
+    )
     got = load_trace(p)
     _assert_same_trace(got, want)
     assert len(got) == 400 and got.tokens(0).dtype == np.uint32

@@ -16,7 +16,9 @@ def payload(i: int) -> tuple[str, int]:
     return (f"kv{i}", NB)
 
 
-def make(capacity_blocks: int = 100, pinned_blocks: int = 10, ttl: float = 300.0) -> tuple[PrefixCache, FakeClock]:
+def make(
+    capacity_blocks: int = 100, pinned_blocks: int = 10, ttl: float = 300.0
+) -> tuple[PrefixCache, FakeClock]:
     clock = FakeClock()
     cache = PrefixCache(
         block_size=B,

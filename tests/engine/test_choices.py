@@ -46,16 +46,18 @@ def _count_pool_calls(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> dict[s
     return calls
 
 
-def test_three_choices_prefill_the_prompt_once_and_share_its_blocks(tiny_runner: Any,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_three_choices_prefill_the_prompt_once_and_share_its_blocks(
+    tiny_runner: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """50 prompt tokens (3 full blocks and 2 tokens of a 4th), 3 choices of 20 tokens: the
     prompt's 4 blocks are allocated once, the partial one copied twice, and each choice gets one
     block of its own for positions 64..68; every block goes back when the request ends."""
     engine = Engine(tiny_runner, prefill_chunk=16, enable_cache=False)
     free = engine.pool.free_blocks
     calls = _count_pool_calls(engine, monkeypatch)
-    c = engine.generate_choices(prompt_token_ids=_prompt(1, 50), n=3, max_tokens=20, temperature=1.0, seed=3,
-                                top_k=200)
+    c = engine.generate_choices(
+        prompt_token_ids=_prompt(1, 50), n=3, max_tokens=20, temperature=1.0, seed=3, top_k=200
+    )
     assert [len(ch.tokens) for ch in c.choices] == [20, 20, 20]  # all ran to the length (no EOS)
     assert engine.prefilled_tokens == 50  # one prompt's worth, not three
     assert calls == {"alloc": 4 + 2 + 3, "copy": 2}  # three separate requests would take 15
@@ -66,8 +68,9 @@ def test_three_choices_prefill_the_prompt_once_and_share_its_blocks(tiny_runner:
     engine.close()
 
 
-def test_a_block_aligned_prompt_shares_every_block_and_copies_none(tiny_runner: Any,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_block_aligned_prompt_shares_every_block_and_copies_none(
+    tiny_runner: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     engine = Engine(tiny_runner, prefill_chunk=16)
     free = engine.pool.free_blocks
     calls = _count_pool_calls(engine, monkeypatch)
@@ -107,8 +110,9 @@ def test_choice_i_is_the_lone_request_with_seed_plus_i(tiny_runner: Any, kind: s
 
 def test_logprobs_are_the_log_softmax_of_the_sampled_row(tiny_runner: Any) -> None:
     engine = Engine(tiny_runner, prefill_chunk=16)
-    r = engine.generate(prompt_token_ids=_prompt(4, 40), max_tokens=5, logprobs=4, return_logits=True,
-                        temperature=1.5, seed=9)
+    r = engine.generate(
+        prompt_token_ids=_prompt(4, 40), max_tokens=5, logprobs=4, return_logits=True, temperature=1.5, seed=9
+    )
     assert len(r.logprobs) == len(r.tokens) == r.usage.completion_tokens
     first = r.logprobs[0]
     lp = torch.log_softmax(r.first_logits, dim=-1)  # raw model logits: before the temperature
@@ -154,8 +158,9 @@ def test_logprobs_are_equal_when_batched_with_other_requests(tiny_runner: Any) -
     out: list[Any] = [None] * len(prompts)
 
     def call(i: int) -> None:
-        out[i] = on.generate_choices(prompt_token_ids=prompts[i], n=1 + i % 3, max_tokens=6, logprobs=2,
-                                     temperature=1.0, seed=i)
+        out[i] = on.generate_choices(
+            prompt_token_ids=prompts[i], n=1 + i % 3, max_tokens=6, logprobs=2, temperature=1.0, seed=i
+        )
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -164,8 +169,9 @@ def test_logprobs_are_equal_when_batched_with_other_requests(tiny_runner: Any) -
         t.join(120)
     assert on._worker.steps > 0 and sum(c.usage.cached_tokens for c in out) > 0
     for i, c in enumerate(out):
-        ref = off.generate_choices(prompt_token_ids=prompts[i], n=1 + i % 3, max_tokens=6, logprobs=2,
-                                   temperature=1.0, seed=i)
+        ref = off.generate_choices(
+            prompt_token_ids=prompts[i], n=1 + i % 3, max_tokens=6, logprobs=2, temperature=1.0, seed=i
+        )
         assert [ch.logprobs for ch in c.choices] == [ch.logprobs for ch in ref.choices]
     on.close()
     off.close()
@@ -173,13 +179,22 @@ def test_logprobs_are_equal_when_batched_with_other_requests(tiny_runner: Any) -
 
 def test_the_stream_reports_usage_first_then_indexed_deltas(tiny_runner: Any) -> None:
     engine = Engine(tiny_runner, prefill_chunk=16)
-    items = list(engine.stream_choices(prompt="Tell me a story about a cat. " * 3, n=3, max_tokens=10,
-                                       logprobs=1, temperature=1.0, seed=4))
+    items = list(
+        engine.stream_choices(
+            prompt="Tell me a story about a cat. " * 3,
+            n=3,
+            max_tokens=10,
+            logprobs=1,
+            temperature=1.0,
+            seed=4,
+        )
+    )
     done, deltas, last = items[0], items[1:-1], items[-1]
     assert isinstance(done, PromptDone) and isinstance(last, Completion)
     assert all(isinstance(d, ChoiceDelta) for d in deltas)
-    assert done.usage == type(done.usage)(last.usage.prompt_tokens, last.usage.cached_tokens,
-                                          last.usage.cache_write_tokens, 0)
+    assert done.usage == type(done.usage)(
+        last.usage.prompt_tokens, last.usage.cached_tokens, last.usage.cache_write_tokens, 0
+    )
     text: dict[int, str] = defaultdict(str)
     lps: dict[int, list[Any]] = defaultdict(list)
     finishes: dict[int, list[str]] = defaultdict(list)
@@ -197,8 +212,9 @@ def test_the_stream_reports_usage_first_then_indexed_deltas(tiny_runner: Any) ->
 def test_closing_a_stream_of_choices_frees_every_block(tiny_runner: Any) -> None:
     engine = Engine(tiny_runner, prefill_chunk=16, enable_cache=False)
     free = engine.pool.free_blocks
-    stream = engine.stream_choices(prompt_token_ids=_prompt(8, 70), n=4, max_tokens=200, temperature=1.0,
-                                   top_k=100)
+    stream = engine.stream_choices(
+        prompt_token_ids=_prompt(8, 70), n=4, max_tokens=200, temperature=1.0, top_k=100
+    )
     for item in stream:
         if isinstance(item, ChoiceDelta):
             break
@@ -211,8 +227,13 @@ def test_closing_a_stream_of_choices_frees_every_block(tiny_runner: Any) -> None
 def test_bad_n_and_logprobs_are_clear_errors(tiny_runner: Any) -> None:
     engine = Engine(tiny_runner, prefill_chunk=16, max_batch=4, kv_reserve_tokens=2048)  # 128 blocks
     assert engine.max_n == 4
-    for kw, needle in [({"n": 0}, "n must be"), ({"n": 5}, "max_batch"), ({"n": True}, "n must be"),
-                       ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs")]:
+    for kw, needle in [
+        ({"n": 0}, "n must be"),
+        ({"n": 5}, "max_batch"),
+        ({"n": True}, "n must be"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+    ]:
         with pytest.raises(InvalidRequestError, match=needle):
             engine.generate_choices(prompt="hi", max_tokens=2, **kw)
     with pytest.raises(InvalidRequestError, match="need 256 KV blocks"):  # could never be admitted
@@ -231,13 +252,20 @@ def test_an_overdue_request_that_does_not_fit_is_not_overtaken(tiny_runner: Any)
     order: list[str] = []
 
     def run(name: str, n: int) -> None:
-        for item in engine.stream_choices(prompt_token_ids=_prompt(len(name) + n, 20), n=n, max_tokens=30,
-                                          temperature=1.0, seed=1, top_k=100):
+        for item in engine.stream_choices(
+            prompt_token_ids=_prompt(len(name) + n, 20),
+            n=n,
+            max_tokens=30,
+            temperature=1.0,
+            seed=1,
+            top_k=100,
+        ):
             if isinstance(item, PromptDone):
                 order.append(name)
 
-    threads = {name: threading.Thread(target=run, args=(name, n))
-               for name, n in (("A", 1), ("B", 2), ("CC", 1))}
+    threads = {
+        name: threading.Thread(target=run, args=(name, n)) for name, n in (("A", 1), ("B", 2), ("CC", 1))
+    }
     with engine.runner.lock:  # A is admitted, then its first step waits here
         threads["A"].start()
         while not engine._worker.running:

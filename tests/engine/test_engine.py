@@ -68,10 +68,25 @@ def test_own_runner_hits_and_writes_every_full_block(tiny_runner: Any) -> None:
 def test_tenants_and_ttl(tiny_engine: Engine, fake_clock: Any) -> None:
     ids = list(range(50))
     tiny_engine.generate(prompt_token_ids=ids, max_tokens=1, tenant="a", salt=b"secret-a")
-    assert tiny_engine.generate(prompt_token_ids=ids, max_tokens=1, tenant="b", salt=b"secret-b").usage.cached_tokens == 0
-    assert tiny_engine.generate(prompt_token_ids=ids, max_tokens=1, tenant="a", salt=b"secret-a").usage.cached_tokens == 48
+    assert (
+        tiny_engine.generate(
+            prompt_token_ids=ids, max_tokens=1, tenant="b", salt=b"secret-b"
+        ).usage.cached_tokens
+        == 0
+    )
+    assert (
+        tiny_engine.generate(
+            prompt_token_ids=ids, max_tokens=1, tenant="a", salt=b"secret-a"
+        ).usage.cached_tokens
+        == 48
+    )
     fake_clock.advance(301)
-    assert tiny_engine.generate(prompt_token_ids=ids, max_tokens=1, tenant="a", salt=b"secret-a").usage.cached_tokens == 0
+    assert (
+        tiny_engine.generate(
+            prompt_token_ids=ids, max_tokens=1, tenant="a", salt=b"secret-a"
+        ).usage.cached_tokens
+        == 0
+    )
     tiny_engine.generate(prompt_token_ids=ids, max_tokens=1, ttl_s=3600)
     fake_clock.advance(1000)
     assert tiny_engine.generate(prompt_token_ids=ids, max_tokens=1).usage.cached_tokens == 48
@@ -218,7 +233,9 @@ def test_stop_string_and_eos(tiny_engine: Engine) -> None:
         assert visible.startswith(r.text)
 
 
-def test_a_request_that_fails_after_its_step_fails_alone(tiny_runner: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_request_that_fails_after_its_step_fails_alone(
+    tiny_runner: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An error while committing one request's blocks ends that request with the error; the
     step loop keeps serving, and nothing stays held."""
     engine = Engine(tiny_runner, prefill_chunk=16)

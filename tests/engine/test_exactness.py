@@ -63,12 +63,17 @@ def test_random_prompts_and_divergence_points(tiny_runner: Any, kind: str, chunk
         base = [rng.randrange(0, 256) for _ in range(rng.randrange(1, 260))]
         _same(on, off, base)
         # diverge anywhere: mid-block, on a block edge, on a chunk edge, before the first block
-        cut = rng.choice([rng.randrange(0, len(base) + 1), (len(base) // 16) * 16, (len(base) // chunk) * chunk, 5])
+        cut = rng.choice(
+            [rng.randrange(0, len(base) + 1), (len(base) // 16) * 16, (len(base) // chunk) * chunk, 5]
+        )
         other = base[:cut] + [rng.randrange(0, 256) for _ in range(rng.randrange(1, 90))]
         r = _same(on, off, other)
         hits += r.usage.cached_tokens > 0
         # the hit is the longest shared run of full blocks (leaving one token), rounded to the alignment
-        shared = next((i for i, (x, y) in enumerate(zip(base, other, strict=False)) if x != y), min(len(base), len(other)))
+        shared = next(
+            (i for i, (x, y) in enumerate(zip(base, other, strict=False)) if x != y),
+            min(len(base), len(other)),
+        )
         cached_base = (len(base) // chunk) * chunk if kind == "hf" else (len(base) // 16) * 16
         expect = min(shared, cached_base, len(other) - 1) // align * align
         assert r.usage.cached_tokens == expect, (kind, len(base), cut, len(other))
@@ -121,8 +126,10 @@ def test_hits_are_exact_when_batched_with_other_requests(tiny_runner: Any) -> No
     on, off = _pair(tiny_runner, 32, max_batch=8)
     system = [rng.randrange(0, 256) for _ in range(150)]
     on.generate(prompt_token_ids=system + [1, 2, 3], max_tokens=1)  # warm the shared prefix
-    prompts = [system[: rng.randrange(20, 150)] + [rng.randrange(0, 256) for _ in range(rng.randrange(1, 70))]
-               for _ in range(8)]
+    prompts = [
+        system[: rng.randrange(20, 150)] + [rng.randrange(0, 256) for _ in range(rng.randrange(1, 70))]
+        for _ in range(8)
+    ]
     results = _concurrently(on, prompts, max_tokens=12)
     assert on._worker.steps > 0
     for ids, r in zip(prompts, results, strict=True):
@@ -142,8 +149,10 @@ def test_a_burst_sharing_a_prefix_prefills_it_once(tiny_runner: Any) -> None:
     prefix = [rng.randrange(0, 256) for _ in range(160)]
     prompts = [prefix + [rng.randrange(0, 256) for _ in range(20)] for _ in range(5)]
     with engine.runner.lock:  # hold the first step until every request is queued
-        threads = [threading.Thread(target=engine.generate, kwargs={"prompt_token_ids": p, "max_tokens": 1})
-                   for p in prompts]
+        threads = [
+            threading.Thread(target=engine.generate, kwargs={"prompt_token_ids": p, "max_tokens": 1})
+            for p in prompts
+        ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 60
@@ -162,7 +171,8 @@ def test_real_model_hits_exact_at_any_block_alone_and_batched(real_runner: Any, 
     on, off = _pair(real_runner, 256, dtype=dtype)
     assert on.runner.dtype_name == dtype
     system = "You are a careful assistant for a bakery. " + " ".join(
-        f"Example {i}: the customer asks about bread number {i}; you answer politely with its price." for i in range(12)
+        f"Example {i}: the customer asks about bread number {i}; you answer politely with its price."
+        for i in range(12)
     )
     q1 = [{"role": "system", "content": system}, {"role": "user", "content": "What is the price of bread 3?"}]
     n = len(on.render_ids(q1))
@@ -188,7 +198,8 @@ def test_real_model_hits_exact_at_any_block_alone_and_batched(real_runner: Any, 
 def test_real_model_hf_runner_hit_after_miss_is_exact(real_runner: Any) -> None:
     on, off = _pair(real_runner, 512, "hf")
     system = "You are a careful assistant for a bakery. " + " ".join(
-        f"Example {i}: the customer asks about bread number {i}; you answer politely with its price." for i in range(30)
+        f"Example {i}: the customer asks about bread number {i}; you answer politely with its price."
+        for i in range(30)
     )
     q1 = [{"role": "system", "content": system}, {"role": "user", "content": "What is the price of bread 3?"}]
     q2 = [{"role": "system", "content": system}, {"role": "user", "content": "Do you sell croissants?"}]

@@ -73,19 +73,24 @@ def _check_invariance(runner: LlamaRunner, n: int, seed: int) -> list[str]:
     p = _Prompt(runner, pool, ids)
     got = None
     for step, (a, b) in enumerate([(0, n // 2), (n // 2, n)]):
-        segs = [Segment([5 + step], 93 + step, other.table, decode=True, want_logits=True),
-                Segment(ids[a:b], a, p.table, want_logits=b == n)]
+        segs = [
+            Segment([5 + step], 93 + step, other.table, decode=True, want_logits=True),
+            Segment(ids[a:b], a, p.table, want_logits=b == n),
+        ]
         got = runner.step(pool, segs)
     assert got is not None
     if not torch.equal(got[1], one) or not torch.equal(_kv(pool, p, n), full_kv):
         failed.append("batched prefill")
     # decode: alone, then batched with other decode rows and a prefill
     alone = runner.step(pool, [Segment([9], n, ref.table, decode=True, want_logits=True)])[0]
-    mixed = runner.step(pool, [
-        Segment([11], 95, other.table, decode=True, want_logits=True),
-        Segment([9], n, p.table, decode=True, want_logits=True),
-        Segment(ids[:40], 0, _Prompt(runner, pool, ids).table, want_logits=True),
-    ])
+    mixed = runner.step(
+        pool,
+        [
+            Segment([11], 95, other.table, decode=True, want_logits=True),
+            Segment([9], n, p.table, decode=True, want_logits=True),
+            Segment(ids[:40], 0, _Prompt(runner, pool, ids).table, want_logits=True),
+        ],
+    )
     if not torch.equal(mixed[1], alone):
         failed.append("batched decode")
     return failed
@@ -122,7 +127,12 @@ def test_gemm_row_counts_the_runner_uses_are_invariant() -> None:
         for m in counts:
             for off in (0, 3):
                 if off + m <= 600:
-                    assert torch.equal(F.linear(x[off : off + m], w), ref[off : off + m]), (out_f, in_f, m, off)
+                    assert torch.equal(F.linear(x[off : off + m], w), ref[off : off + m]), (
+                        out_f,
+                        in_f,
+                        m,
+                        off,
+                    )
 
 
 @pytest.mark.model

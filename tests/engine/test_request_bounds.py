@@ -44,8 +44,9 @@ class _CountingTokenizer:
         return self.inner.encode(text, add_special_tokens=add_special_tokens)
 
 
-def test_text_over_the_context_bound_is_refused_without_tokenizing(tiny_engine: Engine,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_text_over_the_context_bound_is_refused_without_tokenizing(
+    tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     counting = _CountingTokenizer(tiny_engine.runner.tokenizer)
     monkeypatch.setattr(tiny_engine.runner, "tokenizer", counting)
     limit = tiny_engine.max_prompt_bytes
@@ -82,9 +83,11 @@ def test_a_lone_surrogate_is_a_clear_error_not_a_tokenizer_crash(tiny_engine: En
 
     with pytest.raises(TypeError):  # what Hugging Face's fast tokenizers do, and the tiny one too
         tiny_engine.tokenizer.encode("a\ud800b")
-    for call in (lambda: tiny_engine.tokenize("a\ud800b"),
-                 lambda: tiny_engine.generate(messages=[{"role": "user", "content": "\udfff"}], max_tokens=1),
-                 lambda: tiny_engine.count_tokens(prompt="x\ud83d")):
+    for call in (
+        lambda: tiny_engine.tokenize("a\ud800b"),
+        lambda: tiny_engine.generate(messages=[{"role": "user", "content": "\udfff"}], max_tokens=1),
+        lambda: tiny_engine.count_tokens(prompt="x\ud83d"),
+    ):
         with pytest.raises(InvalidRequestError, match="surrogate"):
             call()
     assert tiny_engine.tokenize("\U0001f642") == list("\U0001f642".encode())  # a valid pair is text

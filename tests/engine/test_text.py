@@ -45,7 +45,10 @@ def test_chat_rendering_and_content_blocks() -> None:
         {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]},
     ]
     text = render_chat(msgs, TOK)
-    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        text == "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = render_ids(msgs, TOK)
     assert TOK.decode(ids) == text
 

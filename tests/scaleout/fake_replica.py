@@ -71,7 +71,8 @@ def make_app(name: str, delay_s: float = 0.0) -> FastAPI:
                     }
                     yield f"data: {json.dumps(chunk)}\n\n"
                     await asyncio.sleep(0)
-                yield f"data: {json.dumps({'object': 'chat.completion.chunk', 'choices': [], 'usage': usage})}\n\n"
+                last = {"object": "chat.completion.chunk", "choices": [], "usage": usage}
+                yield f"data: {json.dumps(last)}\n\n"
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")

@@ -89,7 +89,9 @@ def test_usage_parsing_openai_anthropic_and_streams() -> None:
         {"usage": {"input_tokens": 2, "cache_read_input_tokens": 8, "cache_creation_input_tokens": 4}}
     ) == (14, 8)
     s = SSEUsage()
-    event = b'event: message_start\ndata: {"type":"message_start","message":{"usage":{"input_tokens":3,"cache_read_input_tokens":16}}}\n\n'
+    usage = {"input_tokens": 3, "cache_read_input_tokens": 16}
+    start = {"type": "message_start", "message": {"usage": usage}}
+    event = b"event: message_start\ndata: " + json.dumps(start).encode() + b"\n\n"
     for i in range(0, len(event), 7):  # split anywhere
         s.feed(event[i : i + 7])
     assert s.usage == (19, 16)
@@ -107,7 +109,11 @@ def test_usage_parsing_of_the_responses_api_whole_and_streamed() -> None:
 def test_responses_requests_are_keyed_by_instructions_and_input() -> None:
     def responses(system: str, user: str) -> dict:
         # Affinity reads the first 1,024 characters; only full 256-character chunks are keyed.
-        return {"model": "m", "instructions": system * 2000, "input": [{"role": "user", "content": user * 100}]}
+        return {
+            "model": "m",
+            "instructions": system * 2000,
+            "input": [{"role": "user", "content": user * 100}],
+        }
 
     a1, a2 = prefix_key(responses("A", "one")), prefix_key(responses("A", "two"))
     assert a1.affinity == a2.affinity and a1.chunks != a2.chunks  # shared instructions, own tails

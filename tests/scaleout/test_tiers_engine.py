@@ -148,7 +148,9 @@ def test_real_model_blocks_from_redis_and_disk_are_exact(real_runner, redis_url,
         flush_tiers(a.cache)
         a.close()
         r = assert_exact(b, off, ids)  # from Redis
-        assert r.usage.cached_tokens == (len(ids) - 1) // b.alignment * b.alignment > 0 and rb.stats().hits > 0
+        assert (
+            r.usage.cached_tokens == (len(ids) - 1) // b.alignment * b.alignment > 0 and rb.stats().hits > 0
+        )
         c, (dc,) = engine_with(real_runner, chunk=chunk, disk_dir=tmp_path)  # a restart, from disk
         try:
             r = assert_exact(c, off, ids)

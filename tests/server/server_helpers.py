@@ -153,11 +153,18 @@ class Scripted:
         if self.reply is None:
             return completion
         replies = [self.reply] if isinstance(self.reply, str) else self.reply
-        return Completion([
-            dataclasses.replace(c, text=replies[c.index % len(replies)], finish_reason="stop",
-                                stop_sequence=None, logprobs=None)
-            for c in completion.choices
-        ])
+        return Completion(
+            [
+                dataclasses.replace(
+                    c,
+                    text=replies[c.index % len(replies)],
+                    finish_reason="stop",
+                    stop_sequence=None,
+                    logprobs=None,
+                )
+                for c in completion.choices
+            ]
+        )
 
     def generate_choices(self, **kw: Any) -> Any:
         return self._run(kw)

@@ -28,8 +28,11 @@ def client(server) -> anthropic.Anthropic:
 
 def ask(client: anthropic.Anthropic, user: str, system=SYSTEM, **kw):
     return client.messages.create(
-        model=MODEL, max_tokens=kw.pop("max_tokens", 4), system=system,
-        messages=[{"role": "user", "content": user}], **kw,
+        model=MODEL,
+        max_tokens=kw.pop("max_tokens", 4),
+        system=system,
+        messages=[{"role": "user", "content": user}],
+        **kw,
     )
 
 
@@ -44,21 +47,30 @@ def test_usage_fields_and_a_second_request_reads_the_cache(client):
     u2 = second.usage
     assert u2.cache_read_input_tokens > 0
     # Hosted semantics: input_tokens is the part neither read from nor written to the cache.
-    count = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=[{"role": "user", "content": "And a TTL?"}])
+    count = client.messages.count_tokens(
+        model=MODEL, system=SYSTEM, messages=[{"role": "user", "content": "And a TTL?"}]
+    )
     assert u2.input_tokens + u2.cache_read_input_tokens + u2.cache_creation_input_tokens == count.input_tokens
 
 
 def test_stream_events_and_final_usage(client):
     ask(client, "warm")
     with client.messages.stream(
-        model=MODEL, max_tokens=5, extra_body={"temperature": 0}, system=SYSTEM, messages=[{"role": "user", "content": "stream it"}]
+        model=MODEL,
+        max_tokens=5,
+        extra_body={"temperature": 0},
+        system=SYSTEM,
+        messages=[{"role": "user", "content": "stream it"}],
     ) as stream:
         kinds = [event.type for event in stream]
         message = stream.get_final_message()
     assert kinds[0] == "message_start"
     assert "content_block_start" in kinds and "content_block_delta" in kinds
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
-    assert message.content[0].text == ask(client, "stream it", max_tokens=5, extra_body={"temperature": 0}).content[0].text
+    assert (
+        message.content[0].text
+        == ask(client, "stream it", max_tokens=5, extra_body={"temperature": 0}).content[0].text
+    )
     assert message.stop_reason == "max_tokens"
     assert message.usage.output_tokens == 5
     assert message.usage.cache_read_input_tokens > 0
@@ -71,7 +83,10 @@ def test_one_hour_breakpoint_outlives_the_five_minute_default(client, clock):
     ask(client, "q1", system=short_system)
     created = first.usage.cache_creation
     assert 0 < created.ephemeral_1h_input_tokens <= first.usage.cache_creation_input_tokens
-    assert created.ephemeral_1h_input_tokens + created.ephemeral_5m_input_tokens == first.usage.cache_creation_input_tokens
+    assert (
+        created.ephemeral_1h_input_tokens + created.ephemeral_5m_input_tokens
+        == first.usage.cache_creation_input_tokens
+    )
     clock.advance(600)  # past 5 minutes, within the hour
     long_again = ask(client, "q2", system=long_system)
     short_again = ask(client, "q2", system=short_system)

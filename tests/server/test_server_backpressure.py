@@ -15,8 +15,10 @@ from server_helpers import Gated, held_refs, wait_until
 from prefixcache.engine.types import ChoiceDelta
 
 MODEL = "test-model"
-MESSAGES = [{"role": "system", "content": "A system prompt long enough to fill some blocks. " * 6},
-            {"role": "user", "content": "hello"}]
+MESSAGES = [
+    {"role": "system", "content": "A system prompt long enough to fill some blocks. " * 6},
+    {"role": "user", "content": "hello"},
+]
 
 
 def test_full_queue_is_429_for_openai_and_529_for_anthropic(serve, make_engine):
@@ -26,7 +28,8 @@ def test_full_queue_is_429_for_openai_and_529_for_anthropic(serve, make_engine):
     results: list[object] = []
     holder = threading.Thread(
         target=lambda: results.append(
-            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2))
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        )
     )
     holder.start()
     engine.entered.wait(30)  # the one slot is taken and the worker is held
@@ -47,8 +50,10 @@ def test_full_queue_is_429_for_openai_and_529_for_anthropic(serve, make_engine):
             message = e.body["error"]["message"]
             assert e.body == {"type": "error", "error": {"type": "overloaded_error", "message": message}}
         # A streaming request is refused before any byte of the stream is sent.
-        r = httpx.post(server.url + "/v1/chat/completions",
-                       json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "stream": True})
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "stream": True},
+        )
         assert r.status_code == 429 and r.headers["content-type"].startswith("application/json")
         metrics = httpx.get(server.url + "/metrics").text
         assert "prefixcache_queue_depth 1.0" in metrics
@@ -90,8 +95,14 @@ def test_disconnect_mid_stream_stops_generation_and_releases_blocks(serve, make_
 def test_anthropic_disconnect_mid_stream_releases_blocks(serve, make_engine):
     engine = Gated(make_engine())
     server = serve(engine, model_name=MODEL)
-    body = {"model": MODEL, "max_tokens": 500, "stream": True, "temperature": 0,
-            "system": MESSAGES[0]["content"], "messages": [{"role": "user", "content": "hello"}]}
+    body = {
+        "model": MODEL,
+        "max_tokens": 500,
+        "stream": True,
+        "temperature": 0,
+        "system": MESSAGES[0]["content"],
+        "messages": [{"role": "user", "content": "hello"}],
+    }
     with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/messages", json=body) as r:
         assert r.status_code == 200
         assert any(line.startswith("event: message_start") for line in r.iter_lines())
@@ -108,15 +119,19 @@ def test_disconnect_while_waiting_for_a_whole_answer_cancels_it(serve, make_engi
     engine.hold_generate = True
     server = serve(engine, model_name=MODEL)
     body = json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 100}).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(head + body)
         assert engine.held.wait(30)  # the request is in the engine
     # The client hung up without reading: the server cancels, the engine lets go.
     wait_until(lambda: engine.queue_depth == 0, "the engine to drop the request")
-    wait_until(lambda: 'route="/v1/chat/completions",status="499"' in httpx.get(server.url + "/metrics").text,
-               "the request to end as 499")
+    wait_until(
+        lambda: 'route="/v1/chat/completions",status="499"' in httpx.get(server.url + "/metrics").text,
+        "the request to end as 499",
+    )
     assert held_refs(engine.cache) == 0
     engine.cache.check_integrity()
     assert server.state.bridge.admission.depth == 0
@@ -151,8 +166,15 @@ def test_a_failure_mid_stream_is_an_error_event_and_releases_blocks(serve, make_
         raise AssertionError("expected an error event")
     except openai.APIError as e:
         assert "RuntimeError" in e.message
-    r = httpx.post(server.url + "/v1/messages", json={"model": MODEL, "max_tokens": 5, "stream": True,
-                                                     "messages": [{"role": "user", "content": "x"}]})
+    r = httpx.post(
+        server.url + "/v1/messages",
+        json={
+            "model": MODEL,
+            "max_tokens": 5,
+            "stream": True,
+            "messages": [{"role": "user", "content": "x"}],
+        },
+    )
     assert r.status_code == 200 and "event: error" in r.text and "api_error" in r.text
     wait_until(lambda: server.state.bridge.active_streams() == 0, "the stream threads to stop")
     assert held_refs(engine.cache) == 0
@@ -183,8 +205,10 @@ def test_a_stream_whose_client_leaves_while_queued_is_dropped_without_a_forward_
         prefilled = engine.prefilled_tokens
         behind = [{"role": "user", "content": "queued behind A " * 8}]
         queued = json.dumps({**body, "messages": behind}).encode()
-        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(queued)}\r\n\r\n").encode()
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(queued)}\r\n\r\n"
+        ).encode()
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
             sock.sendall(head + queued)
             wait_until(lambda: engine.queue_depth == 2, "B to wait in the engine's queue")
@@ -194,8 +218,10 @@ def test_a_stream_whose_client_leaves_while_queued_is_dropped_without_a_forward_
         assert any(line == "data: [DONE]" for line in lines)
     wait_until(lambda: engine.queue_depth == 0 and server.state.bridge.active_streams() == 0, "both to end")
     assert engine.prefilled_tokens == prefilled  # B was never prefilled
-    wait_until(lambda: 'route="/v1/chat/completions",status="499"' in httpx.get(server.url + "/metrics").text,
-               "B to end as 499")
+    wait_until(
+        lambda: 'route="/v1/chat/completions",status="499"' in httpx.get(server.url + "/metrics").text,
+        "B to end as 499",
+    )
     assert server.state.bridge.admission.depth == 0
     assert held_refs(engine.cache) == 0
     engine.cache.check_integrity()

@@ -50,8 +50,15 @@ def client(server) -> openai.OpenAI:
 
 def test_n3_prefills_once_and_is_reproducible_with_a_seed(server, client):
     before = prefilled(server.url)
-    kw: dict[str, Any] = {"model": MODEL, "messages": messages("Name three colours."), "max_tokens": 8,
-                          "n": 3, "temperature": 1.0, "seed": 11, "logprobs": True}
+    kw: dict[str, Any] = {
+        "model": MODEL,
+        "messages": messages("Name three colours."),
+        "max_tokens": 8,
+        "n": 3,
+        "temperature": 1.0,
+        "seed": 11,
+        "logprobs": True,
+    }
     r = client.chat.completions.create(**kw)
     u = r.usage
     assert prefilled(server.url) - before == u.prompt_tokens - u.prompt_tokens_details.cached_tokens
@@ -68,8 +75,9 @@ def test_n3_prefills_once_and_is_reproducible_with_a_seed(server, client):
 
 
 def test_chat_logprobs_shape(client):
-    r = client.chat.completions.create(model=MODEL, messages=messages("hi"), max_tokens=6, temperature=0,
-                                       logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages("hi"), max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for e in content:
@@ -91,8 +99,16 @@ def test_logprobs_equal_with_the_cache_on_and_off(serve, make_engine):
 
     def ask(server: Any, user: str) -> tuple[list[Any], int]:
         oa = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-        r = oa.chat.completions.create(model=MODEL, messages=messages(user), max_tokens=6, temperature=0.8,
-                                       seed=5, n=2, logprobs=True, top_logprobs=5)
+        r = oa.chat.completions.create(
+            model=MODEL,
+            messages=messages(user),
+            max_tokens=6,
+            temperature=0.8,
+            seed=5,
+            n=2,
+            logprobs=True,
+            top_logprobs=5,
+        )
         return [dumped(c) for c in r.choices], r.usage.prompt_tokens_details.cached_tokens
 
     cold, c0 = ask(on, "What is a block?")
@@ -104,8 +120,16 @@ def test_logprobs_equal_with_the_cache_on_and_off(serve, make_engine):
 
 
 def test_streamed_choices_and_logprobs_add_up_to_the_whole_answer(client):
-    kw: dict[str, Any] = {"model": MODEL, "messages": messages("stream it"), "max_tokens": 7, "n": 2,
-                          "temperature": 1.0, "seed": 3, "logprobs": True, "top_logprobs": 2}
+    kw: dict[str, Any] = {
+        "model": MODEL,
+        "messages": messages("stream it"),
+        "max_tokens": 7,
+        "n": 2,
+        "temperature": 1.0,
+        "seed": 3,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     whole = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     text: dict[int, str] = defaultdict(str)
@@ -129,8 +153,9 @@ def test_streamed_choices_and_logprobs_add_up_to_the_whole_answer(client):
 
 def test_completions_n_logprobs_and_echo(client):
     prompt = "The quick brown fox jumps over the lazy dog. " * 3
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, n=2, logprobs=3, temperature=1.0,
-                                  seed=8)
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, n=2, logprobs=3, temperature=1.0, seed=8
+    )
     assert [c.index for c in r.choices] == [0, 1]
     for c in r.choices:
         lp = c.logprobs
@@ -141,8 +166,11 @@ def test_completions_n_logprobs_and_echo(client):
             # tokenizer's unused ids 260..511 are all "") keep the likelier value.
             assert 1 <= len(top) <= 4 and top[token] >= value
     assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
-    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, n=2, logprobs=3,
-                                            temperature=1.0, seed=8, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=5, n=2, logprobs=3, temperature=1.0, seed=8, stream=True
+        )
+    )
     streamed: dict[int, list[float]] = defaultdict(list)
     for ch in chunks:
         if ch.choices[0].logprobs is not None:
@@ -151,8 +179,11 @@ def test_completions_n_logprobs_and_echo(client):
     echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, echo=True, temperature=0)
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
     assert echo.choices[0].text == prompt + plain.choices[0].text
-    echoed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, echo=True,
-                                            temperature=0, stream=True))
+    echoed = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=5, echo=True, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in echoed) == echo.choices[0].text
 
 
@@ -178,8 +209,12 @@ def test_anthropic_message_start_carries_the_input_usage(serve, make_engine):
     fields = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
     seen = []
     for _ in range(2):  # a miss that writes blocks, then a hit that reads them
-        with an.messages.stream(model=MODEL, max_tokens=4, system=SYSTEM,
-                                messages=[{"role": "user", "content": "Where is my order?"}]) as stream:
+        with an.messages.stream(
+            model=MODEL,
+            max_tokens=4,
+            system=SYSTEM,
+            messages=[{"role": "user", "content": "Where is my order?"}],
+        ) as stream:
             events = list(stream)
             final = stream.get_final_message()
         start = next(e for e in events if e.type == "message_start").message.usage
@@ -193,8 +228,9 @@ def test_anthropic_message_start_carries_the_input_usage(serve, make_engine):
 
 
 @pytest.mark.model
-def test_real_model_n3_one_prefill_logprobs_cache_on_off_and_stream_usage(serve, real_runner,
-                                                                          one_torch_thread):
+def test_real_model_n3_one_prefill_logprobs_cache_on_off_and_stream_usage(
+    serve, real_runner, one_torch_thread
+):
     """SmolLM2 behind two servers (cache on, cache off): n=3 prefills once, the logprobs are
     equal cold, as a hit and with the cache off, streamed logprobs equal them, and Anthropic's
     message_start has the final input usage."""
@@ -204,12 +240,21 @@ def test_real_model_n3_one_prefill_logprobs_cache_on_off_and_stream_usage(serve,
     on, off = (serve(e, model_name="smollm2") for e in engines)
     system = "You are the support assistant of a bicycle shop. Answer in one short sentence. " * 8
     chat = [{"role": "system", "content": system}, {"role": "user", "content": "Hours?"}]
-    kw: dict[str, Any] = {"model": "smollm2", "max_tokens": 5, "n": 3, "temperature": 0.7, "seed": 2,
-                          "logprobs": True, "top_logprobs": 2, "messages": chat}
+    kw: dict[str, Any] = {
+        "model": "smollm2",
+        "max_tokens": 5,
+        "n": 3,
+        "temperature": 0.7,
+        "seed": 2,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "messages": chat,
+    }
 
     def ask(server: Any, **extra: Any) -> Any:
         return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0).chat.completions.create(
-            **kw, **extra)
+            **kw, **extra
+        )
 
     before = prefilled(on.url)
     cold = ask(on)
@@ -228,12 +273,15 @@ def test_real_model_n3_one_prefill_logprobs_cache_on_off_and_stream_usage(serve,
         text = b"".join(bytes(e.bytes) for e in choice.logprobs.content if e.token != "<|im_end|>")
         assert text.decode() == choice.message.content
     an = anthropic.Anthropic(base_url=on.url, api_key="x", max_retries=0)
-    with an.messages.stream(model="smollm2", max_tokens=4, system=system,
-                            messages=[{"role": "user", "content": "Hours?"}]) as stream:
+    with an.messages.stream(
+        model="smollm2", max_tokens=4, system=system, messages=[{"role": "user", "content": "Hours?"}]
+    ) as stream:
         start = next(e for e in stream if e.type == "message_start").message.usage
         final = stream.get_final_message().usage
     assert start.cache_read_input_tokens == final.cache_read_input_tokens > 0
-    assert (start.input_tokens, start.cache_creation_input_tokens) == (final.input_tokens,
-                                                                       final.cache_creation_input_tokens)
+    assert (start.input_tokens, start.cache_creation_input_tokens) == (
+        final.input_tokens,
+        final.cache_creation_input_tokens,
+    )
     for e in engines:
         e.close()

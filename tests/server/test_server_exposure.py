@@ -49,8 +49,13 @@ class _StubEngine:
 @pytest.fixture
 def no_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("prefixcache.engine.Engine", _NoEngine)
-    for var in ("PREFIXCACHE_API_KEYS", "PREFIXCACHE_API_KEYS_FILE", "PREFIXCACHE_SALT_SECRET",
-                "PREFIXCACHE_SALT_SECRET_FILE", "PREFIXCACHE_REDIS_URL"):
+    for var in (
+        "PREFIXCACHE_API_KEYS",
+        "PREFIXCACHE_API_KEYS_FILE",
+        "PREFIXCACHE_SALT_SECRET",
+        "PREFIXCACHE_SALT_SECRET_FILE",
+        "PREFIXCACHE_REDIS_URL",
+    ):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -154,15 +159,28 @@ def test_serve_keeps_secrets_out_of_every_log(monkeypatch, tmp_path, caplog):
 
     def run(self: uvicorn.Server) -> None:  # what a tier and uvicorn might log while serving
         logging.getLogger("prefixcache.cache.tiers").info("cache tier: redis %s", redis_url)
-        logging.getLogger("uvicorn.error").error("bad key %s (salt %s)", "sk-live-0123456789",
-                                                 "salt-secret-abcdef")
+        logging.getLogger("uvicorn.error").error(
+            "bad key %s (salt %s)", "sk-live-0123456789", "salt-secret-abcdef"
+        )
         self.started = True
 
     monkeypatch.setattr(uvicorn.Server, "run", run)
     monkeypatch.setattr("prefixcache.cache.tiers.attach_tiers", lambda *a, **k: [])
     caplog.set_level(logging.INFO)
-    res = runner.invoke(app, ["serve", "--host", "0.0.0.0", "--api-keys", str(keys),
-                              "--salt-secret-file", str(salt), "--redis", redis_url])
+    res = runner.invoke(
+        app,
+        [
+            "serve",
+            "--host",
+            "0.0.0.0",
+            "--api-keys",
+            str(keys),
+            "--salt-secret-file",
+            str(salt),
+            "--redis",
+            redis_url,
+        ],
+    )
     assert res.exit_code == 0, res.output
     shown = caplog.text + res.output
     assert "cache tier: redis redis://:***@10.0.0.2" in caplog.text

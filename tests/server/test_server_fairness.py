@@ -19,8 +19,12 @@ CHAT = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content"
 
 
 def _chat(url: str, key: str, **extra: Any) -> httpx.Response:
-    return httpx.post(url + "/v1/chat/completions", json={**CHAT, **extra},
-                      headers={"authorization": f"Bearer {key}"}, timeout=60)
+    return httpx.post(
+        url + "/v1/chat/completions",
+        json={**CHAT, **extra},
+        headers={"authorization": f"Bearer {key}"},
+        timeout=60,
+    )
 
 
 def test_a_flooding_tenant_cannot_take_the_other_tenants_slots(serve, make_engine):
@@ -28,8 +32,10 @@ def test_a_flooding_tenant_cannot_take_the_other_tenants_slots(serve, make_engin
     server = serve(engine, model_name=MODEL, api_keys=KEYS, max_queue=4, tenant_queue_share=0.5)
     admission = server.state.bridge.admission
     results: list[int] = []
-    flood = [threading.Thread(target=lambda: results.append(_chat(server.url, "sk-a").status_code))
-             for _ in range(2)]
+    flood = [
+        threading.Thread(target=lambda: results.append(_chat(server.url, "sk-a").status_code))
+        for _ in range(2)
+    ]
     for t in flood:
         t.start()
     wait_until(lambda: admission.tenant_depth("alpha") == 2, "alpha to hold its two slots")
@@ -59,8 +65,9 @@ def test_one_tenant_may_use_the_whole_queue(serve, make_engine):
     engine = Gated(make_engine())
     server = serve(engine, model_name=MODEL, max_queue=2, tenant_queue_share=0.5)  # no keys: one tenant
     results: list[int] = []
-    threads = [threading.Thread(target=lambda: results.append(_chat(server.url, "x").status_code))
-               for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: results.append(_chat(server.url, "x").status_code)) for _ in range(2)
+    ]
     for t in threads:
         t.start()
     wait_until(lambda: server.state.bridge.admission.depth == 2, "both requests to be admitted")
@@ -73,8 +80,10 @@ def test_one_tenant_may_use_the_whole_queue(serve, make_engine):
     assert results == [200, 200]
 
 
-@pytest.mark.parametrize(("max_queue", "share", "tenants", "limit"),
-                         [(64, 0.5, 2, 32), (4, 0.1, 3, 1), (64, 1.0, 5, None), (64, 0.5, 1, None)])
+@pytest.mark.parametrize(
+    ("max_queue", "share", "tenants", "limit"),
+    [(64, 0.5, 2, 32), (4, 0.1, 3, 1), (64, 1.0, 5, None), (64, 0.5, 1, None)],
+)
 def test_tenant_limit_for(max_queue, share, tenants, limit):
     assert Admission.tenant_limit_for(max_queue, share, tenants) == limit
 

@@ -35,7 +35,11 @@ EXAMPLES = int(os.environ.get("PREFIXCACHE_FUZZ_EXAMPLES", "30"))
 SEED = int(os.environ.get("PREFIXCACHE_FUZZ_SEED") or secrets.randbelow(1 << 32))
 RERUN = f"(fuzz seed {SEED}: rerun with PREFIXCACHE_FUZZ_SEED={SEED})"
 settings.register_profile(
-    "server-fuzz", max_examples=EXAMPLES, deadline=None, derandomize=False, print_blob=True,
+    "server-fuzz",
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=False,
+    print_blob=True,
     suppress_health_check=list(HealthCheck),
 )
 FUZZ = settings.get_profile("server-fuzz")
@@ -108,8 +112,10 @@ def check_answer(method: str, path: str, r: httpx.Response, error_log: _ErrorLog
     assert not logged, f"{where}\nlogged: {logged}"
 
 
-CONTENT_TYPES = st.sampled_from(["application/json"] * 6 + [
-    "application/json; charset=utf-8", "text/plain", "application/vnd.api+json", "multipart/form-data", ""])
+CONTENT_TYPES = st.sampled_from(
+    ["application/json"] * 6
+    + ["application/json; charset=utf-8", "text/plain", "application/vnd.api+json", "multipart/form-data", ""]
+)
 
 
 @schema.parametrize()
@@ -137,23 +143,29 @@ def test_every_route_answers_edge_case_bodies(live, error_log, method, path, dat
 @seed(SEED)
 @given(raw=RAW_BODIES)
 def test_every_route_answers_raw_bodies(live, error_log, method, path, raw):
-    r = httpx.request(method, live.url + path, content=raw, headers={"content-type": "application/json"},
-                      timeout=60)
+    r = httpx.request(
+        method, live.url + path, content=raw, headers={"content-type": "application/json"}, timeout=60
+    )
     check_answer(method, path, r, error_log)
 
 
-HEADER_TEXT = st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f"),
-                      max_size=200)
+HEADER_TEXT = st.text(
+    st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f"), max_size=200
+)
 
 
 @pytest.mark.parametrize(("method", "path"), BODILESS, ids=[f"{m} {p}" for m, p in BODILESS])
 @FUZZ
 @seed(SEED)
-@given(query=st.dictionaries(st.text(max_size=20), st.text(max_size=200), max_size=2), header=HEADER_TEXT,
-       raw=RAW_BODIES)
+@given(
+    query=st.dictionaries(st.text(max_size=20), st.text(max_size=200), max_size=2),
+    header=HEADER_TEXT,
+    raw=RAW_BODIES,
+)
 def test_bodiless_routes_answer_junk(live, error_log, method, path, query, header, raw):
     value = header.strip(" \t").encode("latin-1")  # HTTP header bytes: any octet but controls
     headers = {"authorization": value, "x-api-key": value, "x-prefixcache-endpoint": value}
+
     def valid(text: str) -> str:  # a URL carries UTF-8: surrogates cannot be sent
         return text.encode("utf-8", "replace").decode()
 
@@ -183,8 +195,14 @@ COMPLETION = b'{"model":"test-model","max_tokens":2,"prompt":%s%s}'
 RESPONSE = b'{"model":"test-model","max_output_tokens":2,"input":%s%s}'
 COUNT = b'{"model":"test-model","messages":[{"role":"user","content":%s}]%s}'
 PIN_PROMPT = b'{"prompt":%s%s}'
-SHAPES = {"/v1/chat/completions": CHAT, "/v1/messages": CHAT, "/v1/completions": COMPLETION,
-          "/v1/responses": RESPONSE, "/v1/messages/count_tokens": COUNT, "/v1/cache/pin": PIN_PROMPT}
+SHAPES = {
+    "/v1/chat/completions": CHAT,
+    "/v1/messages": CHAT,
+    "/v1/completions": COMPLETION,
+    "/v1/responses": RESPONSE,
+    "/v1/messages/count_tokens": COUNT,
+    "/v1/cache/pin": PIN_PROMPT,
+}
 REGRESSIONS = [
     # (name, path, content, extra fields, status, what the error names)
     ("temperature-1e-40-is-greedy", "/v1/chat/completions", b'"hi"', b',"temperature":1e-40', 200, None),
@@ -203,12 +221,23 @@ REGRESSIONS = [
 for _path in SHAPES:
     REGRESSIONS.append(("lone-surrogate", _path, b'"\\ud800"', b"", 400, "surrogate"))
     REGRESSIONS.append(("utf8-encoded-surrogate", _path, b'"\xed\xb0\x80"', b"", 400, "surrogate"))
-    REGRESSIONS.append(("deep-nesting", _path, b'"hi"', b',"metadata":' + b"[" * 100_000 + b"]" * 100_000,
-                        400, "levels deep"))
+    REGRESSIONS.append(
+        (
+            "deep-nesting",
+            _path,
+            b'"hi"',
+            b',"metadata":' + b"[" * 100_000 + b"]" * 100_000,
+            400,
+            "levels deep",
+        )
+    )
 
 
-@pytest.mark.parametrize(("name", "path", "content", "extra", "status", "names"), REGRESSIONS,
-                         ids=[f"{r[0]}:{r[1]}" for r in REGRESSIONS])
+@pytest.mark.parametrize(
+    ("name", "path", "content", "extra", "status", "names"),
+    REGRESSIONS,
+    ids=[f"{r[0]}:{r[1]}" for r in REGRESSIONS],
+)
 def test_issue_11_inputs(live, error_log, name, path, content, extra, status, names):
     body = SHAPES[path] % (content, extra)
     r = httpx.post(live.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)

@@ -79,8 +79,12 @@ def test_the_body_limit_is_configurable_and_counts_a_chunked_body(serve, make_en
         for i in range(0, len(over), 500):
             yield over[i : i + 500]
 
-    r = httpx.post(server.url + "/v1/chat/completions", content=chunks(),
-                   headers={"content-type": "application/json"}, timeout=60)
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=chunks(),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
     assert r.status_code == 413 and "2000 bytes" in r.json()["error"]["message"]
     # The server still answers on a new connection.
     assert _post(server.url + "/v1/chat/completions", fits).status_code == 200
@@ -109,14 +113,23 @@ def test_text_that_cannot_fit_the_context_is_refused_before_tokenizing(serve, co
 @pytest.mark.parametrize(
     ("raw", "param"),
     [
-        (b'{"model":"test-model","max_tokens":2,"messages":[{"role":"user","content":"\\ud800"}]}',
-         "messages[0].content"),
-        (b'{"model":"test-model","max_tokens":2,"messages":[{"role":"user","content":"ok\\udfff"}]}',
-         "messages[0].content"),
-        (b'{"model":"test-model","max_tokens":2,"messages":[{"role":"user","content":"hi"}],"user":"\xed\xa0\x80"}',
-         "user"),
-        (b'{"model":"test-model","max_tokens":2,"messages":[{"role":"user","content":[{"type":"text",'
-         b'"text":"a\\ud83d"}]}]}', "messages[0].content[0].text"),
+        (
+            b'{"model":"test-model","max_tokens":2,"messages":[{"role":"user","content":"\\ud800"}]}',
+            "messages[0].content",
+        ),
+        (
+            b'{"model":"test-model","max_tokens":2,"messages":[{"role":"user","content":"ok\\udfff"}]}',
+            "messages[0].content",
+        ),
+        (
+            b'{"model":"test-model","max_tokens":2,"messages":[{"role":"user","content":"hi"}],"user":"\xed\xa0\x80"}',
+            "user",
+        ),
+        (
+            b'{"model":"test-model","max_tokens":2,"messages":[{"role":"user","content":[{"type":"text",'
+            b'"text":"a\\ud83d"}]}]}',
+            "messages[0].content[0].text",
+        ),
     ],
 )
 def test_a_lone_surrogate_is_400_naming_the_field(serve, make_engine, raw, param):
@@ -153,8 +166,10 @@ def test_deep_nesting_is_400(serve, make_engine):
 def test_a_seed_outside_torchs_range_is_400_naming_seed(serve, make_engine, seed):
     engine = make_engine()
     server = serve(engine, model_name=MODEL)
-    for path, body in (("/v1/chat/completions", {**CHAT, "seed": seed}),
-                       ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": seed})):
+    for path, body in (
+        ("/v1/chat/completions", {**CHAT, "seed": seed}),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": seed}),
+    ):
         r = httpx.post(server.url + path, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
     assert engine.prefilled_tokens == 0  # refused before the prefill

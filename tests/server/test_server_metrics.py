@@ -33,15 +33,32 @@ def test_counters_move_as_the_requests_say(serve, make_engine):
     assert before[("prefixcache_prompt_tokens_total", ())] == 0
     usages = []
     for q in ("one", "two"):
-        r = oa.chat.completions.create(model=MODEL, max_tokens=3, messages=[
-            {"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+        r = oa.chat.completions.create(
+            model=MODEL,
+            max_tokens=3,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+        )
         u = r.usage
-        usages.append((u.prompt_tokens, u.prompt_tokens_details.cached_tokens,
-                       u.prompt_tokens_details.cache_write_tokens, u.completion_tokens))
-    m = an.messages.create(model=MODEL, max_tokens=2, system=SYSTEM, messages=[{"role": "user", "content": "three"}])
+        usages.append(
+            (
+                u.prompt_tokens,
+                u.prompt_tokens_details.cached_tokens,
+                u.prompt_tokens_details.cache_write_tokens,
+                u.completion_tokens,
+            )
+        )
+    m = an.messages.create(
+        model=MODEL, max_tokens=2, system=SYSTEM, messages=[{"role": "user", "content": "three"}]
+    )
     mu = m.usage
-    usages.append((mu.input_tokens + mu.cache_read_input_tokens + mu.cache_creation_input_tokens,
-                   mu.cache_read_input_tokens, mu.cache_creation_input_tokens, mu.output_tokens))
+    usages.append(
+        (
+            mu.input_tokens + mu.cache_read_input_tokens + mu.cache_creation_input_tokens,
+            mu.cache_read_input_tokens,
+            mu.cache_creation_input_tokens,
+            mu.output_tokens,
+        )
+    )
     bad = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
     assert bad.status_code == 400
     after = scrape(server.url)
@@ -53,7 +70,9 @@ def test_counters_move_as_the_requests_say(serve, make_engine):
     assert after[(req, (("route", "/v1/chat/completions"), ("status", "200")))] == 2
     assert after[(req, (("route", "/v1/messages"), ("status", "200")))] == 1
     assert after[(req, (("route", "/v1/chat/completions"), ("status", "400")))] == 1
-    ttft = {o: after[("prefixcache_ttft_seconds_count", (("outcome", o),))] for o in ("hit", "partial", "miss")}
+    ttft = {
+        o: after[("prefixcache_ttft_seconds_count", (("outcome", o),))] for o in ("hit", "partial", "miss")
+    }
     assert sum(ttft.values()) == 3 and ttft["miss"] == 1
     stats = server.engine.cache.stats()
     assert after[("prefixcache_cache_blocks", ())] == stats.blocks == len(server.engine.cache.store)
@@ -74,10 +93,15 @@ def test_trace_log_lines_load_in_the_ops_tools(serve, make_engine, tmp_path):
     server = serve(make_engine(), model_name=MODEL, trace_log=path, api_keys={"k": "acme"})
     oa = openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
-    r1 = oa.chat.completions.create(model=MODEL, max_tokens=2, messages=msgs,
-                                    extra_headers={"X-Prefixcache-Endpoint": "support-bot"})
-    r2 = oa.completions.create(model=MODEL, prompt="plain text prompt", max_tokens=2,
-                               extra_body={"prompt_cache_retention": "24h", "prompt_cache_key": "docs-bot"})
+    r1 = oa.chat.completions.create(
+        model=MODEL, max_tokens=2, messages=msgs, extra_headers={"X-Prefixcache-Endpoint": "support-bot"}
+    )
+    r2 = oa.completions.create(
+        model=MODEL,
+        prompt="plain text prompt",
+        max_tokens=2,
+        extra_body={"prompt_cache_retention": "24h", "prompt_cache_key": "docs-bot"},
+    )
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line["endpoint"] for line in lines] == ["support-bot", "/v1/completions"]
     assert all(line["v"] == 1 and line["tenant"] == "acme" for line in lines)

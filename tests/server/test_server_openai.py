@@ -48,7 +48,9 @@ def test_chat_reports_cached_tokens_on_the_second_request(client):
 
 def test_chat_stream_with_usage(client):
     chat(client, "warm up")
-    chunks = list(chat(client, "stream this", stream=True, stream_options={"include_usage": True}, max_tokens=5))
+    chunks = list(
+        chat(client, "stream this", stream=True, stream_options={"include_usage": True}, max_tokens=5)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == chat(client, "stream this", max_tokens=5).choices[0].message.content
@@ -77,7 +79,11 @@ def test_completions_plain_and_stream(client):
     assert r2.usage.prompt_tokens_details.cached_tokens > 0
     chunks = list(
         client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=3, temperature=0, stream=True,
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=3,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
     )

@@ -25,7 +25,9 @@ def test_shared_system_prompt_is_read_from_the_cache_in_both_apis(serve, real_en
 
     def ask(question: str):
         return oa.chat.completions.create(
-            model=MODEL, max_tokens=8, temperature=0,
+            model=MODEL,
+            max_tokens=8,
+            temperature=0,
             messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
         )
 
@@ -38,14 +40,17 @@ def test_shared_system_prompt_is_read_from_the_cache_in_both_apis(serve, real_en
     cached = second.usage.prompt_tokens_details.cached_tokens
 
     def ids(question: str) -> list[int]:
-        return real_engine.render_ids([{"role": "system", "content": SYSTEM},
-                                       {"role": "user", "content": question}])
+        return real_engine.render_ids(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        )
 
     a, b = ids("When are you open on Saturday?"), ids("Do you repair e-bike motors?")
     shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
     assert cached == shared // 16 * 16 > 500  # every full block of the shared prefix
     third = an.messages.create(
-        model=MODEL, max_tokens=8, system=SYSTEM,
+        model=MODEL,
+        max_tokens=8,
+        system=SYSTEM,
         messages=[{"role": "user", "content": "Do you sell cargo bikes?"}],
     )
     u = third.usage
@@ -56,9 +61,16 @@ def test_shared_system_prompt_is_read_from_the_cache_in_both_apis(serve, real_en
     real_engine.cache.check_integrity()
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_opening_hours", "description": "Opening hours of the shop on a given day.",
-    "parameters": {"type": "object", "properties": {"day": {"type": "string"}}, "required": ["day"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_opening_hours",
+            "description": "Opening hours of the shop on a given day.",
+            "parameters": {"type": "object", "properties": {"day": {"type": "string"}}, "required": ["day"]},
+        },
+    }
+]
 
 
 @pytest.mark.model
@@ -74,10 +86,15 @@ def test_tool_loop_with_the_real_model_reads_tools_and_system_from_the_cache(
     ask = {"model": MODEL, "temperature": 0, "tools": TOOLS}
     first = oa.chat.completions.create(max_tokens=24, messages=messages, **ask)
     assert first.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "get_opening_hours", "arguments": '{"day": "Saturday"}'}}
-    messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
-                 {"role": "tool", "tool_call_id": "call_1", "content": "10:00-16:00"}]
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_opening_hours", "arguments": '{"day": "Saturday"}'},
+    }
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "10:00-16:00"},
+    ]
     second = oa.chat.completions.create(max_tokens=16, messages=messages, **ask)
     assert second.choices[0].message.content
     ids = recorder.results[0].prompt_token_ids
@@ -130,11 +147,14 @@ def test_a_template_that_renders_tools_is_used_and_keeps_turns_a_prefix_of_the_n
     tools = (FunctionTool("get_opening_hours", "Opening hours.", {"type": "object"}),)
     renderer = PromptRenderer(ToolConfig(tools), tok, lambda m, gen: "unused")
     turn1 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Saturday?"}]
-    turn2 = [*turn1, assistant_turn("", [ToolCall("call_1", "get_opening_hours", '{"day": "Saturday"}')]),
-             tool_turn("call_1", "get_opening_hours", "10-16")]
+    turn2 = [
+        *turn1,
+        assistant_turn("", [ToolCall("call_1", "get_opening_hours", '{"day": "Saturday"}')]),
+        tool_turn("call_1", "get_opening_hours", "10-16"),
+    ]
     assert renderer.uses_template(turn1) and renderer.syntax is CallSyntax.TAGGED
     text1, text2 = renderer.render(turn1).text, renderer.render(turn2).text
-    assert text1.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n<tools>\n{\"type\": \"function\"")
+    assert text1.startswith('<|im_start|>system\nBe brief.\n\n# Tools\n<tools>\n{"type": "function"')
     call = '{"name": "get_opening_hours", "arguments": {"day": "Saturday"}}'
     assert f"<tool_call>\n{call}\n</tool_call>" in text2
     ids1, ids2 = encode(tok, text1), encode(tok, text2)

@@ -28,7 +28,9 @@ def oa(server, key: str) -> openai.OpenAI:
 
 def cached(client: openai.OpenAI, user: str) -> int:
     r = client.chat.completions.create(
-        model=MODEL, max_tokens=2, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+        model=MODEL,
+        max_tokens=2,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
     )
     return r.usage.prompt_tokens_details.cached_tokens
 

@@ -382,9 +382,11 @@ def test_n_choices_each_parse_their_own_calls_whole_and_streamed(oa, scripted):
     assert r.choices[0].message.tool_calls[0].id != r.choices[2].message.tool_calls[0].id
     assert r.usage.prompt_tokens == len(scripted.results[-1].prompt_token_ids)  # the prompt once
 
-    chunks = list(oa.chat.completions.create(
-        model=MODEL, messages=user, tools=OPENAI_TOOLS, n=3, max_tokens=2, stream=True
-    ))
+    chunks = list(
+        oa.chat.completions.create(
+            model=MODEL, messages=user, tools=OPENAI_TOOLS, n=3, max_tokens=2, stream=True
+        )
+    )
     text = {i: "" for i in range(3)}
     streamed: dict[int, dict[int, list[str]]] = {i: {} for i in range(3)}
     finish = {}
@@ -413,8 +415,14 @@ def test_logprobs_with_parsed_tool_calls_is_a_400_naming_logprobs(oa, scripted):
         assert info.value.body["param"] == "logprobs" and "'logprobs'" in info.value.body["message"]
     scripted.reply = None  # the model's own tokens: tool_choice none parses no calls, logprobs line up
     r = oa.chat.completions.create(
-        model=MODEL, messages=user, tools=OPENAI_TOOLS, tool_choice="none", logprobs=True,
-        top_logprobs=2, max_tokens=3, n=2,
+        model=MODEL,
+        messages=user,
+        tools=OPENAI_TOOLS,
+        tool_choice="none",
+        logprobs=True,
+        top_logprobs=2,
+        max_tokens=3,
+        n=2,
     )
     assert sum(len(c.logprobs.content) for c in r.choices) == r.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 for c in r.choices for t in c.logprobs.content)
@@ -426,7 +434,10 @@ def test_anthropic_stream_has_message_start_usage_and_tool_use_blocks(an, script
     seen = []
     for _ in range(2):  # a miss that writes tools + system, then a hit that reads them
         with an.messages.stream(
-            model=MODEL, max_tokens=2, system=SYSTEM, tools=ANTHROPIC_TOOLS,
+            model=MODEL,
+            max_tokens=2,
+            system=SYSTEM,
+            tools=ANTHROPIC_TOOLS,
             messages=[{"role": "user", "content": QUESTION}],
         ) as stream:
             events = list(stream)

@@ -23,8 +23,12 @@ def _mode(path: os.PathLike[str]) -> int:
 
 
 def _chat(url: str, key: str, question: str) -> httpx.Response:
-    body = {"model": MODEL, "max_tokens": 1, "temperature": 0,
-            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
+    body = {
+        "model": MODEL,
+        "max_tokens": 1,
+        "temperature": 0,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+    }
     return httpx.post(url + "/v1/chat/completions", json=body, headers={"x-api-key": key})
 
 
@@ -72,8 +76,13 @@ def test_keys_only_trace_has_no_tokens_or_text_and_replays(serve, make_engine, t
     assert not set(a1) & set(b1)  # another tenant's keys never equal (per-tenant salt)
     # The keys are not the cache's own (they name no entry of the cache or of a tier).
     ns = engine.cache.namespace(engine.fingerprint, tenant="alpha", salt=server.state.auth.salt_for("alpha"))
-    cache_keys = {k.hex() for k in engine.cache.block_keys(engine.render_ids([
-        {"role": "system", "content": SYSTEM}, {"role": "user", "content": "first?"}]), ns)}
+    cache_keys = {
+        k.hex()
+        for k in engine.cache.block_keys(
+            engine.render_ids([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first?"}]),
+            ns,
+        )
+    }
     assert cache_keys and not cache_keys & set(a1)
     # The audit tools replay it: the same sharing structure as the tokens had.
     trace = load_trace(path)

@@ -15,16 +15,29 @@ from prefixcache.server.schemas_anthropic import MessagesRequest
 
 def test_breakpoints_map_to_the_token_ends_of_their_blocks(make_engine):
     engine = make_engine()  # byte tokenizer: positions are easy to state
-    req = MessagesRequest.model_validate({
-        "model": "m", "max_tokens": 1,
-        "system": [{"type": "text", "text": "AAAA", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
-                   {"type": "text", "text": "BBBB"}],
-        "messages": [{"role": "user", "content": [
-            {"type": "text", "text": "CC", "cache_control": {"type": "ephemeral"}}, {"type": "text", "text": "DD"}]}],
-    })
+    req = MessagesRequest.model_validate(
+        {
+            "model": "m",
+            "max_tokens": 1,
+            "system": [
+                {"type": "text", "text": "AAAA", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+                {"type": "text", "text": "BBBB"},
+            ],
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "CC", "cache_control": {"type": "ephemeral"}},
+                        {"type": "text", "text": "DD"},
+                    ],
+                }
+            ],
+        }
+    )
     messages, bps = to_messages(req)
     assert messages == [{"role": "system", "content": "AAAABBBB"}, {"role": "user", "content": "CCDD"}]
     full = engine.render_ids(messages)
+
     def render_cut(cut, _tools_end):
         return engine.render_ids(list(cut), add_generation_prompt=False)
 
@@ -39,8 +52,14 @@ def test_breakpoints_map_to_the_token_ends_of_their_blocks(make_engine):
 
 def test_top_level_cache_control_covers_the_whole_prompt(make_engine):
     engine = make_engine()
-    req = MessagesRequest.model_validate({"model": "m", "max_tokens": 1, "cache_control": {"type": "ephemeral", "ttl": "1h"},
-                                          "messages": [{"role": "user", "content": "hello"}]})
+    req = MessagesRequest.model_validate(
+        {
+            "model": "m",
+            "max_tokens": 1,
+            "cache_control": {"type": "ephemeral", "ttl": "1h"},
+            "messages": [{"role": "user", "content": "hello"}],
+        }
+    )
     messages, bps = to_messages(req)
     full = engine.render_ids(messages)
     assert ttl_plan(messages, bps, full, lambda m, _: engine.render_ids(list(m)), 0) == [(len(full), 3600.0)]
@@ -48,10 +67,19 @@ def test_top_level_cache_control_covers_the_whole_prompt(make_engine):
 
 def test_more_than_four_breakpoints_is_an_api_error():
     cc = {"type": "ephemeral"}
-    req = MessagesRequest.model_validate({
-        "model": "m", "max_tokens": 1, "cache_control": cc,
-        "messages": [{"role": "user", "content": [{"type": "text", "text": str(i), "cache_control": cc} for i in range(4)]}],
-    })
+    req = MessagesRequest.model_validate(
+        {
+            "model": "m",
+            "max_tokens": 1,
+            "cache_control": cc,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": str(i), "cache_control": cc} for i in range(4)],
+                }
+            ],
+        }
+    )
     with pytest.raises(APIError, match="at most 4"):
         to_messages(req)
 
@@ -67,8 +95,18 @@ def test_parse_bytes():
 def test_serve_help_lists_every_option():
     result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
     assert result.exit_code == 0, result.output
-    for flag in ("--host", "--port", "--api-keys", "--max-queue", "--trace-log", "--trace-text", "--ttl",
-                 "--capacity", "--salt-secret", "PREFIXCACHE_SALT_SECRET"):
+    for flag in (
+        "--host",
+        "--port",
+        "--api-keys",
+        "--max-queue",
+        "--trace-log",
+        "--trace-text",
+        "--ttl",
+        "--capacity",
+        "--salt-secret",
+        "PREFIXCACHE_SALT_SECRET",
+    ):
         assert flag in result.output
 
 
@@ -90,5 +128,8 @@ def test_anthropic_stop_reasons():
 
     usage = Usage(10, 0, 0, 3)
     assert stop_reason(Finished("a", "length", usage, 0.1, "miss")) == ("max_tokens", None)
-    assert stop_reason(Finished("a", "stop", usage, 0.1, "miss", stop_sequence="\n\n")) == ("stop_sequence", "\n\n")
+    assert stop_reason(Finished("a", "stop", usage, 0.1, "miss", stop_sequence="\n\n")) == (
+        "stop_sequence",
+        "\n\n",
+    )
     assert stop_reason(Finished("a", "stop", usage, 0.1, "miss")) == ("end_turn", None)

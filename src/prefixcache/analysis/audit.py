@@ -99,7 +99,10 @@ def audit(
 
 
 def audit_file(
-    path: str | Path, cfg: AuditConfig, *, tokenizer: str | None = None,
+    path: str | Path,
+    cfg: AuditConfig,
+    *,
+    tokenizer: str | None = None,
     progress: Callable[[str, float, float], None] | None = None,
 ) -> AuditResult:
     """:func:`audit` of a trace file. Where fork exists, a reader process parses the file and
@@ -111,8 +114,13 @@ def audit_file(
         replay = _needs_replay(cfg, *_head(path))
         child = None
         try:
-            feeds = stream(path, fingerprint=cfg.fingerprint, block_size=cfg.block_size, tokenizer=tokenizer,
-                           consumers=2 if replay else 1)
+            feeds = stream(
+                path,
+                fingerprint=cfg.fingerprint,
+                block_size=cfg.block_size,
+                tokenizer=tokenizer,
+                consumers=2 if replay else 1,
+            )
             if replay:
                 child = _ReplayChild.start(feeds[1], cfg, close=feeds[0])
                 feeds[1].detach()
@@ -122,11 +130,13 @@ def audit_file(
             feed = feeds[0]
             report = None
             if progress is not None:
+
                 def report(stage: str, done: int) -> None:
                     if stage == "scan":
                         progress("reading and scanning", feed.position, feed.size)
                     else:
                         progress(stage, done, len(feed.endpoints) if stage == "endpoints" else len(feed.ts))
+
             try:
                 with paused_gc():
                     return _audit(feed, cfg, report, child)
@@ -136,11 +146,19 @@ def audit_file(
                 feed.close()
                 if child is not None:
                     child.close()
-    trace = load_trace(path, tokenizer=tokenizer,
-                       progress=(lambda k: progress("reading", k, 0)) if progress is not None else None)
+    trace = load_trace(
+        path,
+        tokenizer=tokenizer,
+        progress=(lambda k: progress("reading", k, 0)) if progress is not None else None,
+    )
     n = len(trace)
-    return audit(trace, cfg, progress=(lambda stage, k: progress(
-        stage, k, len(trace.endpoints) if stage == "endpoints" else n)) if progress is not None else None)
+    return audit(
+        trace,
+        cfg,
+        progress=(lambda stage, k: progress(stage, k, len(trace.endpoints) if stage == "endpoints" else n))
+        if progress is not None
+        else None,
+    )
 
 
 def _needs_replay(cfg: AuditConfig, all_cached: bool, own_ttls: bool) -> bool:
@@ -173,8 +191,14 @@ def _audit(
 ) -> AuditResult:
     """Scan ``feed``, settle the achieved hits (the trace's, the scan's, or a replay's: see the
     module docstring; ``child`` is a replay already running beside the scan), then the findings."""
-    found = scan(feed, block_size=cfg.block_size, align_tokens=cfg.align_tokens, ttl_s=cfg.ttl_s,
-                 stable_quantile=cfg.stable_quantile, progress=progress)
+    found = scan(
+        feed,
+        block_size=cfg.block_size,
+        align_tokens=cfg.align_tokens,
+        ttl_s=cfg.ttl_s,
+        stable_quantile=cfg.stable_quantile,
+        progress=progress,
+    )
     trace = feed.trace()
     ttl = cfg.ttl_s
     if not cfg.replay or bool(trace.has_cached.all()):
@@ -192,17 +216,32 @@ def _audit(
     rows = endpoint_rows(trace, cfg, achieved, found, progress)
     prompt_tokens = int(trace.prompt_tokens.sum())
     return AuditResult(
-        config=cfg, ts=trace.ts, endpoint=trace.endpoint, prompt_tokens=trace.prompt_tokens,
-        achieved=achieved, achievable=found.achievable, diverge=found.diverge, gap_s=found.gap_s,
-        endpoints=rows, endpoint_names=list(trace.endpoints), achieved_source=source,
+        config=cfg,
+        ts=trace.ts,
+        endpoint=trace.endpoint,
+        prompt_tokens=trace.prompt_tokens,
+        achieved=achieved,
+        achievable=found.achievable,
+        diverge=found.diverge,
+        gap_s=found.gap_s,
+        endpoints=rows,
+        endpoint_names=list(trace.endpoints),
+        achieved_source=source,
         hit_rate=float(achieved.sum() / prompt_tokens) if prompt_tokens else 0.0,
         achievable_hit_rate=float(found.achievable.sum() / prompt_tokens) if prompt_tokens else 0.0,
     )
 
 
 def _replay_config(cfg: AuditConfig) -> SimConfig:
-    return SimConfig(ttl_s=cfg.ttl_s, capacity_bytes=1 << 62, block_size=cfg.block_size,
-                     align_tokens=cfg.align_tokens, replicas=1, pricing=(), fingerprint=cfg.fingerprint)
+    return SimConfig(
+        ttl_s=cfg.ttl_s,
+        capacity_bytes=1 << 62,
+        block_size=cfg.block_size,
+        align_tokens=cfg.align_tokens,
+        replicas=1,
+        pricing=(),
+        fingerprint=cfg.fingerprint,
+    )
 
 
 def _replay(

@@ -22,7 +22,10 @@ from prefixcache.analysis.trace import Trace, load_tokenizer
 
 
 def endpoint_rows(
-    trace: Trace, cfg: AuditConfig, achieved: np.ndarray, scan: ScanResult,
+    trace: Trace,
+    cfg: AuditConfig,
+    achieved: np.ndarray,
+    scan: ScanResult,
     progress: Callable[[str, int], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per endpoint of ``trace``, in endpoint order. ``achieved``: cached tokens per request.
@@ -44,8 +47,15 @@ def endpoint_rows(
 
 
 def _endpoint_row(
-    trace: Trace, cfg: AuditConfig, endpoint: int, name: str, requests: np.ndarray, achieved: np.ndarray,
-    scan: ScanResult, pricing: Pricing, tokenizer: Callable[[], Any],
+    trace: Trace,
+    cfg: AuditConfig,
+    endpoint: int,
+    name: str,
+    requests: np.ndarray,
+    achieved: np.ndarray,
+    scan: ScanResult,
+    pricing: Pricing,
+    tokenizer: Callable[[], Any],
 ) -> dict[str, Any]:
     block, ttl = cfg.block_size, cfg.ttl_s
     n_requests = len(requests)
@@ -54,8 +64,9 @@ def _endpoint_row(
     busting = _busting(trace, cfg, requests, scan, pricing, tokenizer)
     # Prefix stability: versions that served enough requests, in order of appearance.
     min_requests = max(2, int(cfg.version_min_share * n_requests))
-    versions = sorted((v for v in scan.versions[endpoint].values() if v.requests >= min_requests),
-                      key=lambda v: v.first_ts)
+    versions = sorted(
+        (v for v in scan.versions[endpoint].values() if v.requests >= min_requests), key=lambda v: v.first_ts
+    )
     prefix_tokens = scan.stable_blocks[endpoint] * block
     on_dominant = max((v.requests for v in versions), default=0)
     # TTL versus traffic.
@@ -112,7 +123,11 @@ def _endpoint_row(
 
 
 def _busting(
-    trace: Trace, cfg: AuditConfig, requests: np.ndarray, scan: ScanResult, pricing: Pricing,
+    trace: Trace,
+    cfg: AuditConfig,
+    requests: np.ndarray,
+    scan: ScanResult,
+    pricing: Pricing,
     tokenizer: Callable[[], Any],
 ) -> list[dict[str, Any]]:
     """Busting spans from a sample of (request, its most similar earlier request) pairs, spread
@@ -124,8 +139,16 @@ def _busting(
         picked = candidates[spread]
     else:
         picked = candidates
-    pairs = [Pair(int(i), float(trace.ts[i]), trace.tokens(int(i)), trace.tokens(int(reference[i])),
-                  int(scan.diverge[i])) for i in picked]
+    pairs = [
+        Pair(
+            int(i),
+            float(trace.ts[i]),
+            trace.tokens(int(i)),
+            trace.tokens(int(reference[i])),
+            int(scan.diverge[i]),
+        )
+        for i in picked
+    ]
     findings = find_busting(pairs, tokenizer, min_shared=cfg.min_shared_tokens)
     rows = [f.as_dict(len(requests), len(pairs)) for f in findings]
     usd_per_token = pricing.input_per_mtok / 1e6

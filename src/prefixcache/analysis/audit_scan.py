@@ -47,7 +47,12 @@ class ScanResult:
 
 
 def scan(
-    feed: TraceFeed, *, block_size: int, align_tokens: int | None, ttl_s: float, stable_quantile: float,
+    feed: TraceFeed,
+    *,
+    block_size: int,
+    align_tokens: int | None,
+    ttl_s: float,
+    stable_quantile: float,
     progress: Callable[[str, int], None] | None = None,
 ) -> ScanResult:
     """The pass over ``feed`` (iterated to its end; its keys made with ``block_size``). Hits end on
@@ -124,8 +129,13 @@ class _Scan:
     def _grow(self) -> int:
         """One more slab of every column, at its default; returns the new length."""
         slab = self._SLAB
-        for column, default in ((self.achievable, 0), (self.within_ttl, 0), (self.diverge, -1),
-                                (self.reference, -1), (self.gap_s, float("nan"))):
+        for column, default in (
+            (self.achievable, 0),
+            (self.within_ttl, 0),
+            (self.diverge, -1),
+            (self.reference, -1),
+            (self.gap_s, float("nan")),
+        ):
             column.extend([default] * slab)
         return len(self.achievable)
 

@@ -33,7 +33,6 @@ class AuditConfig:
     always_replay: bool = False  # replay through PrefixCache even where the scan gives the same hits
 
 
-
 @dataclass(slots=True)
 class SimConfig:
     """Settings of :func:`~prefixcache.analysis.simulate.simulate`."""

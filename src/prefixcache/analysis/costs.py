@@ -181,8 +181,17 @@ def parse_size(text: str) -> int:
     s = text.strip().lower().replace(" ", "")
     if s in ("inf", "unbounded", "none"):
         return 1 << 62
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-             "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "b": 1}
+    units = {
+        "kib": 1 << 10,
+        "mib": 1 << 20,
+        "gib": 1 << 30,
+        "tib": 1 << 40,
+        "kb": 1e3,
+        "mb": 1e6,
+        "gb": 1e9,
+        "tb": 1e12,
+        "b": 1,
+    }
     for u, mult in units.items():
         if s.endswith(u):
             return int(float(s[: -len(u)]) * mult)

@@ -54,8 +54,17 @@ CHUNK_LINES = 4096  # lines the reader parses between sends
 TOKEN_BYTES = np.dtype(TOKEN_DTYPE).itemsize
 REORDER_CHUNKS = 4  # a line may precede requests of up to this many chunks before it
 
-_COLUMNS = ("ts", "tenant", "endpoint", "prompt_tokens", "output_tokens", "cached_tokens", "has_cached",
-            "ttft_s", "ttl_s")
+_COLUMNS = (
+    "ts",
+    "tenant",
+    "endpoint",
+    "prompt_tokens",
+    "output_tokens",
+    "cached_tokens",
+    "has_cached",
+    "ttft_s",
+    "ttl_s",
+)
 _DTYPES = (np.float64, np.int32, np.int32, np.int64, np.int64, np.int64, bool, np.float64, np.float64)
 
 
@@ -179,8 +188,12 @@ def stream(
     p = Path(path)
     ctx = mp.get_context("fork")
     pipes = [ctx.Pipe(duplex=False) for _ in range(consumers)]
-    proc = ctx.Process(target=_reader_main, name="prefixcache-trace-reader", daemon=True,
-                       args=(p, tokenizer, block_size, fingerprint, pipes))
+    proc = ctx.Process(
+        target=_reader_main,
+        name="prefixcache-trace-reader",
+        daemon=True,
+        args=(p, tokenizer, block_size, fingerprint, pipes),
+    )
     try:
         proc.start()
     except AssertionError as exc:  # inside a daemon process: no children
@@ -240,8 +253,13 @@ class _Receiver:
 
     def serve(self, feed: TraceFeed) -> Iterator[list[bytes]]:
         keys_of: dict[int, list[bytes]] = {-1: []}
-        extend_cols = (feed.ts.extend, feed.tenant.extend, feed.endpoint.extend, feed.prompt_tokens.extend,
-                       feed.ttl_s.extend)
+        extend_cols = (
+            feed.ts.extend,
+            feed.tenant.extend,
+            feed.endpoint.extend,
+            feed.prompt_tokens.extend,
+            feed.ttl_s.extend,
+        )
         while True:
             kind, msg = self.recv()
             if kind == "end":
@@ -289,14 +307,27 @@ class _Receiver:
                 keys_of.pop(d, None)
 
     def build(self, feed: TraceFeed) -> Trace:
-        cols = [np.concatenate([c[k] for c in self.columns]) if self.columns else np.zeros(0, dtype=dt)
-                for k, dt in enumerate(_DTYPES)]
+        cols = [
+            np.concatenate([c[k] for c in self.columns]) if self.columns else np.zeros(0, dtype=dt)
+            for k, dt in enumerate(_DTYPES)
+        ]
         self.columns = []
         return Trace(
-            ts=cols[0], tenant=cols[1], endpoint=cols[2], parts=feed.parts, segments=feed.segments,
-            prompt_tokens=cols[3], output_tokens=cols[4], cached_tokens=cols[5], has_cached=cols[6],
-            ttft_s=cols[7], ttl_s=cols[8], tenants=list(feed.tenants), endpoints=list(feed.endpoints),
-            tokenizer=self.tokenizer, header=self.header,
+            ts=cols[0],
+            tenant=cols[1],
+            endpoint=cols[2],
+            parts=feed.parts,
+            segments=feed.segments,
+            prompt_tokens=cols[3],
+            output_tokens=cols[4],
+            cached_tokens=cols[5],
+            has_cached=cols[6],
+            ttft_s=cols[7],
+            ttl_s=cols[8],
+            tenants=list(feed.tenants),
+            endpoints=list(feed.endpoints),
+            tokenizer=self.tokenizer,
+            header=self.header,
         )
 
     def close(self) -> None:
@@ -395,8 +426,17 @@ def _read(
             first_line = lineno + 1
             lineno += len(chunk)
             eof = len(chunk) < CHUNK_LINES
-            built = (b.c_ts, b.c_tenant, b.c_endpoint, b.c_prompt, b.c_out, b.c_cached, b.c_has, b.c_ttft,
-                     b.c_ttl)
+            built = (
+                b.c_ts,
+                b.c_tenant,
+                b.c_endpoint,
+                b.c_prompt,
+                b.c_out,
+                b.c_cached,
+                b.c_has,
+                b.c_ttft,
+                b.c_ttl,
+            )
             cols = [np.asarray(v, dtype=dt) for v, dt in zip(built, _DTYPES, strict=True)]
             parts = b.parts
             b.c_ts, b.c_tenant, b.c_endpoint, b.c_prompt, b.c_out = [], [], [], [], []
@@ -405,9 +445,11 @@ def _read(
                 lo = float(cols[0].min())
                 if lo < sent_ts:
                     at = first_line + int(np.argmax(cols[0] < sent_ts))
-                    raise TraceUnsorted(f"{path}: the request near line {at} is older than one already sent "
-                                        f"(the reader orders requests within about "
-                                        f"{CHUNK_LINES * (REORDER_CHUNKS - 1):,} lines)")
+                    raise TraceUnsorted(
+                        f"{path}: the request near line {at} is older than one already sent "
+                        f"(the reader orders requests within about "
+                        f"{CHUNK_LINES * (REORDER_CHUNKS - 1):,} lines)"
+                    )
                 mins.append(lo)
             if held is not None:
                 cols = [np.concatenate((h, c)) for h, c in zip(held[0], cols, strict=True)]
@@ -444,8 +486,9 @@ def _read(
             walk = chains.walk(zip(map(roots.__getitem__, cols[1].tolist()), parts, strict=True))
             n_sent += len(parts)
             if len(parts) or seg_len or tenants or endpoints or header is not None:
-                batch = _Batch(raw.tell(), tuple(cols), parts, seg_data, seg_len, tenants, endpoints, header,
-                               walk)
+                batch = _Batch(
+                    raw.tell(), tuple(cols), parts, seg_data, seg_len, tenants, endpoints, header, walk
+                )
                 send("batch", batch)
             if eof:
                 break

@@ -115,7 +115,11 @@ class KeyChains:
     """
 
     def __init__(
-        self, segments: Sequence[np.ndarray], block_size: int, max_states: int = 100_000, *,
+        self,
+        segments: Sequence[np.ndarray],
+        block_size: int,
+        max_states: int = 100_000,
+        *,
         hasher: str = "sha256",
     ) -> None:
         if hasher not in ("fingerprint", "sha256"):

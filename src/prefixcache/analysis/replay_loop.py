@@ -100,7 +100,12 @@ class _Replay:
             # prefill chunks are committed (a block of the last, partial chunk would not be
             # bitwise what a longer prompt computes).
             hit, written = caches[replica].replay(
-                ns, keys, packed, nbytes=block_bytes, ttl_s=ttl, align_tokens=align,
+                ns,
+                keys,
+                packed,
+                nbytes=block_bytes,
+                ttl_s=ttl,
+                align_tokens=align,
                 upto_tokens=(n_tokens // align) * align if whole_chunks else None,
             )
             add_cached(hit)
@@ -119,8 +124,9 @@ class _Replay:
         written = np.asarray(self.written, dtype=np.int64)
         ttl = np.asarray(self.feed.ttl_s[: len(written)], dtype=np.float64)
         long_class = np.where(np.isnan(ttl), self.replicas.default_ttl_is_long, ttl >= LONG_TTL_S)
-        totals = TokenTotals(written=int(written[~long_class].sum()),
-                             written_long=int(written[long_class].sum()))
+        totals = TokenTotals(
+            written=int(written[~long_class].sum()), written_long=int(written[long_class].sum())
+        )
         refreshes = 0
         if self.keep_warm is not None:
             totals.keep_warm_reads = self.keep_warm.reads
@@ -143,8 +149,13 @@ class _Replicas:
     def __init__(self, feed: TraceFeed, cfg: SimConfig) -> None:
         self.clock = FakeClock(feed.ts[0] if feed.ts else 0.0)
         self.caches = [
-            PrefixCache(block_size=cfg.block_size, capacity_bytes=cfg.capacity_bytes, default_ttl_s=cfg.ttl_s,
-                        clock=self.clock, pinned_capacity_bytes=0)
+            PrefixCache(
+                block_size=cfg.block_size,
+                capacity_bytes=cfg.capacity_bytes,
+                default_ttl_s=cfg.ttl_s,
+                clock=self.clock,
+                pinned_capacity_bytes=0,
+            )
             for _ in range(max(1, cfg.replicas))
         ]
         self.busy = [0.0] * len(self.caches)
@@ -277,7 +288,11 @@ class _KeepWarm:
     last request)."""
 
     def __init__(
-        self, feed: TraceFeed, cfg: SimConfig, prefix_tokens: dict[int, int], replicas: _Replicas,
+        self,
+        feed: TraceFeed,
+        cfg: SimConfig,
+        prefix_tokens: dict[int, int],
+        replicas: _Replicas,
         router: _Router,
     ) -> None:
         self.prefix_tokens = prefix_tokens  # endpoint id -> tokens to keep warm
@@ -328,8 +343,9 @@ class _KeepWarm:
         keys = self.chains.token_keys(ns.root, tokens)
         packed = pack_tokens(tokens)
         for r in targets:
-            hit, _ = caches[r].replay(ns, keys, packed, nbytes=self.replicas.block_bytes,
-                                      align_tokens=self.replicas.align)
+            hit, _ = caches[r].replay(
+                ns, keys, packed, nbytes=self.replicas.block_bytes, align_tokens=self.replicas.align
+            )
             self.reads += hit
             self.refreshes += 1
 
@@ -342,4 +358,3 @@ def _last_ts(trace: Trace) -> dict[int, float]:
         if len(idx):
             out[e] = float(trace.ts[idx[-1]])
     return out
-

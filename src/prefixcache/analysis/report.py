@@ -51,29 +51,57 @@ def print_audit(res: AuditResult, console: Console) -> None:
         f"[dim](achieved from {res.achieved_source})[/dim]"
     )
     t = Table(title="Endpoints", title_justify="left")
-    for col in ("endpoint", "requests", "hit rate", "achievable", "diverge p50", "stable prefix", "versions",
-                "dominant", "reuse gap p50", "lost to TTL", "keep warm"):
+    for col in (
+        "endpoint",
+        "requests",
+        "hit rate",
+        "achievable",
+        "diverge p50",
+        "stable prefix",
+        "versions",
+        "dominant",
+        "reuse gap p50",
+        "lost to TTL",
+        "keep warm",
+    ):
         t.add_column(col, justify="left" if col == "endpoint" else "right")
     for e in res.endpoints:
         gp = e["reuse_gap_s"]["p50"]
         t.add_row(
-            e["endpoint"], f"{e['requests']:,}", _pct(e["hit_rate"]), _pct(e["achievable_hit_rate"]),
+            e["endpoint"],
+            f"{e['requests']:,}",
+            _pct(e["hit_rate"]),
+            _pct(e["achievable_hit_rate"]),
             "-" if e["divergence"]["p50"] is None else f"{e['divergence']['p50']:.0f}",
-            f"{e['stable_prefix_tokens']:,}", str(e["prefix_versions"]), _pct(e["dominant_prefix_share"]),
-            "-" if gp is None else f"{gp:.1f} s", f"{e['ttl_expired_requests']:,}",
+            f"{e['stable_prefix_tokens']:,}",
+            str(e["prefix_versions"]),
+            _pct(e["dominant_prefix_share"]),
+            "-" if gp is None else f"{gp:.1f} s",
+            f"{e['ttl_expired_requests']:,}",
             "[green]yes[/green]" if e["keep_warm"] else "no",
         )
     console.print(t)
     spans = [(e["endpoint"], b) for e in res.endpoints for b in e["busting"]]
     if spans:
         bt = Table(title="Cache-busting spans (variable content above shared content)", title_justify="left")
-        for col in ("endpoint", "token", "length", "kind", "example", "tokens lost/request",
-                    "saving if moved below"):
+        for col in (
+            "endpoint",
+            "token",
+            "length",
+            "kind",
+            "example",
+            "tokens lost/request",
+            "saving if moved below",
+        ):
             bt.add_column(col)
         for name, b in spans:
             bt.add_row(
-                name, str(b["start_token"]), str(b["length_tokens"]), f"[bold red]{b['kind']}[/bold red]",
-                (b["examples"] or [""])[0][:40], f"{b['tokens_lost_per_request']:,.0f}",
+                name,
+                str(b["start_token"]),
+                str(b["length_tokens"]),
+                f"[bold red]{b['kind']}[/bold red]",
+                (b["examples"] or [""])[0][:40],
+                f"{b['tokens_lost_per_request']:,.0f}",
                 f"{b['saving_tokens_if_moved_below']:,.0f} tok (${b['saving_usd_if_moved_below']:,.2f})",
             )
         console.print(bt)
@@ -85,12 +113,16 @@ def print_audit(res: AuditResult, console: Console) -> None:
     for e in res.endpoints:
         if e["prefix_versions"] > 5:
             span = e["versions"][-1]["first_ts"] - e["versions"][0]["first_ts"]
-            console.print(f"[bold]{e['endpoint']}[/bold]: {e['prefix_versions']} prefix versions, one every "
-                          f"~{span / (e['prefix_versions'] - 1):,.0f} s: the stable prefix keeps changing.")
+            console.print(
+                f"[bold]{e['endpoint']}[/bold]: {e['prefix_versions']} prefix versions, one every "
+                f"~{span / (e['prefix_versions'] - 1):,.0f} s: the stable prefix keeps changing."
+            )
         elif e["prefix_versions"] > 1:
             vs = ", ".join(f"{v['requests']:,} req from ts {v['first_ts']:.0f}" for v in e["versions"])
-            console.print(f"[bold]{e['endpoint']}[/bold]: {e['prefix_versions']} prefix versions ({vs}); "
-                          f"each change re-prefills {e['stable_prefix_tokens']:,} tokens per replica.")
+            console.print(
+                f"[bold]{e['endpoint']}[/bold]: {e['prefix_versions']} prefix versions ({vs}); "
+                f"each change re-prefills {e['stable_prefix_tokens']:,} tokens per replica."
+            )
         if e["keep_warm"]:
             console.print(
                 f"[bold]{e['endpoint']}[/bold]: keep warm: {e['keep_warm_refreshes']:,} refreshes of "
@@ -162,7 +194,9 @@ def plot_divergence(res: AuditResult) -> Figure:
 
 
 AUDIT_PLOTS = {
-    "hit_rate_over_time": plot_hit_rate_over_time, "reuse_gaps": plot_gaps, "divergence": plot_divergence,
+    "hit_rate_over_time": plot_hit_rate_over_time,
+    "reuse_gaps": plot_gaps,
+    "divergence": plot_divergence,
 }
 
 
@@ -185,19 +219,33 @@ def audit_html(res: AuditResult, path: str | Path) -> Path:
         for name, fn in AUDIT_PLOTS.items()
     )
     rows = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in (
-            e["endpoint"], e["requests"], _pct(e["hit_rate"]), _pct(e["achievable_hit_rate"]),
-            len(e["busting"]), e["prefix_versions"], e["ttl_expired_requests"],
-            "yes" if e["keep_warm"] else "no",
-        )) + "</tr>"
+        "<tr>"
+        + "".join(
+            f"<td>{html.escape(str(x))}</td>"
+            for x in (
+                e["endpoint"],
+                e["requests"],
+                _pct(e["hit_rate"]),
+                _pct(e["achievable_hit_rate"]),
+                len(e["busting"]),
+                e["prefix_versions"],
+                e["ttl_expired_requests"],
+                "yes" if e["keep_warm"] else "no",
+            )
+        )
+        + "</tr>"
         for e in res.endpoints
     )
-    spans = "".join(
-        f"<li><b>{html.escape(e['endpoint'])}</b>: {html.escape(b['kind'])} at token {b['start_token']} "
-        f"({b['length_tokens']} tokens, e.g. <code>{html.escape((b['examples'] or [''])[0])}</code>): "
-        f"{b['tokens_lost_per_request']:,.0f} tokens lost per request</li>"
-        for e in res.endpoints for b in e["busting"]
-    ) or "<li>none found</li>"
+    spans = (
+        "".join(
+            f"<li><b>{html.escape(e['endpoint'])}</b>: {html.escape(b['kind'])} at token {b['start_token']} "
+            f"({b['length_tokens']} tokens, e.g. <code>{html.escape((b['examples'] or [''])[0])}</code>): "
+            f"{b['tokens_lost_per_request']:,.0f} tokens lost per request</li>"
+            for e in res.endpoints
+            for b in e["busting"]
+        )
+        or "<li>none found</li>"
+    )
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>prefixcache audit</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1000px;background:#fff;color:#222}}
 table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}
@@ -224,26 +272,33 @@ def print_sim(res: SimResult, console: Console) -> None:
     console.print(
         f"[bold]Simulation[/bold] {d['requests']:,} requests, TTL {c.ttl_s:g} s, capacity "
         f"{c.capacity_bytes / 2**30:,.1f} GiB x {c.replicas} replica(s), routing {c.routing}, "
-        f"block {c.block_size}"
-        + (f", keep-warm {', '.join(c.keep_warm)}" if c.keep_warm else "")
+        f"block {c.block_size}" + (f", keep-warm {', '.join(c.keep_warm)}" if c.keep_warm else "")
     )
     t = Table(show_header=False)
     t.add_row("hit rate", f"[bold]{_pct(res.hit_rate)}[/bold]")
-    t.add_row("prompt / cached / prefilled tokens",
-              f"{d['prompt_tokens']:,} / {d['cached_tokens']:,} / {d['prefilled_tokens']:,}")
+    t.add_row(
+        "prompt / cached / prefilled tokens",
+        f"{d['prompt_tokens']:,} / {d['cached_tokens']:,} / {d['prefilled_tokens']:,}",
+    )
     t.add_row("prefill time", f"{d['prefill_s']:,.0f} s at {c.cost.prefill_tps:g} tok/s ({c.cost.source})")
     tt = d["ttft_s"]
     t.add_row("estimated TTFT", f"mean {tt['mean']:.2f} s, p50 {tt['p50']:.2f} s, p95 {tt['p95']:.2f} s")
     if c.keep_warm:
-        t.add_row("keep-warm refreshes",
-                  f"{res.keep_warm_refreshes:,} ({d['keep_warm_read_tokens']:,} tokens read)")
+        t.add_row(
+            "keep-warm refreshes", f"{res.keep_warm_refreshes:,} ({d['keep_warm_read_tokens']:,} tokens read)"
+        )
     console.print(t)
     et = Table(title="Per endpoint", title_justify="left")
     for col in ("endpoint", "requests", "hit rate", "TTFT p50", "TTFT p95"):
         et.add_column(col, justify="left" if col == "endpoint" else "right")
     for e in res.endpoints:
-        et.add_row(e["endpoint"], f"{e['requests']:,}", _pct(e["hit_rate"]), f"{e['ttft_s']['p50']:.2f} s",
-                   f"{e['ttft_s']['p95']:.2f} s")
+        et.add_row(
+            e["endpoint"],
+            f"{e['requests']:,}",
+            _pct(e["hit_rate"]),
+            f"{e['ttft_s']['p50']:.2f} s",
+            f"{e['ttft_s']['p95']:.2f} s",
+        )
     console.print(et)
     if c.replicas > 1:
         rt = Table(title="Per replica", title_justify="left")
@@ -251,29 +306,62 @@ def print_sim(res: SimResult, console: Console) -> None:
             rt.add_column(col, justify="right")
         for r in res.replicas:
             ev = r["evictions"]
-            rt.add_row(str(r["replica"]), f"{r['requests']:,}", _pct(r["hit_rate"]), f"{r['blocks']:,}",
-                       f"{ev.get('capacity', 0):,}/{ev.get('ttl', 0):,}")
+            rt.add_row(
+                str(r["replica"]),
+                f"{r['requests']:,}",
+                _pct(r["hit_rate"]),
+                f"{r['blocks']:,}",
+                f"{ev.get('capacity', 0):,}/{ev.get('ttl', 0):,}",
+            )
         console.print(rt)
     ct = Table(title="Cost", title_justify="left")
-    for col in ("pricing", "input", "cache writes", "cache reads", "output", "keep-warm", "total",
-                "without cache", "saving"):
+    for col in (
+        "pricing",
+        "input",
+        "cache writes",
+        "cache reads",
+        "output",
+        "keep-warm",
+        "total",
+        "without cache",
+        "saving",
+    ):
         ct.add_column(col, justify="right")
     for x in res.costs:
-        dollars = (x.input_usd, x.cache_write_usd, x.cache_read_usd, x.output_usd, x.keep_warm_usd,
-                   x.total_usd, x.no_cache_usd)
+        dollars = (
+            x.input_usd,
+            x.cache_write_usd,
+            x.cache_read_usd,
+            x.output_usd,
+            x.keep_warm_usd,
+            x.total_usd,
+            x.no_cache_usd,
+        )
         ct.add_row(x.profile, *(f"${v:,.2f}" for v in dollars), _pct(x.saving))
     console.print(ct)
 
 
 def print_sweep(name: str, labels: list[str], results: list[SimResult], console: Console) -> None:
     t = Table(title=f"Sweep over {name}", title_justify="left")
-    for col in ("value", "hit rate", "prefilled tokens", "TTFT p50", "TTFT p95",
-                *[f"{p} $" for p in results[0].config.pricing]):
+    for col in (
+        "value",
+        "hit rate",
+        "prefilled tokens",
+        "TTFT p50",
+        "TTFT p95",
+        *[f"{p} $" for p in results[0].config.pricing],
+    ):
         t.add_column(col, justify="right")
     for label, r in zip(labels, results, strict=True):
         d = r.as_dict()
-        t.add_row(label, _pct(r.hit_rate), f"{d['prefilled_tokens']:,}", f"{d['ttft_s']['p50']:.2f} s",
-                  f"{d['ttft_s']['p95']:.2f} s", *(f"{x.total_usd:,.2f}" for x in r.costs))
+        t.add_row(
+            label,
+            _pct(r.hit_rate),
+            f"{d['prefilled_tokens']:,}",
+            f"{d['ttft_s']['p50']:.2f} s",
+            f"{d['ttft_s']['p95']:.2f} s",
+            *(f"{x.total_usd:,.2f}" for x in r.costs),
+        )
     console.print(t)
 
 
@@ -289,8 +377,14 @@ def plot_sweep(name: str, labels: list[str], values: list[float], results: list[
     if results[0].costs:
         ax2 = ax.twinx()
         for k, prof in enumerate(results[0].config.pricing):
-            ax2.plot(values, [r.costs[k].total_usd for r in results], marker="s", linestyle="--",
-                     label=f"{prof} $", color=("tab:red", "tab:orange", "tab:green", "tab:purple")[k % 4])
+            ax2.plot(
+                values,
+                [r.costs[k].total_usd for r in results],
+                marker="s",
+                linestyle="--",
+                label=f"{prof} $",
+                color=("tab:red", "tab:orange", "tab:green", "tab:purple")[k % 4],
+            )
         ax2.set_ylabel("cost ($)")
         ax2.legend(loc="lower right", fontsize="small")
     ax.set_title(f"Hit rate and cost against {name}")

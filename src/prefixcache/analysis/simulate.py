@@ -43,7 +43,13 @@ from prefixcache.cache import PrefixCache
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "ROUTINGS", "SimConfig", "SimResult", "load_keep_warm", "parse_sweep", "simulate", "simulate_file",
+    "ROUTINGS",
+    "SimConfig",
+    "SimResult",
+    "load_keep_warm",
+    "parse_sweep",
+    "simulate",
+    "simulate_file",
     "sweep",
 ]
 
@@ -76,9 +82,14 @@ class SimResult:
         t = self.totals
         return {
             "config": {
-                "ttl_s": c.ttl_s, "capacity_bytes": c.capacity_bytes, "block_size": c.block_size,
-                "align_tokens": c.align_tokens or c.block_size, "replicas": c.replicas, "routing": c.routing,
-                "keep_warm": c.keep_warm, "prefill_tps": c.cost.prefill_tps,
+                "ttl_s": c.ttl_s,
+                "capacity_bytes": c.capacity_bytes,
+                "block_size": c.block_size,
+                "align_tokens": c.align_tokens or c.block_size,
+                "replicas": c.replicas,
+                "routing": c.routing,
+                "keep_warm": c.keep_warm,
+                "prefill_tps": c.cost.prefill_tps,
                 "prefill_tps_source": c.cost.source,
                 "kv_bytes_per_token": c.cost.kv_bytes_per_token,
             },
@@ -136,7 +147,10 @@ def simulate(
 
 
 def simulate_file(
-    path: str | Path, cfg: SimConfig, *, tokenizer: str | None = None,
+    path: str | Path,
+    cfg: SimConfig,
+    *,
+    tokenizer: str | None = None,
     progress: Callable[[str, float, float], None] | None = None,
 ) -> SimResult:
     """:func:`simulate` of a trace file. Where it can (fork exists, no keep-warm), a reader process
@@ -153,14 +167,19 @@ def simulate_file(
             with feeds[0] as feed:
                 report = None
                 if progress is not None:
+
                     def report(_i: int) -> None:
                         progress("simulating", feed.position, feed.size)
+
                 try:
                     return simulate(feed, cfg, progress=report)
                 except TraceUnsorted as exc:
                     log.info("%s; loading and sorting the whole trace instead", exc)
-    trace = load_trace(path, tokenizer=tokenizer,
-                       progress=(lambda k: progress("reading", k, 0)) if progress is not None else None)
+    trace = load_trace(
+        path,
+        tokenizer=tokenizer,
+        progress=(lambda k: progress("reading", k, 0)) if progress is not None else None,
+    )
     n = len(trace)
     report_requests = (lambda i: progress("simulating", i, n)) if progress is not None else None
     return simulate(trace, cfg, progress=report_requests)
@@ -178,8 +197,9 @@ def _simulate(feed: TraceFeed, cfg: SimConfig, progress: Callable[[int], None] |
     endpoints = _per_endpoint(trace, cached, ttft)
     replicas = [_replica_row(trace, r, cache, replica == r, cached) for r, cache in enumerate(outcome.caches)]
     costs = [price(totals, pricing_profile(p, gpu_hour=cfg.gpu_hour), cfg.cost) for p in cfg.pricing]
-    return SimResult(cfg, totals, cached, written, replica, ttft, endpoints, replicas,
-                     outcome.keep_warm_refreshes, costs)
+    return SimResult(
+        cfg, totals, cached, written, replica, ttft, endpoints, replicas, outcome.keep_warm_refreshes, costs
+    )
 
 
 def _replica_row(
@@ -188,9 +208,12 @@ def _replica_row(
     stats = cache.stats()
     prompt_tokens = int(trace.prompt_tokens[routed].sum())
     return {
-        "replica": replica, "requests": int(routed.sum()),
+        "replica": replica,
+        "requests": int(routed.sum()),
         "hit_rate": float(cached[routed].sum() / prompt_tokens) if prompt_tokens else 0.0,
-        "blocks": stats.blocks, "bytes": stats.bytes, "evictions": stats.evictions,
+        "blocks": stats.blocks,
+        "bytes": stats.bytes,
+        "evictions": stats.evictions,
     }
 
 
@@ -199,12 +222,16 @@ def _per_endpoint(trace: Trace, cached: np.ndarray, ttft: np.ndarray) -> list[di
     for endpoint, name in enumerate(trace.endpoints):
         mine = trace.endpoint == endpoint
         prompt_tokens = int(trace.prompt_tokens[mine].sum())
-        rows.append({
-            "endpoint": name, "requests": int(mine.sum()), "prompt_tokens": prompt_tokens,
-            "cached_tokens": int(cached[mine].sum()),
-            "hit_rate": float(cached[mine].sum() / prompt_tokens) if prompt_tokens else 0.0,
-            "ttft_s": _pcts(ttft[mine]),
-        })
+        rows.append(
+            {
+                "endpoint": name,
+                "requests": int(mine.sum()),
+                "prompt_tokens": prompt_tokens,
+                "cached_tokens": int(cached[mine].sum()),
+                "hit_rate": float(cached[mine].sum() / prompt_tokens) if prompt_tokens else 0.0,
+                "ttft_s": _pcts(ttft[mine]),
+            }
+        )
     return rows
 
 
@@ -220,7 +247,11 @@ def parse_sweep(text: str) -> tuple[str, list[str]]:
 
 
 def sweep(
-    trace: Trace, base: SimConfig, name: str, values: list[Any], *,
+    trace: Trace,
+    base: SimConfig,
+    name: str,
+    values: list[Any],
+    *,
     progress: Callable[[int], None] | None = None,
 ) -> list[SimResult]:
     """One :func:`simulate` per value of ``name`` (a SimConfig field: ttl_s, capacity_bytes, ...)."""

@@ -29,7 +29,11 @@ _EPOCH = re.compile(r"(?<!\d)1[4-9]\d{8}(?:\d{3})?(?:\.\d+)?(?!\d)")
 _HEX = re.compile(r"(?<![0-9A-Za-z])(?=[0-9a-fA-F]*[a-fA-F])(?=[0-9a-fA-F]*\d)[0-9a-fA-F]{8,}(?![0-9A-Za-z])")
 _INT = re.compile(r"(?<!\d)\d+(?!\d)")
 _KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("uuid", _UUID), ("timestamp", _ISO), ("timestamp", _EPOCH), ("hex_id", _HEX), ("counter", _INT),
+    ("uuid", _UUID),
+    ("timestamp", _ISO),
+    ("timestamp", _EPOCH),
+    ("hex_id", _HEX),
+    ("counter", _INT),
 )
 CONTEXT = 48  # tokens of context decoded on each side of a span
 

@@ -235,8 +235,12 @@ def synthesize(
             parts.append(tail)
             conv = convs[ei]
             user = _user_ids(r, spec.user)
-            if (spec.turns > 1 and conv is not None and conv["turn"] < conv["turns"]
-                    and conv["version"] == version):
+            if (
+                spec.turns > 1
+                and conv is not None
+                and conv["turn"] < conv["turns"]
+                and conv["version"] == version
+            ):
                 history = conv["history"] + [user]
                 conv["turn"] += 1
             else:
@@ -246,8 +250,13 @@ def synthesize(
             out_n = max(1, int(r.poisson(spec.output)))
             conv["history"] = history + [_user_ids(r, min(out_n, 96))]
             convs[ei] = conv if spec.turns > 1 else None
-            w.request(start_ts + t, tenant=spec.tenant, endpoint=spec.name, parts=parts + history,
-                      output_tokens=out_n)
+            w.request(
+                start_ts + t,
+                tenant=spec.tenant,
+                endpoint=spec.name,
+                parts=parts + history,
+                output_tokens=out_n,
+            )
             if progress is not None and n % 10_000 == 0:
                 progress(n)
     log.info("wrote %d requests over %.0f s to %s", len(events), duration_s, out)

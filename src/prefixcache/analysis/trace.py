@@ -60,8 +60,18 @@ from prefixcache.analysis.tokenize import (
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "FORMAT_VERSION", "ByteTokenizer", "HFTokenizer", "Tokenizer", "Trace", "TraceFormatError", "TraceWriter",
-    "count_lines", "iter_lines", "load_tokenizer", "load_trace", "render_messages",
+    "FORMAT_VERSION",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "Tokenizer",
+    "Trace",
+    "TraceFormatError",
+    "TraceWriter",
+    "count_lines",
+    "iter_lines",
+    "load_tokenizer",
+    "load_trace",
+    "render_messages",
 ]
 
 FORMAT_VERSION = 1
@@ -101,8 +111,9 @@ class TraceWriter:
                 self._fh.flush()
 
     def segment(self, seg_id: str, tokens: list[int] | np.ndarray) -> None:
-        self._write({"v": FORMAT_VERSION, "type": "segment", "id": seg_id,
-                     "tokens": [int(t) for t in tokens]})
+        self._write(
+            {"v": FORMAT_VERSION, "type": "segment", "id": seg_id, "tokens": [int(t) for t in tokens]}
+        )
 
     def request(self, ts: float, **fields: Any) -> None:
         """One request line. ``fields`` as in the module docstring; None values are dropped."""

@@ -43,14 +43,39 @@ class Run:
     ``namespace`` and ``tenant`` are every block's. A dropped run has no keys."""
 
     __slots__ = (
-        "keys", "packed", "payloads", "sizes", "nbytes", "unit", "step", "depth", "parent", "up",
-        "namespace", "tenant", "ttl_s", "last_used", "ref_count", "pin_count", "n_children",
+        "keys",
+        "packed",
+        "payloads",
+        "sizes",
+        "nbytes",
+        "unit",
+        "step",
+        "depth",
+        "parent",
+        "up",
+        "namespace",
+        "tenant",
+        "ttl_s",
+        "last_used",
+        "ref_count",
+        "pin_count",
+        "n_children",
     )
 
     def __init__(
-        self, keys: list[BlockHash], packed: bytes, payloads: list[Any], sizes: list[int], unit: int,
-        depth: int, parent: BlockHash | None, namespace: bytes, tenant: str, ttl_s: float,
-        last_used: float, up: Run | None = None,
+        self,
+        keys: list[BlockHash],
+        packed: bytes,
+        payloads: list[Any],
+        sizes: list[int],
+        unit: int,
+        depth: int,
+        parent: BlockHash | None,
+        namespace: bytes,
+        tenant: str,
+        ttl_s: float,
+        last_used: float,
+        up: Run | None = None,
     ) -> None:
         self.keys = keys
         self.packed = packed

@@ -65,9 +65,20 @@ class BudgetedTree(RunTree):
 
     # ------------------------------------------------------------------ what enters
     def insert_chain(
-        self, keys: list[BlockHash], packed: bytes, step: int, first: int, stop: int, parent_run: Run | None,
-        payload_fn: PayloadFn | None, *, namespace: bytes, tenant: str, ttls: list[float],
-        uniform_nbytes: int | None = None, hold: bool = False,
+        self,
+        keys: list[BlockHash],
+        packed: bytes,
+        step: int,
+        first: int,
+        stop: int,
+        parent_run: Run | None,
+        payload_fn: PayloadFn | None,
+        *,
+        namespace: bytes,
+        tenant: str,
+        ttls: list[float],
+        uniform_nbytes: int | None = None,
+        hold: bool = False,
     ) -> tuple[int, bool, Run | None]:
         """Insert new blocks ``first..stop-1`` of the chain ``keys``: block ``j`` holds
         ``packed[j*step:(j+1)*step]``, TTL class ``ttls[j]`` and the payload ``payload_fn(j)``
@@ -98,13 +109,37 @@ class BudgetedTree(RunTree):
         depth = 0 if parent_run is None else parent_run.depth + len(parent_run.keys)
         if depth != first:
             raise ValueError(f"keys[{first}] follows a block at depth {depth - 1}: the chain is not rooted")
-        return self._insert(keys, packed, step, first, stop, parent_run, payload_fn, namespace, tenant, ttls,
-                            uniform_nbytes, hold, self.clock())
+        return self._insert(
+            keys,
+            packed,
+            step,
+            first,
+            stop,
+            parent_run,
+            payload_fn,
+            namespace,
+            tenant,
+            ttls,
+            uniform_nbytes,
+            hold,
+            self.clock(),
+        )
 
     def _insert(
-        self, keys: list[BlockHash], packed: bytes, step: int, first: int, stop: int, parent_run: Run | None,
-        payload_fn: PayloadFn | None, namespace: bytes, tenant: str, ttls: list[float],
-        uniform_nbytes: int | None, hold: bool, now: float,
+        self,
+        keys: list[BlockHash],
+        packed: bytes,
+        step: int,
+        first: int,
+        stop: int,
+        parent_run: Run | None,
+        payload_fn: PayloadFn | None,
+        namespace: bytes,
+        tenant: str,
+        ttls: list[float],
+        uniform_nbytes: int | None,
+        hold: bool,
+        now: float,
     ) -> tuple[int, bool, Run | None]:
         """:meth:`insert_chain` once ``parent_run`` is known to be the run whose tail is block
         ``first - 1`` (None at 0) and ``keys[first]`` is not stored; ``now``: the insert's time."""
@@ -131,16 +166,18 @@ class BudgetedTree(RunTree):
                 unit = uniform_nbytes
                 at = stop
         if at == first:  # block by block: each block may need room, made before it goes in
-            payloads, sizes, at, no_room = self._take_blocks(keys, first, stop, parent_run, payload_fn,
-                                                             uniform_nbytes)
+            payloads, sizes, at, no_room = self._take_blocks(
+                keys, first, stop, parent_run, payload_fn, uniform_nbytes
+            )
             if at == first:
                 return 0, no_room, None
             total = sum(sizes)
             unit = sizes[0] if sizes.count(sizes[0]) == at - first else 0  # 0: sizes differ
         if ttls[at - 1] < self.min_ttl_s:  # (the chain's shortest TTL is its last: TTLs fall along it)
             self.min_ttl_s = float(ttls[at - 1])
-        last = self._add_runs(keys, packed, step, first, at, parent_run, payloads, sizes, unit, namespace,
-                              tenant, ttls, now)
+        last = self._add_runs(
+            keys, packed, step, first, at, parent_run, payloads, sizes, unit, namespace, tenant, ttls, now
+        )
         if self._listeners:
             for run, _, _ in self.chain(keys, first, at):
                 for offset in range(len(run.keys)):
@@ -155,8 +192,13 @@ class BudgetedTree(RunTree):
         return at - first, no_room, last
 
     def _take_blocks(
-        self, keys: list[BlockHash], first: int, stop: int, parent_run: Run | None,
-        payload_fn: PayloadFn | None, uniform_nbytes: int | None,
+        self,
+        keys: list[BlockHash],
+        first: int,
+        stop: int,
+        parent_run: Run | None,
+        payload_fn: PayloadFn | None,
+        uniform_nbytes: int | None,
     ) -> tuple[list[Any], list[int], int, bool]:
         """The block-by-block part of an insert: make room for and charge each block from
         ``first`` in turn, stopping before a stored key or for lack of room. Returns (payloads,
@@ -171,8 +213,7 @@ class BudgetedTree(RunTree):
             payload, nbytes = payload_fn(at) if payload_fn is not None else (None, uniform_nbytes)
             nbytes = int(nbytes)  # type: ignore[arg-type]
             if nbytes > cap or (
-                self.bytes + nbytes > cap
-                and not self._make_room(nbytes, parent_run if at == first else None)
+                self.bytes + nbytes > cap and not self._make_room(nbytes, parent_run if at == first else None)
             ):
                 self.counters.rejected += 1
                 return payloads, sizes, at, True

@@ -74,8 +74,14 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ request path
     def match(
-        self, tokens: Sequence[int] | None, ns: Namespace, *, align_tokens: int | None = None,
-        ttl_s: float | None = None, ttl_plan: TtlPlan | None = None, keys: list[BlockHash] | None = None,
+        self,
+        tokens: Sequence[int] | None,
+        ns: Namespace,
+        *,
+        align_tokens: int | None = None,
+        ttl_s: float | None = None,
+        ttl_plan: TtlPlan | None = None,
+        keys: list[BlockHash] | None = None,
         packed: bytes | None = None,
     ) -> Match:
         """Find, touch and acquire the longest usable cached prefix of ``tokens``.
@@ -91,9 +97,19 @@ class PrefixCache:
         prompt_tokens = len(packed) >> 2
         with self._lock:
             usable, outcome, held, _ = self._begin(ns, keys, packed, prompt_tokens, align, ttls)
-            return Match(namespace=ns, prompt_tokens=prompt_tokens, keys=keys, ttls=ttls, packed=packed,
-                         block_size=self.block_size, outcome=Outcome(outcome), cached_blocks=usable,
-                         _cache=self, _held=held, _depth=usable)
+            return Match(
+                namespace=ns,
+                prompt_tokens=prompt_tokens,
+                keys=keys,
+                ttls=ttls,
+                packed=packed,
+                block_size=self.block_size,
+                outcome=Outcome(outcome),
+                cached_blocks=usable,
+                _cache=self,
+                _held=held,
+                _depth=usable,
+            )
 
     def cached_prefix(self, keys: list[BlockHash], packed: bytes) -> int:
         """Blocks of this prompt that a request would find cached now (live, verified), without
@@ -102,7 +118,11 @@ class PrefixCache:
             return self.store.lookup(keys, packed, len(keys))[0]
 
     def commit(
-        self, m: Match, payload_fn: PayloadFn | None, *, upto_tokens: int | None = None,
+        self,
+        m: Match,
+        payload_fn: PayloadFn | None,
+        *,
+        upto_tokens: int | None = None,
         uniform_nbytes: int | None = None,
     ) -> CommitResult:
         """Store the prompt's full blocks after the cached prefix that are not cached yet.
@@ -122,8 +142,17 @@ class PrefixCache:
         with self._lock:
             start = m._depth
             reached, ranges, short, m._held = self.store.write_chain(
-                keys, m.packed, 4 * block_size, start, stop, m._held, payload_fn, m.namespace.root,
-                m.namespace.tenant, m.ttls, uniform_nbytes,
+                keys,
+                m.packed,
+                4 * block_size,
+                start,
+                stop,
+                m._held,
+                payload_fn,
+                m.namespace.root,
+                m.namespace.tenant,
+                m.ttls,
+                uniform_nbytes,
             )
             for first, count in ranges:
                 m.written_keys.extend(keys[first : first + count])
@@ -134,8 +163,15 @@ class PrefixCache:
         return CommitResult(written, written * block_size, m.skipped_blocks)
 
     def replay(
-        self, ns: Namespace, keys: list[BlockHash], packed: bytes, *, nbytes: int, ttl_s: float | None = None,
-        align_tokens: int | None = None, upto_tokens: int | None = None,
+        self,
+        ns: Namespace,
+        keys: list[BlockHash],
+        packed: bytes,
+        *,
+        nbytes: int,
+        ttl_s: float | None = None,
+        align_tokens: int | None = None,
+        upto_tokens: int | None = None,
     ) -> tuple[int, int]:
         """One whole request for a simulator: what ``m = match(None, ns, keys=keys, packed=packed,
         ...)``, ``commit(m, None, uniform_nbytes=nbytes, upto_tokens=...)`` and ``release(m)`` do,
@@ -170,8 +206,14 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ the steps of a request
     def _prepare(
-        self, tokens: Sequence[int] | None, ns: Namespace, align_tokens: int | None, ttl_s: float | None,
-        ttl_plan: TtlPlan | None, keys: list[BlockHash] | None, packed: bytes | None,
+        self,
+        tokens: Sequence[int] | None,
+        ns: Namespace,
+        align_tokens: int | None,
+        ttl_s: float | None,
+        ttl_plan: TtlPlan | None,
+        keys: list[BlockHash] | None,
+        packed: bytes | None,
     ) -> tuple[int, list[BlockHash], bytes, list[float]]:
         """Check a request and complete what the caller did not compute: (alignment in tokens,
         keys, packed tokens, the TTL asked for each full block). Raises ValueError."""
@@ -191,7 +233,12 @@ class PrefixCache:
         return align, keys, packed, self.policy.block_ttls(len(keys), block_size, ttl_s, ttl_plan)
 
     def _begin(
-        self, ns: Namespace, keys: list[BlockHash], packed: bytes, prompt_tokens: int, align: int,
+        self,
+        ns: Namespace,
+        keys: list[BlockHash],
+        packed: bytes,
+        prompt_tokens: int,
+        align: int,
         ttls: list[float],
     ) -> tuple[int, str, Run | None, TenantCounters]:
         """Match's work, under the lock: expire what is due, find the usable cached prefix (the
@@ -206,8 +253,9 @@ class PrefixCache:
         found, segments = store.lookup(keys, packed, max_blocks)
         promoted = 0
         if found < max_blocks and self.tiers:
-            promoted = self._tier_stack.promote(keys, packed, 4 * block_size, found, max_blocks, ns.root,
-                                                ns.tenant, ttls, self.adopt)
+            promoted = self._tier_stack.promote(
+                keys, packed, 4 * block_size, found, max_blocks, ns.root, ns.tenant, ttls, self.adopt
+            )
             found += promoted
         usable = (found * block_size // align) * align // block_size
         held = None
@@ -295,12 +343,21 @@ class PrefixCache:
             else:
                 blocks, held_bytes = store.tenant_blocks.get(tenant, 0), store.tenant_bytes.get(tenant, 0)
             return CacheStats(
-                requests=counters.requests, queried_tokens=counters.queried_tokens,
-                hit_tokens=counters.hit_tokens, written_tokens=counters.written_tokens, blocks=blocks,
-                bytes=held_bytes, pinned_blocks=store.pinned_blocks, pinned_bytes=store.pinned_bytes,
-                capacity_bytes=store.capacity_bytes, evictions=evictions, expirations=evictions.get("ttl", 0),
-                collisions=store.counters.collisions, hits_by_outcome=dict(counters.outcomes),
-                tier_hits=self._tier_stack.promoted_blocks, tenant=tenant,
+                requests=counters.requests,
+                queried_tokens=counters.queried_tokens,
+                hit_tokens=counters.hit_tokens,
+                written_tokens=counters.written_tokens,
+                blocks=blocks,
+                bytes=held_bytes,
+                pinned_blocks=store.pinned_blocks,
+                pinned_bytes=store.pinned_bytes,
+                capacity_bytes=store.capacity_bytes,
+                evictions=evictions,
+                expirations=evictions.get("ttl", 0),
+                collisions=store.counters.collisions,
+                hits_by_outcome=dict(counters.outcomes),
+                tier_hits=self._tier_stack.promoted_blocks,
+                tenant=tenant,
             )
 
     def _totals(self) -> TenantCounters:

@@ -113,9 +113,10 @@ class RunTree:
         run_keys = run.keys
         offset = at - run.depth
         length = len(run_keys)
-        if not (0 <= offset < length and run_keys[offset] == keys[at]) or (
-            run_keys[offset - 1] if offset else run.parent
-        ) != parent:
+        if (
+            not (0 <= offset < length and run_keys[offset] == keys[at])
+            or (run_keys[offset - 1] if offset else run.parent) != parent
+        ):
             self.counters.collisions += 1
             return run, 0, True
         count = min(length - offset, stop - at)
@@ -185,8 +186,20 @@ class RunTree:
             return run
         step = run.step
         cut = offset + 1
-        head = Run(run.keys[:cut], run.packed[: cut * step], run.payloads[:cut], run.sizes[:cut], run.unit,
-                   run.depth, run.parent, run.namespace, run.tenant, run.ttl_s, run.last_used, run.up)
+        head = Run(
+            run.keys[:cut],
+            run.packed[: cut * step],
+            run.payloads[:cut],
+            run.sizes[:cut],
+            run.unit,
+            run.depth,
+            run.parent,
+            run.namespace,
+            run.tenant,
+            run.ttl_s,
+            run.last_used,
+            run.up,
+        )
         head.pin_count = run.pin_count
         head.n_children = 1
         index = self._index
@@ -218,9 +231,20 @@ class RunTree:
 
     # ------------------------------------------------------------------ structure changes
     def _add_runs(
-        self, keys: list[BlockHash], packed: bytes, step: int, first: int, stop: int, up: Run | None,
-        payloads: list[Any] | None, sizes: list[int], unit: int, namespace: bytes, tenant: str,
-        ttls: list[float], now: float,
+        self,
+        keys: list[BlockHash],
+        packed: bytes,
+        step: int,
+        first: int,
+        stop: int,
+        up: Run | None,
+        payloads: list[Any] | None,
+        sizes: list[int],
+        unit: int,
+        namespace: bytes,
+        tenant: str,
+        ttls: list[float],
+        now: float,
     ) -> Run:
         """New runs for blocks ``first..stop-1`` of ``keys`` (none stored), the first a child of
         ``up``'s tail: one run per TTL class they span. Returns the last. ``payloads`` (None:
@@ -230,9 +254,20 @@ class RunTree:
         index = self._index
         if ttls[stop - 1] == ttls[first]:  # one TTL class, the usual case: one run
             run_keys = keys[first:stop]
-            run = Run(run_keys, packed[first * step : stop * step],
-                      [None] * (stop - first) if payloads is None else payloads, sizes, unit, first, parent,
-                      namespace, tenant, float(ttls[first]), now, up)
+            run = Run(
+                run_keys,
+                packed[first * step : stop * step],
+                [None] * (stop - first) if payloads is None else payloads,
+                sizes,
+                unit,
+                first,
+                parent,
+                namespace,
+                tenant,
+                float(ttls[first]),
+                now,
+                up,
+            )
             if run_keys[0] not in index:  # (taken only by a hash collision: then unreachable by key)
                 index[run_keys[0]] = run
             self._runs[run] = None
@@ -248,8 +283,20 @@ class RunTree:
             else:
                 run_payloads = payloads[start - first : end - first]
             run_sizes = sizes[start - first : end - first]
-            run = Run(run_keys, packed[start * step : end * step], run_payloads, run_sizes, unit, start,
-                      parent, namespace, tenant, ttl, now, up)
+            run = Run(
+                run_keys,
+                packed[start * step : end * step],
+                run_payloads,
+                run_sizes,
+                unit,
+                start,
+                parent,
+                namespace,
+                tenant,
+                ttl,
+                now,
+                up,
+            )
             if end < stop:
                 run.n_children = 1
             if run_keys[0] not in index:

@@ -30,7 +30,14 @@ from prefixcache.cache.config import DEFAULTS
 from prefixcache.cache.keys import BlockHash
 
 __all__ = [
-    "Block", "BlockStore", "CacheFullError", "Listener", "PayloadFn", "PinBudgetExceeded", "Run", "Segment",
+    "Block",
+    "BlockStore",
+    "CacheFullError",
+    "Listener",
+    "PayloadFn",
+    "PinBudgetExceeded",
+    "Run",
+    "Segment",
     "StoreCounters",
 ]
 
@@ -71,8 +78,17 @@ class BlockStore(BudgetedTree):
         return count, segments
 
     def write_chain(
-        self, keys: list[BlockHash], packed: bytes, step: int, start: int, stop: int, held: Run | None,
-        payload_fn: PayloadFn | None, namespace: bytes, tenant: str, ttls: list[float],
+        self,
+        keys: list[BlockHash],
+        packed: bytes,
+        step: int,
+        start: int,
+        stop: int,
+        held: Run | None,
+        payload_fn: PayloadFn | None,
+        namespace: bytes,
+        tenant: str,
+        ttls: list[float],
         uniform_nbytes: int | None = None,
     ) -> tuple[int, list[tuple[int, int]], bool, Run | None]:
         """Store the blocks ``start..stop-1`` of the chain ``keys`` not stored yet, then hold the
@@ -105,8 +121,21 @@ class BlockStore(BudgetedTree):
                 parent_run = last
                 if at < parent_run.depth + len(parent_run.keys):  # a new branch off the middle of a run
                     parent_run = last = self.split(parent_run, at - 1 - parent_run.depth)
-            inserted, no_room, run = self._insert(keys, packed, step, at, stop, parent_run, payload_fn,
-                                                  namespace, tenant, ttls, uniform_nbytes, True, now)
+            inserted, no_room, run = self._insert(
+                keys,
+                packed,
+                step,
+                at,
+                stop,
+                parent_run,
+                payload_fn,
+                namespace,
+                tenant,
+                ttls,
+                uniform_nbytes,
+                True,
+                now,
+            )
             if inserted:
                 ranges.append((at, inserted))
                 last = run
@@ -119,8 +148,14 @@ class BlockStore(BudgetedTree):
         return at, ranges, short, held
 
     def hold_chain(
-        self, keys: list[BlockHash], start: int, stop: int, ttls: list[float], run: Run | None = None,
-        previous: Run | None = None, now: float | None = None,
+        self,
+        keys: list[BlockHash],
+        start: int,
+        stop: int,
+        ttls: list[float],
+        run: Run | None = None,
+        previous: Run | None = None,
+        now: float | None = None,
     ) -> Run:
         """Take a reference on block ``stop - 1`` of the stored chain ``keys`` and refresh it,
         dropping the reference on ``previous`` (the caller's, or None); raise the blocks of

@@ -20,8 +20,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 trace_app = typer.Typer(
-    name="trace", help="Request traces: make synthetic ones (the format is documented in docs/ops.md).",
-    no_args_is_help=True, rich_markup_mode="rich",
+    name="trace",
+    help="Request traces: make synthetic ones (the format is documented in docs/ops.md).",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
 )
 
 
@@ -33,8 +35,16 @@ def _progress() -> Progress:
     # all when stderr is not a terminal: the redraw thread takes the GIL from the replay loop
     # (at 10 redraws a second a piped `simulate` of 10^5 requests took 40% longer).
     console = Console(stderr=True)
-    return Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
-                    transient=True, console=console, refresh_per_second=2, disable=not console.is_terminal)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TimeElapsedColumn(),
+        transient=True,
+        console=console,
+        refresh_per_second=2,
+        disable=not console.is_terminal,
+    )
 
 
 def _check_file(path: Path) -> None:
@@ -75,16 +85,25 @@ def synth(
     out: Annotated[Path, typer.Argument(help="Output trace (JSONL; .gz compresses).")],
     endpoint: Annotated[
         list[str] | None,
-        typer.Option("--endpoint", "-e", help=(
-            "Endpoint spec, repeatable: name:rate=2,system=1500,user=48,output=128,bust=timestamp|epoch|uuid|"
-            "hex_id|counter,bust_at=top|middle|bottom,deploys=600;1800,turns=3,tenant=acme,arrival=poisson|bursty|diurnal. "
-            "Default: a five-endpoint scenario (clean chat, timestamp at the top, uuid mid-prompt, deploys, a quiet one)."
-        )),
+        typer.Option(
+            "--endpoint",
+            "-e",
+            help=(
+                "Endpoint spec, repeatable: name:rate=2,system=1500,user=48,output=128,"
+                "bust=timestamp|epoch|uuid|hex_id|counter,bust_at=top|middle|bottom,deploys=600;1800,"
+                "turns=3,tenant=acme,arrival=poisson|bursty|diurnal. Default: a five-endpoint scenario "
+                "(clean chat, timestamp at the top, uuid mid-prompt, deploys, a quiet one)."
+            ),
+        ),
     ] = None,
-    requests: Annotated[int | None, typer.Option("--requests", "-n", help="Total requests (sets the duration).")] = 10_000,
+    requests: Annotated[
+        int | None, typer.Option("--requests", "-n", help="Total requests (sets the duration).")
+    ] = 10_000,
     duration: Annotated[float | None, typer.Option(help="Seconds of traffic instead of --requests.")] = None,
     seed: Annotated[int, typer.Option(help="Seed: same seed and specs, same file.")] = 0,
-    tokenizer: Annotated[str, typer.Option(help="bytes (one token per byte: instant), default (SmolLM2) or a folder.")] = "bytes",
+    tokenizer: Annotated[
+        str, typer.Option(help="bytes (one token per byte: instant), default (SmolLM2) or a folder.")
+    ] = "bytes",
 ) -> None:
     """Write a seeded synthetic trace of the scenarios that make or break prompt caching."""
     from rich.console import Console
@@ -97,8 +116,15 @@ def synth(
         raise typer.BadParameter(str(exc), param_hint="--endpoint") from None
     with _progress() as prog:
         task = prog.add_task("synthesizing", total=requests)
-        res = synthesize(out, specs, requests=None if duration else requests, duration_s=duration, seed=seed,
-                         tokenizer=tokenizer, progress=lambda k: prog.update(task, completed=k))
+        res = synthesize(
+            out,
+            specs,
+            requests=None if duration else requests,
+            duration_s=duration,
+            seed=seed,
+            tokenizer=tokenizer,
+            progress=lambda k: prog.update(task, completed=k),
+        )
     Console().print(f"wrote {res.requests:,} requests ({res.duration_s:,.0f} s of traffic) to {res.path}")
     for p in res.planted:
         Console().print(f"  planted: {p['kind']} in {p['endpoint']} at token {p['start_token']} ({p['at']})")
@@ -109,12 +135,26 @@ def audit(
     ttl: Annotated[str, typer.Option(help="Cache TTL: 300, 5m, 1h.")] = "300",
     html: Annotated[Path | None, typer.Option("--html", help="Write an HTML report with plots.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
-    plots: Annotated[Path | None, typer.Option(help="Also save the plots as PNG files in this folder.")] = None,
-    tokenizer: Annotated[str | None, typer.Option(help="Tokenizer for text prompts and span decoding (default: the trace header's, else SmolLM2).")] = None,
+    plots: Annotated[
+        Path | None, typer.Option(help="Also save the plots as PNG files in this folder.")
+    ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            help="Tokenizer for text prompts and span decoding (default: the trace header's, else SmolLM2)."
+        ),
+    ] = None,
     block_size: Annotated[int, typer.Option(help="Tokens per cache block.")] = 16,
-    align: Annotated[int | None, typer.Option(help="Hits end on a multiple of this many tokens (the engine's prefill chunk).")] = None,
-    pricing: Annotated[str, typer.Option(help="anthropic | openai | self-hosted: prices savings and keep-warm.")] = "anthropic",
-    min_shared: Annotated[int, typer.Option(help="A busting span must sit above at least this many shared tokens.")] = 64,
+    align: Annotated[
+        int | None,
+        typer.Option(help="Hits end on a multiple of this many tokens (the engine's prefill chunk)."),
+    ] = None,
+    pricing: Annotated[
+        str, typer.Option(help="anthropic | openai | self-hosted: prices savings and keep-warm.")
+    ] = "anthropic",
+    min_shared: Annotated[
+        int, typer.Option(help="A busting span must sit above at least this many shared tokens.")
+    ] = 64,
 ) -> None:
     """Why the hit rate is what it is: cache-busting spans, prefix stability, TTL against traffic.
 
@@ -130,8 +170,14 @@ def audit(
     from prefixcache.analysis.trace import TraceFormatError
 
     _check_file(trace)
-    cfg = AuditConfig(ttl_s=parse_duration(ttl), block_size=block_size, align_tokens=align, pricing=pricing,
-                      tokenizer=tokenizer, min_shared_tokens=min_shared)
+    cfg = AuditConfig(
+        ttl_s=parse_duration(ttl),
+        block_size=block_size,
+        align_tokens=align,
+        pricing=pricing,
+        tokenizer=tokenizer,
+        min_shared_tokens=min_shared,
+    )
     with _progress() as prog:
         try:
             res = audit_file(trace, cfg, tokenizer=tokenizer, progress=_Stages(prog))
@@ -155,16 +201,42 @@ def simulate(
     ttl: Annotated[str, typer.Option(help="Cache TTL: 300, 5m, 1h.")] = "300",
     capacity: Annotated[str, typer.Option(help="Cache bytes per replica: 16GiB, 512MiB, inf.")] = "16GiB",
     block_size: Annotated[int, typer.Option(help="Tokens per cache block.")] = 16,
-    align: Annotated[int | None, typer.Option(help="Hits end on a multiple of this many tokens and only complete chunks are stored, as in the engine (prefixcache serve: 512). Default: the block size.")] = None,
+    align: Annotated[
+        int | None,
+        typer.Option(
+            help="Hits end on a multiple of this many tokens and only complete chunks are stored "
+            "(0.1's engine: 512). Default: the block size, as the engine does now."
+        ),
+    ] = None,
     replicas: Annotated[int, typer.Option(help="Number of replicas, each with its own cache.")] = 1,
-    routing: Annotated[str, typer.Option(help="round-robin | random | least-loaded | prefix-affinity | cache-aware")] = "round-robin",
-    keep_warm: Annotated[str | None, typer.Option(help="auto (the audit's candidates) or FILE (audit --json output, or lines endpoint=prefix_tokens).")] = None,
-    prefill_tps: Annotated[float | None, typer.Option(help="Prefill tokens/s (default: benchmarks/results/calibration.json, else 450).")] = None,
-    calibration: Annotated[Path, typer.Option(help="Calibration written by `prefixcache bench`.")] = Path("benchmarks/results/calibration.json"),
-    kv_bytes_per_token: Annotated[int | None, typer.Option(help="Cache bytes per token (default: SmolLM2 float32, 46,080).")] = None,
-    pricing: Annotated[list[str] | None, typer.Option(help="Pricing profile(s), repeatable: anthropic, openai, self-hosted.")] = None,
+    routing: Annotated[
+        str, typer.Option(help="round-robin | random | least-loaded | prefix-affinity | cache-aware")
+    ] = "round-robin",
+    keep_warm: Annotated[
+        str | None,
+        typer.Option(
+            help="auto (the audit's candidates) or FILE (audit --json output, "
+            "or lines endpoint=prefix_tokens)."
+        ),
+    ] = None,
+    prefill_tps: Annotated[
+        float | None,
+        typer.Option(help="Prefill tokens/s (default: benchmarks/results/calibration.json, else 450)."),
+    ] = None,
+    calibration: Annotated[Path, typer.Option(help="Calibration written by `prefixcache bench`.")] = Path(
+        "benchmarks/results/calibration.json"
+    ),
+    kv_bytes_per_token: Annotated[
+        int | None, typer.Option(help="Cache bytes per token (default: SmolLM2 float32, 46,080).")
+    ] = None,
+    pricing: Annotated[
+        list[str] | None, typer.Option(help="Pricing profile(s), repeatable: anthropic, openai, self-hosted.")
+    ] = None,
     gpu_hour: Annotated[float, typer.Option(help="self-hosted: dollars per GPU-hour.")] = 2.0,
-    sweep: Annotated[str | None, typer.Option(help="ttl=60,300,900,3600 or capacity=1GiB,4GiB (also replicas=, block_size=).")] = None,
+    sweep: Annotated[
+        str | None,
+        typer.Option(help="ttl=60,300,900,3600 or capacity=1GiB,4GiB (also replicas=, block_size=)."),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
     plot: Annotated[Path | None, typer.Option(help="With --sweep: save the curve as PNG.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random routing.")] = 0,
@@ -188,7 +260,9 @@ def simulate(
     if routing not in ROUTINGS:
         raise typer.BadParameter(f"choose one of {', '.join(ROUTINGS)}", param_hint="--routing")
     if plot and not sweep:
-        raise typer.BadParameter("--plot draws a sweep's curve: add --sweep ttl=60,300,900", param_hint="--plot")
+        raise typer.BadParameter(
+            "--plot draws a sweep's curve: add --sweep ttl=60,300,900", param_hint="--plot"
+        )
     profiles = tuple(pricing or PROFILES)
     for p in profiles:
         if p not in PROFILES:
@@ -196,9 +270,18 @@ def simulate(
     model = cost_model(prefill_tps, calibration)
     if kv_bytes_per_token:
         model = replace(model, kv_bytes_per_token=kv_bytes_per_token)
-    cfg = SimConfig(ttl_s=parse_duration(ttl), capacity_bytes=parse_size(capacity), block_size=block_size,
-                    align_tokens=align, replicas=replicas, routing=routing, seed=seed, cost=model,
-                    pricing=profiles, gpu_hour=gpu_hour)
+    cfg = SimConfig(
+        ttl_s=parse_duration(ttl),
+        capacity_bytes=parse_size(capacity),
+        block_size=block_size,
+        align_tokens=align,
+        replicas=replicas,
+        routing=routing,
+        seed=seed,
+        cost=model,
+        pricing=profiles,
+        gpu_hour=gpu_hour,
+    )
     console = Console(stderr=json_out)
     if not sweep and not keep_warm:
         # One run, streamed: a reader process parses the file while this one replays.
@@ -218,7 +301,9 @@ def simulate(
         from prefixcache.analysis.audit import AuditConfig
         from prefixcache.analysis.audit import audit as run_audit
 
-        a = run_audit(tr, AuditConfig(ttl_s=cfg.ttl_s, block_size=block_size, align_tokens=align, replay=False))
+        a = run_audit(
+            tr, AuditConfig(ttl_s=cfg.ttl_s, block_size=block_size, align_tokens=align, replay=False)
+        )
         cfg.keep_warm = {e["endpoint"]: e["keep_warm_prefix_tokens"] for e in a.endpoints if e["keep_warm"]}
         console.print(f"keep-warm (auto): {', '.join(cfg.keep_warm) or 'no endpoint qualifies'}")
     elif keep_warm:
@@ -229,13 +314,19 @@ def simulate(
                 name, raw = parse_sweep(sweep)
             except ValueError as exc:
                 raise typer.BadParameter(str(exc), param_hint="--sweep") from None
-            field, conv = {"ttl": ("ttl_s", parse_duration), "capacity": ("capacity_bytes", parse_size),
-                           "replicas": ("replicas", int), "block_size": ("block_size", int)}[name]
+            field, conv = {
+                "ttl": ("ttl_s", parse_duration),
+                "capacity": ("capacity_bytes", parse_size),
+                "replicas": ("replicas", int),
+                "block_size": ("block_size", int),
+            }[name]
             values = [conv(v) for v in raw]
             results = []
             for label, v in zip(raw, values, strict=True):
                 task = prog.add_task(f"{name}={label}", total=len(tr))
-                results.extend(run_sweep(tr, cfg, field, [v], progress=lambda k, t=task: prog.update(t, completed=k)))
+                results.extend(
+                    run_sweep(tr, cfg, field, [v], progress=lambda k, t=task: prog.update(t, completed=k))
+                )
                 prog.update(task, completed=len(tr))
         else:
             task = prog.add_task("simulating", total=len(tr))

@@ -191,7 +191,8 @@ def cluster(
             binary = shutil.which("redis-server")
             if binary is None:
                 raise typer.BadParameter(
-                    "redis-server not found: install it (apt-get install redis-server), pass --redis URL, or --no-redis"
+                    "redis-server not found: install it (apt-get install redis-server), "
+                    "pass --redis URL, or --no-redis"
                 )
             rport = free_port()
             procs.append(

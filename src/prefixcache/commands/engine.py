@@ -14,15 +14,25 @@ from typing import Annotated
 import typer
 
 ModelOpt = Annotated[
-    str | None, typer.Option("--model", "-m", help="A .gguf file or Hugging Face model folder (default: embedded SmolLM2-135M-Instruct).")
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="A .gguf file or Hugging Face model folder (default: embedded SmolLM2-135M-Instruct).",
+    ),
 ]
 DtypeOpt = Annotated[
     str | None,
-    typer.Option(help="Compute dtype: float32 or bfloat16 (default: bfloat16 on CPUs with bf16 instructions "
-                 "and on CUDA, else float32; the hf runner: float32)."),
+    typer.Option(
+        help="Compute dtype: float32 or bfloat16 (default: bfloat16 on CPUs with bf16 instructions "
+        "and on CUDA, else float32; the hf runner: float32)."
+    ),
 ]
 RunnerOpt = Annotated[
-    str, typer.Option(help="auto (the own batched runner for Llama-family models), llama, or hf (the 0.1 runner).")
+    str,
+    typer.Option(
+        help="auto (the own batched runner for Llama-family models), llama, or hf (the 0.1 runner)."
+    ),
 ]
 ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads (default: all cores).")]
 
@@ -33,7 +43,9 @@ def _fail(exc: Exception) -> None:
 
 
 def generate(
-    prompt: Annotated[str | None, typer.Argument(help="A raw prompt (no chat template). Or use --user.")] = None,
+    prompt: Annotated[
+        str | None, typer.Argument(help="A raw prompt (no chat template). Or use --user.")
+    ] = None,
     system: Annotated[str | None, typer.Option(help="System message (chat mode).")] = None,
     user: Annotated[str | None, typer.Option(help="User message (chat mode).")] = None,
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 64,
@@ -45,7 +57,9 @@ def generate(
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Run with the prefix cache off.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, usage, ttft_s.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object: text, usage, ttft_s.")
+    ] = False,
 ) -> None:
     """Generate a completion and print it with its usage (prompt, cached, written tokens, TTFT)."""
     from rich.console import Console
@@ -58,16 +72,30 @@ def generate(
     try:
         engine = Engine(model, runner=runner, dtype=dtype, threads=threads, enable_cache=not no_cache)
         if prompt is not None and user is None:
-            r = engine.generate(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+            r = engine.generate(
+                prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
+            )
         else:
-            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user or prompt}]
-            r = engine.generate(messages=msgs, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+            msgs = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": user or prompt}
+            ]
+            r = engine.generate(
+                messages=msgs, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
+            )
     except ValueError as exc:
         _fail(exc)
         return
     if as_json:
-        typer.echo(json.dumps({"text": r.text, "usage": r.usage.as_dict(), "ttft_s": r.ttft_s,
-                               "finish_reason": r.finish_reason}))
+        typer.echo(
+            json.dumps(
+                {
+                    "text": r.text,
+                    "usage": r.usage.as_dict(),
+                    "ttft_s": r.ttft_s,
+                    "finish_reason": r.finish_reason,
+                }
+            )
+        )
         return
     console = Console()
     console.print(r.text)
@@ -75,8 +103,14 @@ def generate(
     for col in ("prompt", "cached", "written", "completion", "TTFT (s)", "finish"):
         t.add_column(col, justify="right")
     u = r.usage
-    t.add_row(str(u.prompt_tokens), str(u.cached_tokens), str(u.cache_write_tokens), str(u.completion_tokens),
-              f"{r.ttft_s:.3f}", r.finish_reason)
+    t.add_row(
+        str(u.prompt_tokens),
+        str(u.cached_tokens),
+        str(u.cache_write_tokens),
+        str(u.completion_tokens),
+        f"{r.ttft_s:.3f}",
+        r.finish_reason,
+    )
     console.print(t)
 
 
@@ -108,12 +142,26 @@ def demo(
         rows, cold = run_demo(chosen, max_tokens=max_tokens, progress=lambda m: status.update(f"flow {m}"))
     kind = "own runner, any 16-token block" if isinstance(chosen, LlamaRunner) else "HF runner, chunk 512"
     t = Table(title=f"prefix caching flows ({chosen.name}, {chosen.dtype_name}, {kind})")
-    for col, just in (("flow", "left"), ("requests", "right"), ("hit rate", "right"), ("cached tokens", "right"),
-                      ("TTFT (s)", "right"), ("speedup", "right"), ("what it shows", "left")):
+    for col, just in (
+        ("flow", "left"),
+        ("requests", "right"),
+        ("hit rate", "right"),
+        ("cached tokens", "right"),
+        ("TTFT (s)", "right"),
+        ("speedup", "right"),
+        ("what it shows", "left"),
+    ):
         t.add_column(col, justify=just)  # type: ignore[arg-type]
     for r in rows:
-        t.add_row(r.flow, str(r.requests), f"{r.hit_rate:.0%}", f"{r.cached_tokens:,}", f"{r.ttft_s:.3f}",
-                  f"{r.speedup(cold):.1f}x", r.note)
+        t.add_row(
+            r.flow,
+            str(r.requests),
+            f"{r.hit_rate:.0%}",
+            f"{r.cached_tokens:,}",
+            f"{r.ttft_s:.3f}",
+            f"{r.speedup(cold):.1f}x",
+            r.note,
+        )
     console.print(t)
     console.print("TTFT: median after each flow's first request; speedup: the flow's cold TTFT over that.")
 
@@ -123,9 +171,13 @@ def bench(
     tail: Annotated[int, typer.Option(help="Uncached tail tokens after the prefix.")] = 64,
     repeats: Annotated[int, typer.Option(help="Repeats per figure (medians).")] = 3,
     prefill_chunk: Annotated[int | None, typer.Option(help="Prefill chunk (default: the engine's).")] = None,
-    out: Annotated[Path, typer.Option(help="Where engine.md, engine_ttft.png, calibration.json go.")] = Path("benchmarks/results"),
+    out: Annotated[Path, typer.Option(help="Where engine.md, engine_ttft.png, calibration.json go.")] = Path(
+        "benchmarks/results"
+    ),
     model: ModelOpt = None,
-    runners: Annotated[str, typer.Option(help="Comma-separated runners to measure in this run: llama, hf.")] = "llama,hf",
+    runners: Annotated[
+        str, typer.Option(help="Comma-separated runners to measure in this run: llama, hf.")
+    ] = "llama,hf",
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
@@ -142,16 +194,29 @@ def bench(
     try:
         sizes = [int(x) for x in lengths.split(",") if x.strip()]
     except ValueError as exc:
-        raise typer.BadParameter("lengths must be integers, e.g. 256,512,1024", param_hint="--lengths") from exc
+        raise typer.BadParameter(
+            "lengths must be integers, e.g. 256,512,1024", param_hint="--lengths"
+        ) from exc
     kinds = [k.strip() for k in runners.split(",") if k.strip()]
     if not kinds or any(k not in ("llama", "hf") for k in kinds):
-        raise typer.BadParameter("runners must be a comma-separated list of llama and hf", param_hint="--runners")
+        raise typer.BadParameter(
+            "runners must be a comma-separated list of llama and hf", param_hint="--runners"
+        )
     with console.status("loading the model") as status:
         try:
             base = ModelRunner.load(model, threads=threads)
-            res = [run_bench(select_runner(base, kind, dtype if kind == "llama" else None), kind=kind,
-                             lengths=sizes, tail=tail, repeats=repeats, prefill_chunk=prefill_chunk,
-                             progress=lambda m: status.update(m)) for kind in kinds]
+            res = [
+                run_bench(
+                    select_runner(base, kind, dtype if kind == "llama" else None),
+                    kind=kind,
+                    lengths=sizes,
+                    tail=tail,
+                    repeats=repeats,
+                    prefill_chunk=prefill_chunk,
+                    progress=lambda m: status.update(m),
+                )
+                for kind in kinds
+            ]
         except ValueError as exc:
             _fail(exc)
             return

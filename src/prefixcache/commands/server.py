@@ -10,8 +10,19 @@ import typer
 
 from prefixcache.cache.config import DEFAULTS
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -26,8 +37,9 @@ def serve(
     ctx: typer.Context,
     model: Annotated[
         str | None,
-        typer.Argument(help="A GGUF file or Hugging Face model folder. Default: the embedded "
-                       "SmolLM2-135M-Instruct."),
+        typer.Argument(
+            help="A GGUF file or Hugging Face model folder. Default: the embedded SmolLM2-135M-Instruct."
+        ),
     ] = None,
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
@@ -36,46 +48,56 @@ def serve(
         typer.Option(
             "--api-keys",
             envvar="PREFIXCACHE_API_KEYS_FILE",
-            help="Key file mapping API keys to tenants: a JSON object {\"key\": \"tenant\"} or 'key: tenant' "
+            help='Key file mapping API keys to tenants: a JSON object {"key": "tenant"} or \'key: tenant\' '
             "lines (or the same text in $PREFIXCACHE_API_KEYS). Without keys there is one 'default' tenant "
             "and no authentication, which only a loopback --host allows by default.",
         ),
     ] = None,
     allow_unauthenticated: Annotated[
         bool,
-        typer.Option("--allow-unauthenticated",
-                     help="Serve on a non-loopback --host without API keys (every client that can reach it "
-                     "is trusted: cached_tokens tells a caller what others sent)."),
+        typer.Option(
+            "--allow-unauthenticated",
+            help="Serve on a non-loopback --host without API keys (every client that can reach it "
+            "is trusted: cached_tokens tells a caller what others sent).",
+        ),
     ] = False,
     max_queue: Annotated[
         int, typer.Option(min=1, help="Generation requests in flight (running or waiting) before 429 / 529.")
     ] = 64,
     tenant_queue_share: Annotated[
         float,
-        typer.Option(min=0.01, max=1.0,
-                     help="With two tenants or more, the share of --max-queue one tenant may hold "
-                     "(then 429).")
+        typer.Option(
+            min=0.01,
+            max=1.0,
+            help="With two tenants or more, the share of --max-queue one tenant may hold (then 429).",
+        ),
     ] = 0.5,
     max_body_bytes: Annotated[
         str | None,
-        typer.Option(help="Largest request body (413 beyond, before parsing), e.g. 8MiB. Default: 8 MiB, or "
-                     "32 bytes per context token for longer contexts."),
+        typer.Option(
+            help="Largest request body (413 beyond, before parsing), e.g. 8MiB. Default: 8 MiB, or "
+            "32 bytes per context token for longer contexts."
+        ),
     ] = None,
     trace_log: Annotated[
         Path | None,
-        typer.Option("--trace-log",
-                     help="Append one JSONL line per request (trace format v1); created 0600."),
+        typer.Option(
+            "--trace-log", help="Append one JSONL line per request (trace format v1); created 0600."
+        ),
     ] = None,
     trace_text: Annotated[
         bool,
-        typer.Option("--trace-text",
-                     help="Also write the prompt text into the trace log (default: ids only)."),
+        typer.Option(
+            "--trace-text", help="Also write the prompt text into the trace log (default: ids only)."
+        ),
     ] = False,
     trace_keys_only: Annotated[
         bool,
-        typer.Option("--trace-keys-only",
-                     help="Privacy mode: write salted block keys instead of token ids (no prompt content); "
-                     "audit and simulate still replay the trace."),
+        typer.Option(
+            "--trace-keys-only",
+            help="Privacy mode: write salted block keys instead of token ids (no prompt content); "
+            "audit and simulate still replay the trace.",
+        ),
     ] = False,
     ttl: Annotated[
         float, typer.Option(min=1.0, help="Default cache TTL in seconds (refreshed on every hit).")
@@ -86,23 +108,30 @@ def serve(
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per cache block.")] = DEFAULTS.block_size,
     prefill_chunk: Annotated[
         int | None,
-        typer.Option(min=1, help="Prefill tokens per engine step (a multiple of the block size; with "
-                     "--runner hf also the hit granularity). Default: 512."),
+        typer.Option(
+            min=1,
+            help="Prefill tokens per engine step (a multiple of the block size; with "
+            "--runner hf also the hit granularity). Default: 512.",
+        ),
     ] = None,
     runner: Annotated[
-        str, typer.Option(help="auto (the own batched runner for Llama-family models, else Hugging Face), "
-                          "llama, or hf (the 0.1 runner: one request at a time, 512-token hit granularity).")
+        str,
+        typer.Option(
+            help="auto (the own batched runner for Llama-family models, else Hugging Face), "
+            "llama, or hf (the 0.1 runner: one request at a time, 512-token hit granularity)."
+        ),
     ] = "auto",
     dtype: Annotated[
-        str | None, typer.Option(help="Compute (and KV) dtype: float32 or bfloat16. Default: bfloat16 on "
-                                 "CPUs with bf16 instructions and on CUDA, float32 elsewhere.")
+        str | None,
+        typer.Option(
+            help="Compute (and KV) dtype: float32 or bfloat16. Default: bfloat16 on "
+            "CPUs with bf16 instructions and on CUDA, float32 elsewhere."
+        ),
     ] = None,
     max_batch: Annotated[
         int, typer.Option(min=1, help="Requests computed together in each engine step.")
     ] = 16,
-    threads: Annotated[
-        int | None, typer.Option(min=1, help="Compute threads (default: all cores).")
-    ] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="Compute threads (default: all cores).")] = None,
     model_name: Annotated[
         str | None, typer.Option(help="The model id clients must send. Default: the model's name.")
     ] = None,
@@ -117,24 +146,35 @@ def serve(
     ] = None,
     salt_secret_file: Annotated[
         Path | None,
-        typer.Option("--salt-secret-file", envvar="PREFIXCACHE_SALT_SECRET_FILE",
-                     help="Read the salt secret from this file (its first line's text)."),
+        typer.Option(
+            "--salt-secret-file",
+            envvar="PREFIXCACHE_SALT_SECRET_FILE",
+            help="Read the salt secret from this file (its first line's text).",
+        ),
     ] = None,
     redis_url: Annotated[
         str | None,
-        typer.Option("--redis", envvar="PREFIXCACHE_REDIS_URL",
-                     help="Shared Redis tier, e.g. redis://127.0.0.1:6379/0: replicas share cached blocks."),
+        typer.Option(
+            "--redis",
+            envvar="PREFIXCACHE_REDIS_URL",
+            help="Shared Redis tier, e.g. redis://127.0.0.1:6379/0: replicas share cached blocks.",
+        ),
     ] = None,
     redis_sync_writes: Annotated[
         bool,
-        typer.Option("--redis-sync-writes",
-                     help="Write new blocks to Redis inside the commit (other replicas see them at once; "
-                     "one round trip per new block)."),
+        typer.Option(
+            "--redis-sync-writes",
+            help="Write new blocks to Redis inside the commit (other replicas see them at once; "
+            "one round trip per new block).",
+        ),
     ] = False,
     disk_cache: Annotated[
         Path | None,
-        typer.Option("--disk-cache", envvar="PREFIXCACHE_DISK_CACHE",
-                     help="Disk tier directory: a restarted server is warm for what it persisted."),
+        typer.Option(
+            "--disk-cache",
+            envvar="PREFIXCACHE_DISK_CACHE",
+            help="Disk tier directory: a restarted server is warm for what it persisted.",
+        ),
     ] = None,
     disk_cache_size: Annotated[str, typer.Option(help="Disk tier byte budget, e.g. 8GiB.")] = "8GiB",
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
@@ -153,8 +193,12 @@ def serve(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     source = ctx.get_parameter_source("salt_secret")
-    keys, salt_secret = _secrets(api_keys, salt_secret, salt_secret_file,
-                                 salt_on_argv=source is not None and source.name == "COMMANDLINE")
+    keys, salt_secret = _secrets(
+        api_keys,
+        salt_secret,
+        salt_secret_file,
+        salt_on_argv=source is not None and source.name == "COMMANDLINE",
+    )
     # No secret reaches a log: the tiers log their Redis URL, exceptions may quote a header.
     secrets = [*(keys or {}), salt_secret or "", redis_password(redis_url) or ""]
     redactor = install_redaction(RedactSecrets(secrets))
@@ -163,8 +207,9 @@ def serve(
         typer.echo(f"prefixcache: {refusal}", err=True)
         raise typer.Exit(2)
     if trace_text and trace_keys_only:
-        raise typer.BadParameter("--trace-keys-only writes no prompt content: drop --trace-text",
-                                 param_hint="--trace-keys-only")
+        raise typer.BadParameter(
+            "--trace-keys-only writes no prompt content: drop --trace-text", param_hint="--trace-keys-only"
+        )
     body_limit = parse_bytes(max_body_bytes) if max_body_bytes else None
     capacity_bytes = parse_bytes(capacity)
     try:
@@ -208,8 +253,9 @@ def serve(
         register_prometheus(engine.cache, app.state.prefixcache.metrics.registry)
     tiers = ", ".join(t.name for t in engine.cache.tiers) if engine.cache is not None else ""
     typer.echo(f"prefixcache: cache tiers below memory: {tiers or 'none'}")
-    typer.echo(f"prefixcache: serving '{name}' on http://{host}:{port} (OpenAI and Anthropic routes, "
-               "/metrics)")
+    typer.echo(
+        f"prefixcache: serving '{name}' on http://{host}:{port} (OpenAI and Anthropic routes, /metrics)"
+    )
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower())  # uvicorn's handlers
     install_redaction(redactor)
     server = uvicorn.Server(config)
@@ -243,15 +289,19 @@ def _secrets(
         log.warning("some API keys are shorter than %d characters: use long random keys", MIN_REDACTED_LEN)
     if salt_secret_file is not None:
         if salt_secret is not None:
-            raise typer.BadParameter("give the salt secret once: --salt-secret-file or --salt-secret "
-                                     "($PREFIXCACHE_SALT_SECRET)", param_hint="--salt-secret-file")
+            raise typer.BadParameter(
+                "give the salt secret once: --salt-secret-file or --salt-secret ($PREFIXCACHE_SALT_SECRET)",
+                param_hint="--salt-secret-file",
+            )
         try:
             return keys, read_secret_file(salt_secret_file, "salt secret")
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--salt-secret-file") from e
     if salt_secret and salt_on_argv:
-        log.warning("--salt-secret on the command line is visible to every local user (ps); "
-                    "use $PREFIXCACHE_SALT_SECRET or --salt-secret-file")
+        log.warning(
+            "--salt-secret on the command line is visible to every local user (ps); "
+            "use $PREFIXCACHE_SALT_SECRET or --salt-secret-file"
+        )
     return keys, salt_secret
 
 

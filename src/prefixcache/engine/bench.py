@@ -202,7 +202,9 @@ def run_bench(
     chunk = on.prefill_chunk
     prefill = _Prefill(runner)
     res = BenchResult(runner.name, label, runner.dtype_name, runner.threads, chunk, tail, repeats)
-    res.kv_bytes_per_token = 2 * runner.num_layers * runner.num_kv_heads * runner.head_dim * runner.dtype.itemsize
+    res.kv_bytes_per_token = (
+        2 * runner.num_layers * runner.num_kv_heads * runner.head_dim * runner.dtype.itemsize
+    )
     on.generate(prompt_token_ids=_ids(rng, 64, vocab), max_tokens=1)  # warm-up
     for n in lengths:
         say(f"TTFT, prefix {n} + tail {tail}")
@@ -223,7 +225,11 @@ def run_bench(
             floor.append(time.perf_counter() - t)
             del fresh
         paired = statistics.median(w / f for w, f in zip(warm, floor, strict=True))
-        res.rows.append(TtftRow(n, cached, statistics.median(cold), statistics.median(warm), statistics.median(floor), paired))
+        res.rows.append(
+            TtftRow(
+                n, cached, statistics.median(cold), statistics.median(warm), statistics.median(floor), paired
+            )
+        )
     n = max(lengths) + tail
     res.overhead_tokens = n
     say(f"0%-hit overhead, {n} tokens, cache on vs off")
@@ -279,12 +285,15 @@ def _section(res: BenchResult) -> list[str]:
         f"| 0%-hit overhead vs cache off ({res.overhead_tokens} tokens, TTFT + commit, paired) | "
         f"{res.overhead_paired:+.1%} (medians {res.miss_on_s:.3f} s vs {res.miss_off_s:.3f} s) | <= 2% |",
         f"| single-pass prefill ({res.prefill_tokens} tokens) | {res.single_pass_tps:.0f} tok/s | |",
-        f"| exact prefill ({res.prefill_chunk}-token {exact}) | {res.chunked_tps:.0f} tok/s ({res.exact_ratio:.1%}) "
+        f"| exact prefill ({res.prefill_chunk}-token {exact}) "
+        f"| {res.chunked_tps:.0f} tok/s ({res.exact_ratio:.1%}) "
         "| >= 90% |",
     ]
     if res.sdpa_tps:
-        lines.append(f"| single-pass prefill with SDPA attention (not invariant) | {res.sdpa_tps:.0f} tok/s "
-                     f"(invariant attention costs {res.sdpa_tps / res.single_pass_tps - 1:+.1%}) | <= 10% |")
+        lines.append(
+            f"| single-pass prefill with SDPA attention (not invariant) | {res.sdpa_tps:.0f} tok/s "
+            f"(invariant attention costs {res.sdpa_tps / res.single_pass_tps - 1:+.1%}) | <= 10% |"
+        )
     lines += [
         f"| decode, one stream | {res.decode_tps:.1f} tok/s | |",
         f"| hashing + lookup, {res.hash_tokens:,} tokens | {res.hash_lookup_ms:.2f} ms | <= 5 ms |",
@@ -319,7 +328,8 @@ def markdown(results: Sequence[BenchResult], command: str) -> str:
             f"{hf.single_pass_tps:.0f} | {own.single_pass_tps / hf.single_pass_tps:.2f}x | >= 2.4x |",
             f"| warm TTFT, {last_own.prefix} prefix (s) | {last_own.warm_s:.3f} | {last_hf.warm_s:.3f} | "
             f"{last_hf.warm_s / last_own.warm_s:.2f}x faster | |",
-            f"| warm / floor at {last_own.prefix} | {last_own.warm_over_floor:.2f}x | {last_hf.warm_over_floor:.2f}x "
+            f"| warm / floor at {last_own.prefix} | {last_own.warm_over_floor:.2f}x "
+            f"| {last_hf.warm_over_floor:.2f}x "
             "| | <= 1.1x |",
             f"| tokens read from the cache, prefixes {', '.join(str(r.prefix) for r in own.rows)} | "
             f"{sum(r.cached for r in own.rows):,} | {sum(r.cached for r in hf.rows):,} | | |",
@@ -341,7 +351,14 @@ def plot(results: Sequence[BenchResult], path: Path) -> None:
     for res, color in zip(results, ("tab:blue", "tab:orange", "tab:green"), strict=False):
         xs = [r.prefix for r in res.rows]
         ax.plot(xs, [r.cold_s * 1e3 for r in res.rows], "o-", color=color, label=f"{res.runner}: cold (miss)")
-        ax.plot(xs, [r.warm_s * 1e3 for r in res.rows], "s-", color=color, alpha=0.6, label=f"{res.runner}: warm (hit)")
+        ax.plot(
+            xs,
+            [r.warm_s * 1e3 for r in res.rows],
+            "s-",
+            color=color,
+            alpha=0.6,
+            label=f"{res.runner}: warm (hit)",
+        )
         ax.plot(xs, [r.floor_s * 1e3 for r in res.rows], ":", color=color, label=f"{res.runner}: floor")
     first = results[0]
     ax.set_xlabel(f"cached prefix length (tokens), + {first.tail}-token tail")

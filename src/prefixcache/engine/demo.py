@@ -21,15 +21,30 @@ from prefixcache.engine.types import GenerationResult
 Progress = Callable[[str], None]
 
 FEW_SHOT = [
-    ("Where is my order #1042?", "Order #1042 left our warehouse on Monday and should arrive within three days."),
-    ("Can I return a opened blender?", "Yes: opened small appliances can be returned within 30 days with the receipt."),
+    (
+        "Where is my order #1042?",
+        "Order #1042 left our warehouse on Monday and should arrive within three days.",
+    ),
+    (
+        "Can I return a opened blender?",
+        "Yes: opened small appliances can be returned within 30 days with the receipt.",
+    ),
     ("Do you ship to Norway?", "We ship to Norway; customs fees are paid by the recipient on delivery."),
-    ("My discount code SPRING10 fails.", "SPRING10 expired on May 31; I can offer FREESHIP for free delivery instead."),
+    (
+        "My discount code SPRING10 fails.",
+        "SPRING10 expired on May 31; I can offer FREESHIP for free delivery instead.",
+    ),
     ("How do I change my address?", "Open Account, then Addresses, edit the default address and save it."),
     ("Is the X200 vacuum cordless?", "The X200 is cordless, runs 45 minutes per charge and weighs 2.4 kg."),
 ]
-QUESTIONS = ["Do you sell gift cards?", "How long is the warranty on kettles?", "Can I pay with PayPal?",
-             "What are your opening hours?", "Is there a student discount?", "Can I cancel an order?"]
+QUESTIONS = [
+    "Do you sell gift cards?",
+    "How long is the warranty on kettles?",
+    "Can I pay with PayPal?",
+    "What are your opening hours?",
+    "Is there a student discount?",
+    "Can I cancel an order?",
+]
 
 
 def system_prompt(company: str, policy_version: int = 1, repeat: int = 6) -> str:
@@ -119,9 +134,13 @@ def flow_busting(
 ) -> tuple[FlowRow, FlowRow]:
     rows = []
     for where in ("top", "bottom"):
-        row = FlowRow(f"c. busting: id+time at {where}", "hit rate collapses" if where == "top" else "moved down: hits")
+        row = FlowRow(
+            f"c. busting: id+time at {where}", "hit rate collapses" if where == "top" else "moved down: hits"
+        )
         with _engine(runner, clock=FakeClock()) as e:
-            row.results = [_ask(e, s, QUESTIONS[0], max_tokens) for s in busting_prompts(requests, where, repeat)]
+            row.results = [
+                _ask(e, s, QUESTIONS[0], max_tokens) for s in busting_prompts(requests, where, repeat)
+            ]
         rows.append(row)
     return rows[0], rows[1]
 
@@ -131,10 +150,15 @@ def flow_ttl(runner: ModelRunner, max_tokens: int = 4, requests: int = 4, pin: b
     With ``pin`` the low-traffic prefix is pinned after its first request (keep-warm)."""
     clock = FakeClock()
     high = FlowRow("d. TTL 60 s, every 10 s", "high traffic stays warm")
-    low = FlowRow("e. keep-warm (pinned), every 10 min" if pin else "d. TTL 60 s, every 10 min",
-                  "pinned prefix survives the TTL" if pin else "gaps > TTL: every request misses")
+    low = FlowRow(
+        "e. keep-warm (pinned), every 10 min" if pin else "d. TTL 60 s, every 10 min",
+        "pinned prefix survives the TTL" if pin else "gaps > TTL: every request misses",
+    )
     sys_high, sys_low = system_prompt("Acme Home", repeat=3), system_prompt("Acme Garden", repeat=3)
-    events = sorted([(i * 10.0, "high", i) for i in range(requests)] + [(i * 600.0 + 5, "low", i) for i in range(requests)])
+    events = sorted(
+        [(i * 10.0, "high", i) for i in range(requests)]
+        + [(i * 600.0 + 5, "low", i) for i in range(requests)]
+    )
     with _engine(runner, clock=clock, default_ttl_s=60.0) as e:
         for t, which, i in events:
             clock.set(t)
@@ -144,11 +168,18 @@ def flow_ttl(runner: ModelRunner, max_tokens: int = 4, requests: int = 4, pin: b
                 continue
             low.results.append(_ask(e, sys_low, QUESTIONS[i % 6], max_tokens))
             if pin and i == 0:
-                e.pin(messages=[{"role": "system", "content": sys_low}, {"role": "user", "content": QUESTIONS[0]}])
+                e.pin(
+                    messages=[
+                        {"role": "system", "content": sys_low},
+                        {"role": "user", "content": QUESTIONS[0]},
+                    ]
+                )
     return [low] if pin else [high, low]
 
 
-def run_demo(runner: ModelRunner, *, max_tokens: int = 4, progress: Progress | None = None) -> tuple[list[FlowRow], float]:
+def run_demo(
+    runner: ModelRunner, *, max_tokens: int = 4, progress: Progress | None = None
+) -> tuple[list[FlowRow], float]:
     """All flows. Returns the rows and the cold TTFT (a miss on the long prompt) used for speedups."""
     say = progress or (lambda _m: None)
     rows: list[FlowRow] = []

@@ -70,8 +70,11 @@ class TextAssembler:
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level alphabet inverted: the printable character that stands for each byte
     in a byte-level BPE vocabulary (``Ġ`` for a space) -> that byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):

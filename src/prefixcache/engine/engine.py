@@ -82,6 +82,7 @@ def select_runner(base: ModelRunner, runner: str = "auto", dtype: str | None = N
     log.info("using the Hugging Face runner: %s", reason)
     return base
 
+
 CancelSignal = threading.Event | Callable[[], bool] | None
 
 
@@ -128,7 +129,8 @@ class Engine:
         chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK
         if chunk < block_size or chunk % block_size:
             raise ValueError(
-                f"prefill_chunk ({chunk}) must be a positive multiple of block_size ({block_size})")
+                f"prefill_chunk ({chunk}) must be a positive multiple of block_size ({block_size})"
+            )
         self.block_size = block_size
         self.prefill_chunk = chunk
         self.batched = isinstance(self.runner, LlamaRunner)
@@ -153,8 +155,14 @@ class Engine:
             self.pool, reserve = self._new_pool(kv_reserve_tokens)
             if self.cache is not None and self.cache.adopt is None:
                 self.cache.adopt = self.pool.adopt  # blocks promoted from a tier land in the pool
-            self._worker = BatchWorker(self, self.pool, reserve_blocks=reserve, max_batch=max_batch,
-                                       token_budget=chunk, max_queue=max_queue)
+            self._worker = BatchWorker(
+                self,
+                self.pool,
+                reserve_blocks=reserve,
+                max_batch=max_batch,
+                token_budget=chunk,
+                max_queue=max_queue,
+            )
         else:
             self._worker = SequentialWorker(self, max_queue=max_queue)
 
@@ -228,8 +236,9 @@ class Engine:
     def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         return render_chat(messages, self.tokenizer, add_generation_prompt=add_generation_prompt)
 
-    def render_ids(self, messages: Sequence[dict[str, Any]], *,
-                   add_generation_prompt: bool = True) -> list[int]:
+    def render_ids(
+        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
         return self.tokenize(self.render(messages, add_generation_prompt=add_generation_prompt))
 
     def prompt_ids(
@@ -253,7 +262,8 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
         if bad:
             raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary (0..{self.runner.vocab_size - 1})")
+                f"token id {bad[0]} is outside the vocabulary (0..{self.runner.vocab_size - 1})"
+            )
         return ids
 
     def count_tokens(
@@ -268,14 +278,16 @@ class Engine:
             raise InvalidRequestError("the cache is disabled on this engine (enable_cache=False)")
         return self.cache.namespace(self.fingerprint, tenant=tenant, salt=salt)
 
-    def pin(self, messages: Any = None, prompt: Any = None, *, tenant: str = "default",
-            salt: bytes = b"") -> int:
+    def pin(
+        self, messages: Any = None, prompt: Any = None, *, tenant: str = "default", salt: bytes = b""
+    ) -> int:
         """Keep-warm: pin the cached blocks of this prompt's prefix. Returns pinned tokens."""
         ids = self.prompt_ids(messages, prompt)
         return self.cache.pin(ids, self.namespace(tenant, salt)) if self.cache is not None else 0
 
-    def unpin(self, messages: Any = None, prompt: Any = None, *, tenant: str = "default",
-              salt: bytes = b"") -> int:
+    def unpin(
+        self, messages: Any = None, prompt: Any = None, *, tenant: str = "default", salt: bytes = b""
+    ) -> int:
         ids = self.prompt_ids(messages, prompt)
         return self.cache.unpin(ids, self.namespace(tenant, salt)) if self.cache is not None else 0
 
@@ -291,8 +303,9 @@ class Engine:
         with ``n`` choices counts its prompt once: its choices decode from one prefill."""
         return self._worker.prefilled_tokens
 
-    def generate(self, messages: Any = None, prompt: Any = None, prompt_token_ids: Any = None,
-                 **kw: Any) -> GenerationResult:
+    def generate(
+        self, messages: Any = None, prompt: Any = None, prompt_token_ids: Any = None, **kw: Any
+    ) -> GenerationResult:
         """Run one request to completion. Same arguments as :meth:`stream`."""
         result: GenerationResult | None = None
         for item in self.stream(messages, prompt, prompt_token_ids, **kw):
@@ -301,8 +314,9 @@ class Engine:
         assert result is not None  # the worker always ends a job with a result or an error
         return result
 
-    def generate_choices(self, messages: Any = None, prompt: Any = None, prompt_token_ids: Any = None,
-                         **kw: Any) -> Completion:
+    def generate_choices(
+        self, messages: Any = None, prompt: Any = None, prompt_token_ids: Any = None, **kw: Any
+    ) -> Completion:
         """Run one request with ``n`` choices to completion. Same arguments as :meth:`stream_choices`."""
         result: Completion | None = None
         for item in self.stream_choices(messages, prompt, prompt_token_ids, **kw):
@@ -323,7 +337,8 @@ class Engine:
         :meth:`stream_choices` except ``n`` (one choice)."""
         if kw.get("n", 1) != 1:
             raise InvalidRequestError(
-                "stream() and generate() give one choice: use stream_choices() for n > 1")
+                "stream() and generate() give one choice: use stream_choices() for n > 1"
+            )
         inner = self.stream_choices(messages, prompt, prompt_token_ids, **kw)
         try:
             for item in inner:
@@ -368,25 +383,58 @@ class Engine:
         releases its cache references before ``close()`` returns.
         """
         params = SamplingParams(temperature, top_p, top_k, seed)
-        job = self._prepare(messages, prompt, prompt_token_ids, params, max_tokens=max_tokens, stop=stop,
-                            tenant=tenant, salt=salt, ttl_s=ttl_s, ttl_plan=ttl_plan, cancel=cancel,
-                            return_logits=return_logits, n=n, logprobs=logprobs)
+        job = self._prepare(
+            messages,
+            prompt,
+            prompt_token_ids,
+            params,
+            max_tokens=max_tokens,
+            stop=stop,
+            tenant=tenant,
+            salt=salt,
+            ttl_s=ttl_s,
+            ttl_plan=ttl_plan,
+            cancel=cancel,
+            return_logits=return_logits,
+            n=n,
+            logprobs=logprobs,
+        )
         yield from self._worker.submit(job)
 
-    def _prepare(self, messages: Any, prompt: Any, ids_in: Any, params: SamplingParams, *, max_tokens: Any,
-                 stop: Any, tenant: str, salt: Any, ttl_s: Any, ttl_plan: Any, cancel: CancelSignal,
-                 return_logits: bool, n: Any, logprobs: Any) -> Job:
+    def _prepare(
+        self,
+        messages: Any,
+        prompt: Any,
+        ids_in: Any,
+        params: SamplingParams,
+        *,
+        max_tokens: Any,
+        stop: Any,
+        tenant: str,
+        salt: Any,
+        ttl_s: Any,
+        ttl_plan: Any,
+        cancel: CancelSignal,
+        return_logits: bool,
+        n: Any,
+        logprobs: Any,
+    ) -> Job:
         if self._worker.closed:
             raise EngineClosedError("this engine is closed; create a new Engine")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1; got {max_tokens!r}")
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.max_n:
             raise InvalidRequestError(
-                f"n must be an integer from 1 to {self.max_n} (this engine's max_batch); got {n!r}")
-        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
-                                     or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+                f"n must be an integer from 1 to {self.max_n} (this engine's max_batch); got {n!r}"
+            )
+        if logprobs is not None and (
+            not isinstance(logprobs, int)
+            or isinstance(logprobs, bool)
+            or not 0 <= logprobs <= MAX_TOP_LOGPROBS
+        ):
             raise InvalidRequestError(
-                f"logprobs must be None or an integer from 0 to {MAX_TOP_LOGPROBS}; got {logprobs!r}")
+                f"logprobs must be None or an integer from 0 to {MAX_TOP_LOGPROBS}; got {logprobs!r}"
+            )
         params.validate()
         ids = self.prompt_ids(messages, prompt, ids_in)
         if len(ids) + max_tokens > self.context_len:
@@ -399,11 +447,22 @@ class Engine:
         if ttl_s is not None and not ttl_s > 0:
             raise InvalidRequestError(f"ttl_s must be > 0 seconds; got {ttl_s!r}")
         salt_b = salt.encode() if isinstance(salt, str) else bytes(salt)
-        request = Request(ids=ids, max_tokens=max_tokens, params=params, stop=stops, tenant=tenant,
-                          salt=salt_b, ttl_s=ttl_s, ttl_plan=list(ttl_plan) if ttl_plan else None,
-                          return_logits=return_logits, n=n, logprobs=logprobs)
+        request = Request(
+            ids=ids,
+            max_tokens=max_tokens,
+            params=params,
+            stop=stops,
+            tenant=tenant,
+            salt=salt_b,
+            ttl_s=ttl_s,
+            ttl_plan=list(ttl_plan) if ttl_plan else None,
+            return_logits=return_logits,
+            n=n,
+            logprobs=logprobs,
+        )
         self._worker.validate(request)
         return Job(request, cancel=cancel)
+
 
 def fake_clock_engine(runner: ModelRunner, **kwargs: Any) -> Engine:
     """An engine over ``runner`` whose cache reads a :class:`FakeClock` (``engine.clock``)."""

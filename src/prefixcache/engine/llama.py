@@ -93,8 +93,17 @@ class _Attention:
 
     __slots__ = ("rows", "S", "M", "G", "decode", "index", "mask", "mask_from", "tiles")
 
-    def __init__(self, rows: torch.Tensor, S: int, M: int, G: int, decode: bool, index: torch.Tensor,
-                 qpos: torch.Tensor, tiles: int) -> None:
+    def __init__(
+        self,
+        rows: torch.Tensor,
+        S: int,
+        M: int,
+        G: int,
+        decode: bool,
+        index: torch.Tensor,
+        qpos: torch.Tensor,
+        tiles: int,
+    ) -> None:
         self.rows = rows  # step rows this call computes (real ones), in query order
         self.S, self.M, self.G, self.decode = S, M, G, decode
         self.index = index  # [S * T / B] block indices, padded with block 0
@@ -124,8 +133,14 @@ class LlamaRunner(ModelRunner):
         reason = unsupported_reason(hf.config)
         if reason is not None:
             raise ValueError(f"the own runner cannot compute this model: {reason}; use runner='hf'")
-        super().__init__(hf, base.tokenizer, weights_id=base.weights_id, name=base.name,
-                         dtype=dtype or base.dtype_name, threads=base.threads)
+        super().__init__(
+            hf,
+            base.tokenizer,
+            weights_id=base.weights_id,
+            name=base.name,
+            dtype=dtype or base.dtype_name,
+            threads=base.threads,
+        )
         cfg = hf.config
         dt = self.dtype
         self.num_heads: int = cfg.num_attention_heads
@@ -146,22 +161,26 @@ class LlamaRunner(ModelRunner):
         self.layers: list[dict[str, torch.Tensor | None]] = []
         for layer in inner.layers:
             att, mlp = layer.self_attn, layer.mlp
-            self.layers.append({
-                "ln1": w(layer.input_layernorm.weight),
-                "qkv": cat(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight),
-                "qkv_b": cat(att.q_proj.bias, att.k_proj.bias, att.v_proj.bias),
-                "o": w(att.o_proj.weight),
-                "o_b": w(att.o_proj.bias),
-                "ln2": w(layer.post_attention_layernorm.weight),
-                "gu": cat(mlp.gate_proj.weight, mlp.up_proj.weight),
-                "gu_b": cat(mlp.gate_proj.bias, mlp.up_proj.bias),
-                "down": w(mlp.down_proj.weight),
-                "down_b": w(mlp.down_proj.bias),
-            })
+            self.layers.append(
+                {
+                    "ln1": w(layer.input_layernorm.weight),
+                    "qkv": cat(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight),
+                    "qkv_b": cat(att.q_proj.bias, att.k_proj.bias, att.v_proj.bias),
+                    "o": w(att.o_proj.weight),
+                    "o_b": w(att.o_proj.bias),
+                    "ln2": w(layer.post_attention_layernorm.weight),
+                    "gu": cat(mlp.gate_proj.weight, mlp.up_proj.weight),
+                    "gu_b": cat(mlp.gate_proj.bias, mlp.up_proj.bias),
+                    "down": w(mlp.down_proj.weight),
+                    "down_b": w(mlp.down_proj.bias),
+                }
+            )
         self.embed = w(inner.embed_tokens.weight)
         self.norm = w(inner.norm.weight)
         head = hf.get_output_embeddings()
-        self.lm_head = self.embed if getattr(cfg, "tie_word_embeddings", False) or head is None else w(head.weight)
+        self.lm_head = (
+            self.embed if getattr(cfg, "tie_word_embeddings", False) or head is None else w(head.weight)
+        )
         self.scaling = float(getattr(inner.layers[0].self_attn, "scaling", self.head_dim**-0.5))
         # RoPE tables from the model's own rotary module (any rope_type transformers supports).
         with torch.inference_mode():
@@ -179,7 +198,9 @@ class LlamaRunner(ModelRunner):
         if isinstance(base, LlamaRunner):
             if dtype is None or dtype == base.dtype_name:
                 return base
-            raise ValueError(f"this runner computes in {base.dtype_name}; build a {dtype} one from the ModelRunner")
+            raise ValueError(
+                f"this runner computes in {base.dtype_name}; build a {dtype} one from the ModelRunner"
+            )
         key = dtype or base.dtype_name
         made = base.__dict__.setdefault("_own_runners", {})
         if key not in made:
@@ -211,8 +232,15 @@ class LlamaRunner(ModelRunner):
     def new_pool(self, num_blocks: int, block_size: int = 16) -> KVPool:
         if TILE % block_size:
             raise ValueError(f"block_size ({block_size}) must divide the attention tile ({TILE})")
-        return KVPool(layers=self.num_layers, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                      block_size=block_size, num_blocks=num_blocks, dtype=self.dtype, device=self.device)
+        return KVPool(
+            layers=self.num_layers,
+            kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     def block_nbytes(self, block_size: int = 16) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -317,7 +345,9 @@ class LlamaRunner(ModelRunner):
                 used = -(-s.end // B)
                 index[j, :used] = torch.tensor(list(s.table[:used]), dtype=torch.long)
             rows = torch.tensor([offsets[i] for i, _ in decode], dtype=torch.long)
-            plans.append(_Attention(rows.to(dev), S, M, G, True, index.reshape(-1).to(dev), qpos.to(dev), tiles))
+            plans.append(
+                _Attention(rows.to(dev), S, M, G, True, index.reshape(-1).to(dev), qpos.to(dev), tiles)
+            )
         for i, s in enumerate(segments):
             if s.decode:
                 continue
@@ -365,7 +395,9 @@ class LlamaRunner(ModelRunner):
             res = out.view(KV, M // G, G, D)[:, :n].permute(1, 0, 2, 3).reshape(n, KV * G, D)
         return res.to(q.dtype)
 
-    def _attend_sdpa(self, q: torch.Tensor, plan: _Attention, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
+    def _attend_sdpa(
+        self, q: torch.Tensor, plan: _Attention, kp: torch.Tensor, vp: torch.Tensor
+    ) -> torch.Tensor:
         """Not invariant (see ``attention``): SDPA over the plan's gathered keys, causal mask."""
         KV, D, G = self.num_kv_heads, self.head_dim, self.group
         n, T = plan.rows.numel(), plan.tiles * TILE

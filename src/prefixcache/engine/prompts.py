@@ -36,12 +36,14 @@ def normalize_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
     """``[{"role", "content": str}]``; raises :class:`EmptyPromptError` / InvalidRequestError."""
     if not messages:
         raise EmptyPromptError(
-            "messages is empty: pass at least one {'role': 'user', 'content': ...} message")
+            "messages is empty: pass at least one {'role': 'user', 'content': ...} message"
+        )
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
             raise InvalidRequestError(
-                f"messages[{i}] must be a dict with 'role' and 'content'; got {m!r:.80}")
+                f"messages[{i}] must be a dict with 'role' and 'content'; got {m!r:.80}"
+            )
         out.append({"role": str(m["role"]), "content": content_text(m.get("content"))})
     return out
 
@@ -112,11 +114,15 @@ def check_prompt_text(text: str, max_bytes: int | None, context_len: int) -> Non
     ``context_len`` whatever the tokenizer does (over ``max_bytes`` UTF-8 bytes: see
     :func:`max_token_bytes`)."""
     if _SURROGATE.search(text):  # Python joins valid pairs: any surrogate left is lone
-        raise InvalidRequestError("the prompt holds a lone UTF-16 surrogate (such as \\ud800 without its "
-                                  "pair), which is not text; send valid Unicode")
+        raise InvalidRequestError(
+            "the prompt holds a lone UTF-16 surrogate (such as \\ud800 without its "
+            "pair), which is not text; send valid Unicode"
+        )
     if max_bytes is not None and over_bytes(text, max_bytes):
-        raise PromptTooLongError(f"the prompt is over {max_bytes} bytes of text, more than the model's "
-                                 f"context of {context_len} tokens can hold; shorten the prompt")
+        raise PromptTooLongError(
+            f"the prompt is over {max_bytes} bytes of text, more than the model's "
+            f"context of {context_len} tokens can hold; shorten the prompt"
+        )
 
 
 def over_bytes(text: str, limit: int) -> bool:

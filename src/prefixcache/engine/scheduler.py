@@ -52,8 +52,17 @@ log = logging.getLogger(__name__)
 class BatchWorker(Worker):
     """The step loop of an :class:`Engine` over a :class:`LlamaRunner` (see the module doc)."""
 
-    def __init__(self, engine: Engine, pool: KVPool, *, reserve_blocks: int, max_batch: int = 16,
-                 token_budget: int = 512, max_queue: int = 64, max_wait_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        pool: KVPool,
+        *,
+        reserve_blocks: int,
+        max_batch: int = 16,
+        token_budget: int = 512,
+        max_queue: int = 64,
+        max_wait_s: float = 5.0,
+    ) -> None:
         super().__init__(None, max_queue=max_queue)
         if max_batch < 1 or token_budget < 1:
             raise ValueError(f"max_batch and token_budget must be >= 1; got {max_batch}, {token_budget}")
@@ -199,8 +208,15 @@ class BatchWorker(Worker):
                 if cached < len(keys) and keys[cached] in inflight and cached * B < n - 1:
                     return None  # another request is computing our next block right now
             ns = self.engine.namespace(req.tenant, req.salt)
-            match = cache.match(None, ns, align_tokens=self.engine.alignment, ttl_s=req.ttl_s,
-                                ttl_plan=req.ttl_plan, keys=keys, packed=packed)
+            match = cache.match(
+                None,
+                ns,
+                align_tokens=self.engine.alignment,
+                ttl_s=req.ttl_s,
+                ttl_plan=req.ttl_plan,
+                keys=keys,
+                packed=packed,
+            )
         if not job.start():  # cancelled meanwhile
             if match is not None and cache is not None:
                 cache.release(match)
@@ -208,8 +224,9 @@ class BatchWorker(Worker):
             self.waiting.remove(job)
             self._retire(job)
             return None
-        group = SequenceGroup(job=job, request=req, reserved=self._need(req), match=match,
-                              started=time.perf_counter())
+        group = SequenceGroup(
+            job=job, request=req, reserved=self._need(req), match=match, started=time.perf_counter()
+        )
         self.reserved += group.reserved
         self.rows += group.width
         if match is not None and match.cached_blocks:
@@ -226,7 +243,8 @@ class BatchWorker(Worker):
         block = self.pool.adopt(payload)
         if not (isinstance(block, PoolBlock) and block.pool is self.pool):
             raise RuntimeError(
-                "a cached block could not be copied into the KV pool (full, or another layout)")
+                "a cached block could not be copied into the KV pool (full, or another layout)"
+            )
         return block
 
     def _alloc(self) -> PoolBlock:
@@ -244,16 +262,26 @@ class BatchWorker(Worker):
                 pos = choice.position
                 self._grow(choice.blocks, pos + 1)
                 table = [b.index for b in choice.blocks]
-                plan.append((group, choice, Segment([choice.tokens[-1]], pos, table, decode=True,
-                                                    want_logits=True)))
+                plan.append(
+                    (group, choice, Segment([choice.tokens[-1]], pos, table, decode=True, want_logits=True))
+                )
                 budget -= 1
         for group in self.running:
             if group.prefilling and budget > 0:
                 stop = min(group.prompt_len, group.computed + budget)
                 self._grow(group.blocks, stop)
-                plan.append((group, None, Segment(group.request.ids[group.computed : stop], group.computed,
-                                                  [b.index for b in group.blocks],
-                                                  want_logits=stop == group.prompt_len)))
+                plan.append(
+                    (
+                        group,
+                        None,
+                        Segment(
+                            group.request.ids[group.computed : stop],
+                            group.computed,
+                            [b.index for b in group.blocks],
+                            want_logits=stop == group.prompt_len,
+                        ),
+                    )
+                )
                 budget -= stop - group.computed
         started = time.perf_counter()
         try:
@@ -314,8 +342,11 @@ class BatchWorker(Worker):
         group.fork(self.pool, engine.tokenizer, engine.runner.eos_token_ids, engine.context_len)
         m = group.match
         cached, written = (m.usage.cached_tokens, m.usage.cache_write_tokens) if m is not None else (0, 0)
-        group.job.post(PromptDone(Usage(group.prompt_len, cached, written, 0),
-                                  str(m.outcome.value) if m is not None else "miss"))
+        group.job.post(
+            PromptDone(
+                Usage(group.prompt_len, cached, written, 0), str(m.outcome.value) if m is not None else "miss"
+            )
+        )
         for choice in group.choices:
             self._take(group, choice, logits)
 

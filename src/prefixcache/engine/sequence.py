@@ -29,11 +29,23 @@ from prefixcache.engine.worker import Job
 class Choice:
     """One choice's decoding: its own sampler (seed + index), tokens, text and logprobs."""
 
-    __slots__ = ("index", "request", "sampler", "text", "tokens", "logprobs", "finish_reason",
-                 "eos", "context_len", "blocks", "finished_at")
+    __slots__ = (
+        "index",
+        "request",
+        "sampler",
+        "text",
+        "tokens",
+        "logprobs",
+        "finish_reason",
+        "eos",
+        "context_len",
+        "blocks",
+        "finished_at",
+    )
 
-    def __init__(self, index: int, request: Request, tokenizer: Any, eos: frozenset[int],
-                 context_len: int) -> None:
+    def __init__(
+        self, index: int, request: Request, tokenizer: Any, eos: frozenset[int], context_len: int
+    ) -> None:
         self.index = index
         self.request = request
         self.sampler = Sampler(request.params.for_choice(index))
@@ -78,18 +90,35 @@ class Choice:
             return ChoiceDelta(self.index, text, lp, self.finish_reason or None)
         return None
 
-    def result(self, usage: Usage | None, *, started: float, first_token_at: float, queue_s: float,
-               outcome: str, first_logits: Any = None, commit_s: float = 0.0) -> GenerationResult:
+    def result(
+        self,
+        usage: Usage | None,
+        *,
+        started: float,
+        first_token_at: float,
+        queue_s: float,
+        outcome: str,
+        first_logits: Any = None,
+        commit_s: float = 0.0,
+    ) -> GenerationResult:
         """This choice's :class:`GenerationResult` (``usage``: the prompt's cache usage)."""
         req = self.request
         cached, written = (usage.cached_tokens, usage.cache_write_tokens) if usage is not None else (0, 0)
         return GenerationResult(
-            text=self.text.text, tokens=list(self.tokens), finish_reason=self.finish_reason,
+            text=self.text.text,
+            tokens=list(self.tokens),
+            finish_reason=self.finish_reason,
             usage=Usage(len(req.ids), cached, written, len(self.tokens)),
-            ttft_s=first_token_at - started, prefill_s=first_token_at - started,
-            decode_s=(self.finished_at or time.perf_counter()) - first_token_at, queue_s=queue_s,
-            commit_s=commit_s, outcome=outcome, prompt_token_ids=req.ids,
-            stop_sequence=self.text.stop_sequence, first_logits=first_logits, index=self.index,
+            ttft_s=first_token_at - started,
+            prefill_s=first_token_at - started,
+            decode_s=(self.finished_at or time.perf_counter()) - first_token_at,
+            queue_s=queue_s,
+            commit_s=commit_s,
+            outcome=outcome,
+            prompt_token_ids=req.ids,
+            stop_sequence=self.text.stop_sequence,
+            first_logits=first_logits,
+            index=self.index,
             logprobs=self.logprobs,
         )
 
@@ -167,12 +196,19 @@ class SequenceGroup:
     def completion(self) -> Completion:
         m = self.match
         usage, outcome = (m.usage, str(m.outcome.value)) if m is not None else (None, "miss")
-        return Completion([
-            c.result(usage, started=self.started, first_token_at=self.first_token_at,
-                     queue_s=self.started - self.job.submitted, outcome=outcome,
-                     first_logits=self.first_logits)
-            for c in self.choices
-        ])
+        return Completion(
+            [
+                c.result(
+                    usage,
+                    started=self.started,
+                    first_token_at=self.first_token_at,
+                    queue_s=self.started - self.job.submitted,
+                    outcome=outcome,
+                    first_logits=self.first_logits,
+                )
+                for c in self.choices
+            ]
+        )
 
     def drop_blocks(self) -> None:
         """Let go of every block reference (those nobody else holds return to the pool)."""

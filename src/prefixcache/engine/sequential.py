@@ -61,8 +61,11 @@ class SequentialWorker(Worker):
                 ns = cache.namespace(engine.fingerprint, tenant=r.tenant, salt=r.salt)
                 m = cache.match(ids, ns, align_tokens=engine.alignment, ttl_s=r.ttl_s, ttl_plan=r.ttl_plan)
                 hit = m.cached_tokens
-            past = (kv.build_cache(runner, [b.payload for b in m.blocks], self._scratch)
-                    if m and m.blocks else runner.new_cache())
+            past = (
+                kv.build_cache(runner, [b.payload for b in m.blocks], self._scratch)
+                if m and m.blocks
+                else runner.new_cache()
+            )
             logits = None
             for a, b in chunk_schedule(hit, n, engine.prefill_chunk):
                 if job.cancelled():
@@ -88,11 +91,22 @@ class SequentialWorker(Worker):
                 if not self._decode(job, past, choice):
                     return job.finish_cancelled()
             first_logits = logits.clone() if r.return_logits else None
-            job.finish(Completion([
-                c.result(usage, started=t0, first_token_at=first_token_at, queue_s=t0 - job.submitted,
-                         outcome=outcome, first_logits=first_logits, commit_s=commit_s)
-                for c in choices
-            ]))
+            job.finish(
+                Completion(
+                    [
+                        c.result(
+                            usage,
+                            started=t0,
+                            first_token_at=first_token_at,
+                            queue_s=t0 - job.submitted,
+                            outcome=outcome,
+                            first_logits=first_logits,
+                            commit_s=commit_s,
+                        )
+                        for c in choices
+                    ]
+                )
+            )
         finally:
             if m is not None and cache is not None:
                 cache.release(m)

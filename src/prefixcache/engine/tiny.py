@@ -43,8 +43,9 @@ class ByteChatTokenizer:
         """Bytes of ``text``; the special token strings become their ids. A lone surrogate raises
         TypeError, as Hugging Face's fast tokenizers do (tests then see what the real one does)."""
         if _SURROGATE_RE.search(text):
-            raise TypeError("TextEncodeInput must be Union[TextInputSequence, "
-                            "Tuple[InputSequence, InputSequence]]")
+            raise TypeError(
+                "TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]"
+            )
         ids: list[int] = []
         for part in _SPECIAL_RE.split(text):
             if part in SPECIALS:

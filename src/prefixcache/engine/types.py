@@ -155,5 +155,9 @@ class Completion:
     def usage(self) -> Usage:
         """The prompt counted once, the choices' generated tokens summed (OpenAI's convention)."""
         first = self.choices[0].usage
-        return Usage(first.prompt_tokens, first.cached_tokens, first.cache_write_tokens,
-                     sum(c.usage.completion_tokens for c in self.choices))
+        return Usage(
+            first.prompt_tokens,
+            first.cached_tokens,
+            first.cache_write_tokens,
+            sum(c.usage.completion_tokens for c in self.choices),
+        )

@@ -24,9 +24,7 @@ _DONE = object()
 class Job:
     """One request: its prepared arguments, its output queue and its cancellation state."""
 
-    def __init__(
-        self, request: Request, cancel: threading.Event | Callable[[], bool] | None = None
-    ) -> None:
+    def __init__(self, request: Request, cancel: threading.Event | Callable[[], bool] | None = None) -> None:
         self.request = request
         self.submitted = time.perf_counter()
         self._external = cancel

@@ -33,7 +33,10 @@ from prefixcache.server.tool_prompt import (
 
 #: Anthropic ``tool_choice.type`` -> the server's choice.
 CHOICES = {
-    "auto": ToolChoice.AUTO, "any": ToolChoice.REQUIRED, "tool": ToolChoice.NAMED, "none": ToolChoice.NONE,
+    "auto": ToolChoice.AUTO,
+    "any": ToolChoice.REQUIRED,
+    "tool": ToolChoice.NAMED,
+    "none": ToolChoice.NONE,
 }
 
 

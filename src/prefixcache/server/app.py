@@ -103,8 +103,13 @@ def create_app(
     )
     trace = None
     if trace_log:
-        trace = TraceWriter(trace_log, include_text=trace_text, tokenizer=trace_tokenizer,
-                            keys_only=trace_keys_only, block_size=bridge.block_size)
+        trace = TraceWriter(
+            trace_log,
+            include_text=trace_text,
+            tokenizer=trace_tokenizer,
+            keys_only=trace_keys_only,
+            block_size=bridge.block_size,
+        )
 
     snapshots = SnapshotReader()
 

@@ -65,10 +65,10 @@ def parse_api_keys(text: str, source: str) -> dict[str, str]:
             data = json.loads(stripped)
         except json.JSONDecodeError as e:
             raise ValueError(
-                f"{source}: invalid JSON ({e.msg} at line {e.lineno}); expected {{\"key\": \"tenant\"}}"
+                f'{source}: invalid JSON ({e.msg} at line {e.lineno}); expected {{"key": "tenant"}}'
             ) from e
         if not isinstance(data, dict):
-            raise ValueError(f"{source}: expected a JSON object {{\"key\": \"tenant\"}}")
+            raise ValueError(f'{source}: expected a JSON object {{"key": "tenant"}}')
         for n, (k, v) in enumerate(data.items(), 1):
             if not isinstance(v, str) or not v:
                 raise ValueError(f"{source}: the tenant of key number {n} must be a non-empty string")

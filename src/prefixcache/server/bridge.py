@@ -93,8 +93,9 @@ def translate_error(exc: BaseException) -> APIError | None:
 def normalize(result: Completion) -> Finished:
     """The engine's :class:`Completion` as a :class:`Finished`."""
     choices = [
-        FinishedChoice(c.index, c.text, "length" if c.finish_reason == "length" else "stop", c.stop_sequence,
-                       c.logprobs)
+        FinishedChoice(
+            c.index, c.text, "length" if c.finish_reason == "length" else "stop", c.stop_sequence, c.logprobs
+        )
         for c in result.choices
     ]
     first = result.choices[0]
@@ -115,8 +116,9 @@ def client_gone() -> APIError:
     return APIError(499, "The client closed the request before the answer was ready.", code="client_closed")
 
 
-async def _watch(disconnected: Callable[[], Awaitable[bool]], cancel: threading.Event,
-                 every_s: float = 0.1) -> None:
+async def _watch(
+    disconnected: Callable[[], Awaitable[bool]], cancel: threading.Event, every_s: float = 0.1
+) -> None:
     """Set ``cancel`` once the client has gone (polled: Starlette has no disconnect callback)."""
     while not cancel.is_set():
         if await disconnected():

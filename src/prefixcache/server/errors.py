@@ -114,8 +114,19 @@ def error_response(request: Request, err: APIError) -> JSONResponse:
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
 #: Errors that only say "not this branch of a union"; the others say what to fix.
-_TYPE_ERRORS = {"string_type", "list_type", "dict_type", "int_type", "float_type", "bool_type",
-                "model_type", "model_attributes_type", "none_required", "union_tag_invalid", "int_from_float"}
+_TYPE_ERRORS = {
+    "string_type",
+    "list_type",
+    "dict_type",
+    "int_type",
+    "float_type",
+    "bool_type",
+    "model_type",
+    "model_attributes_type",
+    "none_required",
+    "union_tag_invalid",
+    "int_from_float",
+}
 
 
 def _is_union_tag(part: str) -> bool:
@@ -144,13 +155,17 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     )
     kind = first.get("type", "")
     if kind == "json_invalid":
-        return ("The request body is not valid JSON: send a JSON object with Content-Type: "
-                "application/json."), None
+        return (
+            "The request body is not valid JSON: send a JSON object with Content-Type: application/json."
+        ), None
     loc = _loc_str(first.get("loc", ()))
     msg = str(first.get("msg", "is invalid"))
     if kind == "missing":
-        text = (f"Missing required parameter '{loc}'." if loc
-                else "The request body is missing: send a JSON object.")
+        text = (
+            f"Missing required parameter '{loc}'."
+            if loc
+            else "The request body is missing: send a JSON object."
+        )
     elif loc:
         text = f"Invalid value for '{loc}': {msg}."
     else:
@@ -175,8 +190,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if isinstance(exc, RejectedBody):
-            return error_response(request, APIError(exc.status_code, str(exc.detail), param=exc.param,
-                                                    code=exc.code))
+            return error_response(
+                request, APIError(exc.status_code, str(exc.detail), param=exc.param, code=exc.code)
+            )
         if exc.status_code == 404:
             message = f"No route {request.method} {request.url.path}: see GET /openapi.json for the routes."
         elif exc.status_code == 405:

@@ -117,8 +117,10 @@ class RedactSecrets(logging.Filter):
 def install_redaction(redactor: RedactSecrets) -> RedactSecrets:
     """Add ``redactor`` to every handler of the root logger and of every logger configured so
     far. Idempotent: call it again after a library (uvicorn) sets up its own handlers."""
-    loggers = [logging.getLogger(), *(
-        lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger))]
+    loggers = [
+        logging.getLogger(),
+        *(lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger)),
+    ]
     for lg in loggers:
         for handler in lg.handlers:
             if redactor not in handler.filters:

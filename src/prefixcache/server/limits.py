@@ -57,8 +57,10 @@ def default_max_body_bytes(context_len: int | None) -> int:
 
 def too_large_message(size: int | None, limit: int) -> str:
     what = f"The request body is {size} bytes" if size is not None else "The request body is"
-    return (f"{what} over this server's limit of {limit} bytes (--max-body-bytes): send a shorter "
-            "prompt, it could not fit the model's context anyway.")
+    return (
+        f"{what} over this server's limit of {limit} bytes (--max-body-bytes): send a shorter "
+        "prompt, it could not fit the model's context anyway."
+    )
 
 
 class BodyLimit:
@@ -131,8 +133,9 @@ def lone_surrogate_path(value: Any) -> str | None:
                     return _path_text(path)
                 stack.append((child, (*path, key)))
         elif isinstance(item, list):
-            stack.extend((child, (*path, i)) for i, child in enumerate(item)
-                         if isinstance(child, str | list | dict))
+            stack.extend(
+                (child, (*path, i)) for i, child in enumerate(item) if isinstance(child, str | list | dict)
+            )
     return None
 
 
@@ -150,8 +153,12 @@ def parse_json_body(body: bytes) -> Any:
     # Fewer brackets than the limit cannot nest deeper than it: most bodies skip the scan.
     depth = json_depth(body) if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH else 0
     if depth > MAX_JSON_DEPTH:
-        raise RejectedBody(400, f"The request body nests JSON {depth} levels deep; at most {MAX_JSON_DEPTH} "
-                           "are allowed: flatten it (tool schemas included).", code="too_deep")
+        raise RejectedBody(
+            400,
+            f"The request body nests JSON {depth} levels deep; at most {MAX_JSON_DEPTH} "
+            "are allowed: flatten it (tool schemas included).",
+            code="too_deep",
+        )
     try:
         value = json.loads(body)
     except RecursionError as e:  # unreachable after the depth check; kept for safety
@@ -161,8 +168,12 @@ def parse_json_body(body: bytes) -> Any:
         if where is not None:
             field = f"'{where[:200]}'" if where else "The request body"
             raise RejectedBody(
-                400, f"{field} is not valid text: it holds a lone UTF-16 surrogate (such as \\ud800 without "
-                "its pair); send valid Unicode.", param=where[:200] or None, code="invalid_unicode")
+                400,
+                f"{field} is not valid text: it holds a lone UTF-16 surrogate (such as \\ud800 without "
+                "its pair); send valid Unicode.",
+                param=where[:200] or None,
+                code="invalid_unicode",
+            )
     return value
 
 

@@ -103,11 +103,19 @@ class _ContentBlocks:
         events = [self.close()] if self.text_open else []
         for call_id, call in found.calls:
             start = anthropic_tool_use(call_id, call, with_input=False)
-            events.append(_event("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                         "content_block": start}))
+            events.append(
+                _event(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": self.index, "content_block": start},
+                )
+            )
             delta = {"type": "input_json_delta", "partial_json": call.arguments}
-            events.append(_event("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                                         "delta": delta}))
+            events.append(
+                _event(
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": self.index, "delta": delta},
+                )
+            )
             events.append(self.close())
         self.called = True
         return events
@@ -220,8 +228,11 @@ async def create_message(
             usage.pop("cache_creation")
             yield _event(
                 "message_delta",
-                {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                 "usage": usage},
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": seq},
+                    "usage": usage,
+                },
             )
             yield _event("message_stop", {"type": "message_stop"})
 

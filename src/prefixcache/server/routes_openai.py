@@ -178,8 +178,13 @@ async def chat_completions(
     rendered = await render_prompt(state, config, chat_conversation(body.messages))
     max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     sampling = sampling_kwargs(body, tenant)
-    kwargs = {**sampling, **prompt_kwargs(rendered, sampling["stop"]), "max_tokens": max_tokens,
-              "n": n, "logprobs": top}
+    kwargs = {
+        **sampling,
+        **prompt_kwargs(rendered, sampling["stop"]),
+        "max_tokens": max_tokens,
+        "n": n,
+        "logprobs": top,
+    }
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     text = rendered.trace_text()
@@ -190,12 +195,14 @@ async def chat_completions(
         choices = []
         for c in fin.choices:  # the calls are parsed from each choice's own text
             reply = parse_reply(c.text, rendered, config)
-            choices.append({
-                "index": c.index,
-                "message": openai_message(reply),
-                "logprobs": chat_logprobs(c.logprobs, tokens) if c.logprobs is not None else None,
-                "finish_reason": "tool_calls" if reply.calls else c.finish_reason,
-            })
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": openai_message(reply),
+                    "logprobs": chat_logprobs(c.logprobs, tokens) if c.logprobs is not None else None,
+                    "finish_reason": "tool_calls" if reply.calls else c.finish_reason,
+                }
+            )
         return JSONResponse(
             {
                 "id": rid,
@@ -290,8 +297,9 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
     if body.echo:
         ids = kwargs.get("prompt_token_ids")
         echo = prompt if isinstance(prompt, str) else await state.bridge.run(lambda: state.bridge.decode(ids))
-    kwargs.update(max_tokens=body.max_tokens or 16, n=n, logprobs=body.logprobs,
-                  **sampling_kwargs(body, tenant))
+    kwargs.update(
+        max_tokens=body.max_tokens or 16, n=n, logprobs=body.logprobs, **sampling_kwargs(body, tenant)
+    )
     rid = f"cmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     tokens = state.bridge.token_text
@@ -310,8 +318,12 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
                 "model": state.model_name,
                 "system_fingerprint": None,
                 "choices": [
-                    {"text": echo + c.text, "index": c.index, "logprobs": logprobs(c.logprobs),
-                     "finish_reason": c.finish_reason}
+                    {
+                        "text": echo + c.text,
+                        "index": c.index,
+                        "logprobs": logprobs(c.logprobs),
+                        "finish_reason": c.finish_reason,
+                    }
                     for c in fin.choices
                 ],
                 "usage": openai_usage(fin.usage),

@@ -22,8 +22,17 @@ router = APIRouter(route_class=CheckedRoute)
 _STARTED = int(time.time())
 
 #: Per-tenant fields of CacheStats (the others describe the whole store, i.e. other tenants).
-TENANT_FIELDS = ("tenant", "requests", "queried_tokens", "hit_tokens", "written_tokens", "hit_rate",
-                 "blocks", "bytes", "hits_by_outcome")
+TENANT_FIELDS = (
+    "tenant",
+    "requests",
+    "queried_tokens",
+    "hit_tokens",
+    "written_tokens",
+    "hit_rate",
+    "blocks",
+    "bytes",
+    "hits_by_outcome",
+)
 
 
 class PinRequest(BaseModel):
@@ -41,8 +50,12 @@ STALE_HEADER = "x-prefixcache-snapshot-age"
 
 
 def cache_busy() -> APIError:
-    return APIError(503, "The cache is busy (a tier read holds it); retry in a moment.", code="cache_busy",
-                    headers={"retry-after": "1"})
+    return APIError(
+        503,
+        "The cache is busy (a tier read holds it); retry in a moment.",
+        code="cache_busy",
+        headers={"retry-after": "1"},
+    )
 
 
 def _age_headers(snapshot: Snapshot) -> dict[str, str] | None:
@@ -60,8 +73,15 @@ async def health(request: Request) -> Any:
 async def models(request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
     name = get_state(request).model_name
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_STARTED))
-    entry = {"id": name, "object": "model", "created": _STARTED, "owned_by": "prefixcache",
-             "type": "model", "display_name": name, "created_at": created}
+    entry = {
+        "id": name,
+        "object": "model",
+        "created": _STARTED,
+        "owned_by": "prefixcache",
+        "type": "model",
+        "display_name": name,
+        "created_at": created,
+    }
     return {"object": "list", "data": [entry], "has_more": False, "first_id": name, "last_id": name}
 
 
@@ -73,8 +93,9 @@ async def metrics(request: Request) -> Response:
     snapshot = await state.snapshots.read("metrics", state.metrics.render)
     if snapshot is None:
         raise cache_busy()
-    return Response(snapshot.value, media_type="text/plain; version=0.0.4; charset=utf-8",
-                    headers=_age_headers(snapshot))
+    return Response(
+        snapshot.value, media_type="text/plain; version=0.0.4; charset=utf-8", headers=_age_headers(snapshot)
+    )
 
 
 @router.get("/v1/cache", summary="The caller's cache statistics")
@@ -135,8 +156,15 @@ async def cache_pin(body: PinRequest, request: Request, tenant: Tenant = Depends
     ns = bridge.namespace(tenant.name, tenant.salt)
     ids = await _prefix_ids(request, body)
     # Prefill (one token generated) so that every full block of the prefix is cached, then pin.
-    fin = await bridge.generate({"prompt_token_ids": ids, "max_tokens": 1, "temperature": 0.0,
-                                 "tenant": tenant.name, "salt": tenant.salt})
+    fin = await bridge.generate(
+        {
+            "prompt_token_ids": ids,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "tenant": tenant.name,
+            "salt": tenant.salt,
+        }
+    )
     state.record(request, tenant, fin, None)
     try:
         pinned = await bridge.run(lambda: bridge.cache.pin(ids, ns))

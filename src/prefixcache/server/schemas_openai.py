@@ -150,9 +150,11 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """POST /v1/completions. ``prompt``: a string, a one-string list, or token ids."""
 
-    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)] | Annotated[
-        list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)
-    ]
+    prompt: (
+        StrictStr
+        | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+        | Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+    )
     max_tokens: MaxTokens | None = 16
     echo: StrictBool | None = False
     suffix: StrictStr | None = None

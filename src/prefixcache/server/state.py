@@ -56,8 +56,13 @@ class ServerState:
         if self.trace is not None:
             endpoint = request.headers.get(ENDPOINT_HEADER) or request.url.path
             self.trace.record(
-                tenant=tenant.name, endpoint=endpoint[:200], result=fin, text=text, ttl_s=ttl_s,
-                cache_key=cache_key, salt=tenant.salt,
+                tenant=tenant.name,
+                endpoint=endpoint[:200],
+                result=fin,
+                text=text,
+                ttl_s=ttl_s,
+                cache_key=cache_key,
+                salt=tenant.salt,
             )
 
 

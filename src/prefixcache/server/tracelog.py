@@ -67,8 +67,9 @@ def open_private(path: Path) -> IO[str]:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     mode = os.fstat(fd).st_mode
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("the trace log %s is readable by other users (mode %o); chmod 600 it", path,
-                    stat.S_IMODE(mode))
+        log.warning(
+            "the trace log %s is readable by other users (mode %o); chmod 600 it", path, stat.S_IMODE(mode)
+        )
     return os.fdopen(fd, "a", encoding="utf-8")
 
 

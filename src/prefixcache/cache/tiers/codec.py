@@ -153,4 +153,3 @@ class TensorCodec:
             else torch.empty(shape, dtype=dtype)
         )
         return Entry(key=key_b, parent=parent_b, tokens=tok_b, payload=tensor, nbytes=nraw)
-

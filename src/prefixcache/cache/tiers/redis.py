@@ -158,8 +158,11 @@ class RedisTier:
                         parent = keys[index - 1] if index else False
                         entry = self.codec.decode(value, key=keys[index], tokens=tokens[index], parent=parent)
                     except CorruptEntry as exc:
-                        log.warning("redis tier: corrupt entry %s (%s): deleted, not served",
-                                    keys[index].hex()[:12], exc)
+                        log.warning(
+                            "redis tier: corrupt entry %s (%s): deleted, not served",
+                            keys[index].hex()[:12],
+                            exc,
+                        )
                         with self._lock:
                             self._stats.corrupt += 1
                         self.client.delete(self.redis_key(keys[index]))

@@ -35,8 +35,16 @@ class TierStack:
         self.tiers.append(tier)
 
     def promote(
-        self, keys: list[BlockHash], packed: bytes, step: int, start: int, stop: int, namespace: bytes,
-        tenant: str, ttls: list[float], adopt: Callable[[Any], Any] | None,
+        self,
+        keys: list[BlockHash],
+        packed: bytes,
+        step: int,
+        start: int,
+        stop: int,
+        namespace: bytes,
+        tenant: str,
+        ttls: list[float],
+        adopt: Callable[[Any], Any] | None,
     ) -> int:
         """Bring blocks ``start..stop-1`` of the chain ``keys`` up from the tiers into the store, as
         far as the tiers hold them in a row (block ``start - 1`` must be stored). Each is queued as
@@ -52,8 +60,16 @@ class TierStack:
                 if adopt is not None:
                     payload = adopt(payload)
                 inserted, _, _ = self.store.insert_chain(
-                    keys, packed, step, at, at + 1, None, lambda _index, p=payload, size=nbytes: (p, size),
-                    namespace=namespace, tenant=tenant, ttls=ttls,
+                    keys,
+                    packed,
+                    step,
+                    at,
+                    at + 1,
+                    None,
+                    lambda _index, p=payload, size=nbytes: (p, size),
+                    namespace=namespace,
+                    tenant=tenant,
+                    ttls=ttls,
                 )
                 if not inserted:
                     break
