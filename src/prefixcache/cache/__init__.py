@@ -17,7 +17,7 @@ from prefixcache.cache.keys import (
 )
 from prefixcache.cache.manager import CommitResult, Match, PrefixCache
 from prefixcache.cache.policy import TTL_CLASSES, TtlPolicy
-from prefixcache.cache.stats import CacheStats, Outcome, RequestUsage
+from prefixcache.cache.stats import CacheStats, Outcome, RequestUsage, Usage
 from prefixcache.cache.store import Block, BlockStore, CacheFullError, PinBudgetExceeded
 from prefixcache.cache.tiers.base import Tier
 
@@ -39,6 +39,7 @@ __all__ = [
     "RequestUsage",
     "Tier",
     "TtlPolicy",
+    "Usage",
     "block_keys",
     "model_fingerprint",
     "pack_tokens",
