@@ -224,17 +224,6 @@ class EngineBridge:
             release()
         return normalize(result)
 
-    async def stream(
-        self, kwargs: dict[str, Any], disconnected: Callable[[], Awaitable[bool]] | None = None
-    ) -> AsyncIterator[str | Finished]:
-        """Text deltas (of choice 0), then one :class:`Finished`. See :meth:`stream_choices`."""
-        async for item in self.stream_choices(kwargs, disconnected):
-            if isinstance(item, ChoiceDelta):
-                if item.text:
-                    yield item.text
-            elif isinstance(item, Finished):
-                yield item
-
     async def stream_choices(
         self, kwargs: dict[str, Any], disconnected: Callable[[], Awaitable[bool]] | None = None
     ) -> AsyncIterator[PromptDone | ChoiceDelta | Finished]:
