@@ -6,6 +6,7 @@
     GET  /health                 200 while at least one replica is healthy, else 503
     GET  /metrics                Prometheus: per-replica routing, in-flight, hit rate, fail-overs
     GET  /router/replicas        the same as JSON
+    GET  /dashboard              the live page; GET /router/dashboard: its data (the API's keys)
 
 The app wires the parts together: a :class:`~prefixcache.router.policies.Router` (replica state
 and policy), a :class:`~prefixcache.router.proxy.Proxy` (relaying, fail-over: its contract is in
@@ -25,6 +26,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from prefixcache.router import dashboard
 from prefixcache.router.config import RouterConfig
 from prefixcache.router.keepwarm import KeepWarm
 from prefixcache.router.policies import Router
@@ -105,6 +107,7 @@ def create_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspo
         record_ttl_s=config.record_ttl_s,
     )
     state: dict[str, Any] = {}
+    series = dashboard.RouterSeries(router)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -113,7 +116,10 @@ def create_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspo
         async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
             proxy = Proxy(router, config, client)
             state["proxy"] = proxy
-            tasks = [asyncio.create_task(_health_loop(proxy, config.health_interval_s))]
+            tasks = [
+                asyncio.create_task(_health_loop(proxy, config.health_interval_s)),
+                asyncio.create_task(series.run(config.dashboard_interval_s)),
+            ]
             keepwarm = KeepWarm.load(config.keepwarm_file) if config.keepwarm_file else None
             if keepwarm is not None:
                 state["keepwarm"] = keepwarm
@@ -143,6 +149,8 @@ def create_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspo
     @app.get("/router/replicas")
     async def replicas() -> Any:
         return {"policy": router.policy.value, "replicas": router.snapshot(), "failovers": router.failovers}
+
+    dashboard.install(app, router, lambda: state["proxy"], series)
 
     @app.api_route("/v1/cache/pin", methods=["POST", "DELETE"])
     async def pin(request: Request) -> Response:

@@ -26,3 +26,4 @@ class RouterConfig:
     load_slack: int = 4
     record_ttl_s: float = DEFAULTS.default_ttl_s
     keepwarm_file: str | None = None
+    dashboard_interval_s: float = 2.0  # seconds between two points of the dashboard's series

@@ -10,6 +10,7 @@ Routes (OpenAI shape unless noted):
     GET    /v1/models                  the served model
     GET    /v1/cache                   the caller's cache stats;  DELETE: flush the caller's blocks
     POST   /v1/cache/pin               prefill + pin a prefix;    DELETE: unpin it
+    GET    /v1/dashboard               the live dashboard's data; GET /dashboard: its page
     GET    /metrics                    Prometheus text
     GET    /health                     liveness
 """
@@ -18,16 +19,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from prefixcache.server import routes_anthropic, routes_openai, routes_ops, routes_responses
+from prefixcache.cache.tiers import register_prometheus
+from prefixcache.server import (
+    routes_anthropic,
+    routes_dashboard,
+    routes_openai,
+    routes_ops,
+    routes_responses,
+)
 from prefixcache.server.auth import Authenticator
 from prefixcache.server.bridge import Admission, EngineBridge
+from prefixcache.server.dashboard import DEFAULT_INTERVAL_S, DashboardRecorder, DashboardSources
 from prefixcache.server.errors import install_error_handlers
 from prefixcache.server.limits import BodyLimit, default_max_body_bytes
 from prefixcache.server.metrics import Metrics
@@ -84,6 +93,8 @@ def create_app(
     trace_tokenizer: str | None = None,
     max_body_bytes: int | None = None,
     tenant_queue_share: float = DEFAULT_TENANT_QUEUE_SHARE,
+    admin_tenants: Iterable[str] = (),
+    dashboard_interval_s: float = DEFAULT_INTERVAL_S,
 ) -> FastAPI:
     """Build the app. ``api_keys``: key -> tenant (None: one ``default`` tenant, no auth).
     ``max_queue``: generation requests in flight (running or waiting) before 429/529.
@@ -92,7 +103,10 @@ def create_app(
     ``salt_secret``: the tenant-salt secret (default ``$PREFIXCACHE_SALT_SECRET`` or random).
     ``max_body_bytes``: a larger body is a 413 before it is parsed (default: 8 MiB, or 32 bytes
     per context token for a longer context). ``tenant_queue_share``: with two tenants or more,
-    the share of ``max_queue`` one tenant may hold (at least one request)."""
+    the share of ``max_queue`` one tenant may hold (at least one request). ``admin_tenants``:
+    tenants of ``api_keys`` that see every tenant's prefixes on the dashboard.
+    ``dashboard_interval_s``: seconds between two points of the dashboard's time series.
+    Tier metrics (``prefixcache_tier_*``) are exported when the engine's cache has tiers."""
     tenants = len(set(api_keys.values())) if api_keys else 1
     tenant_limit = Admission.tenant_limit_for(max_queue, tenant_queue_share, tenants)
     bridge = EngineBridge(engine, max_queue, tenant_limit)
@@ -111,13 +125,20 @@ def create_app(
             block_size=bridge.block_size,
         )
 
+    if bridge.cache is not None and bridge.cache.tiers:
+        register_prometheus(bridge.cache, metrics.registry)
+    auth = Authenticator(api_keys, salt_secret, admin_tenants)
+    dashboard = DashboardRecorder(_dashboard_sources(bridge, engine), interval_s=dashboard_interval_s)
+
     snapshots = SnapshotReader()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        dashboard.start()
         try:
             yield
         finally:
+            dashboard.close()
             snapshots.close()
             if trace is not None:
                 trace.close()
@@ -131,14 +152,15 @@ def create_app(
     app.state.prefixcache = ServerState(
         engine=engine,
         bridge=bridge,
-        auth=Authenticator(api_keys, salt_secret),
+        auth=auth,
         metrics=metrics,
         trace=trace,
         model_name=model_name,
         snapshots=snapshots,
+        dashboard=dashboard,
     )
     install_error_handlers(app)
-    routers = (routes_openai, routes_responses, routes_anthropic, routes_ops)
+    routers = (routes_openai, routes_responses, routes_anthropic, routes_ops, routes_dashboard)
     for module in routers:
         app.include_router(module.router)
     # No route has path parameters, so the path is the route template.
@@ -147,3 +169,16 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=body_limit)
     app.add_middleware(RequestCounter, metrics=metrics, paths=paths)  # outermost: counts the 413s too
     return app
+
+
+def _dashboard_sources(bridge: EngineBridge, engine: Any) -> DashboardSources:
+    def keys(tenant: str, salt: bytes, ids: list[int]) -> list[bytes]:
+        cache = bridge.cache
+        return list(cache.block_keys(ids, bridge.namespace(tenant, salt))) if cache is not None else []
+
+    return DashboardSources(
+        keys=keys,
+        decode=bridge.decode,
+        prefilled=lambda: int(getattr(engine, "prefilled_tokens", 0)),
+        queue_depth=lambda: bridge.admission.depth,
+    )

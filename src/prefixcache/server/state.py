@@ -10,6 +10,7 @@ from fastapi import Header, Request
 
 from prefixcache.server.auth import Authenticator, Tenant
 from prefixcache.server.bridge import EngineBridge, Finished
+from prefixcache.server.dashboard import DashboardRecorder
 from prefixcache.server.errors import APIError
 from prefixcache.server.metrics import Metrics
 from prefixcache.server.snapshots import SnapshotReader
@@ -29,6 +30,7 @@ class ServerState:
     trace: TraceWriter | None
     model_name: str
     snapshots: SnapshotReader  # cache reads off the event loop (/metrics, GET /v1/cache)
+    dashboard: DashboardRecorder  # GET /v1/dashboard: series and top prefixes
 
     def check_model(self, model: str) -> None:
         """404 in the route's shape unless ``model`` is the one this server serves."""
@@ -53,6 +55,17 @@ class ServerState:
         """Count a finished generation in the metrics and the trace log (``cache_key``: the
         request's ``prompt_cache_key``, kept for routing analysis)."""
         self.metrics.observe(fin.usage, fin.ttft_s, fin.outcome)
+        u = fin.usage
+        self.dashboard.note(
+            tenant.name,
+            tenant.salt,
+            fin.prompt_token_ids,
+            u.prompt_tokens,
+            u.cached_tokens,
+            u.cache_write_tokens,
+            fin.ttft_s,
+            fin.outcome,
+        )
         if self.trace is not None:
             endpoint = request.headers.get(ENDPOINT_HEADER) or request.url.path
             self.trace.record(

@@ -1,0 +1,219 @@
+"""The live dashboard: ``GET /v1/dashboard``'s numbers, its tenant scoping, and the page itself in
+headless Chromium (DOM assertions before and after more traffic)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from prefixcache.server.auth import Authenticator
+from prefixcache.server.dashboard import DashboardRecorder, DashboardSources
+
+MODEL = "test-model"
+SYSTEM_A = "Alpha's handbook for support agents: be brief and kind. " * 4
+SYSTEM_B = "Beta's style sheet for release notes, strictly formal. " * 4
+KEYS = {"sk-alpha": "alpha", "sk-beta": "beta", "sk-ops": "ops"}
+
+
+def chat(url: str, system: str, user: str, key: str | None = None) -> dict:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    body = {
+        "model": MODEL,
+        "max_tokens": 2,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+    }
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+def dashboard(url: str, key: str | None = None) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(url + "/v1/dashboard", headers=headers, timeout=30)
+
+
+# ---------------------------------------------------------------------------- the recorder alone
+class FakeSources:
+    def __init__(self) -> None:
+        self.prefilled = 0
+        self.depth = 0
+
+    def sources(self) -> DashboardSources:
+        return DashboardSources(
+            keys=lambda tenant, salt, ids: [
+                f"{tenant}:{len(ids[: i + 1])}".encode() for i in range(len(ids))
+            ],
+            decode=lambda ids: "".join(chr(97 + i % 26) for i in ids),
+            prefilled=lambda: self.prefilled,
+            queue_depth=lambda: self.depth,
+        )
+
+
+def test_recorder_series_totals_and_top_prefixes_are_exact() -> None:
+    fake = FakeSources()
+    now = [1000.0]
+    rec = DashboardRecorder(fake.sources(), interval_s=2.0, points=3, top=2, clock=lambda: now[0])
+    prefix = list(range(32))
+    rec.note("a", b"s", prefix + [1, 2], 34, 0, 32, 0.5, "miss")
+    fake.prefilled = 34
+    rec.note("a", b"s", prefix + [3, 4], 34, 32, 0, 0.1, "partial")
+    rec.note("a", b"s", prefix + [5, 6], 34, 32, 0, 0.3, "partial")
+    rec.note("b", b"t", prefix[:16] + [9], 17, 16, 0, None, "partial")
+    fake.depth = 3
+    now[0] = 1002.0
+    point = rec.sample()
+    assert point == {
+        "t": 1002.0,
+        "requests": 4,
+        "prompt_tokens": 119,
+        "cached_tokens": 80,
+        "written_tokens": 32,
+        "prefilled_tokens": 34,
+        "hit_rate": round(80 / 119, 4),
+        "ttft_hit_s": None,
+        "ttft_partial_s": 0.2,
+        "ttft_miss_s": 0.5,
+        "queue_depth": 3,
+    }
+    # A quiet interval: zeros, no hit rate, and the prefilled counter's delta only.
+    fake.prefilled = 40
+    assert rec.sample()["prefilled_tokens"] == 6 and rec.sample()["hit_rate"] is None
+    rec.sample()
+    assert len(rec.view(None)["series"]) == 3  # the ring buffer keeps the last 3 points
+
+    # Tenant a's prefix is named by the key of its last cached block; b sees only its own.
+    a_top = rec.top_prefixes("a")
+    assert a_top == [
+        {
+            "key": b"a:32".hex(),
+            "tenant": "a",
+            "prefix_tokens": 32,
+            "tokens_saved": 64,
+            "hits": 2,
+            "last_hit": 1000.0,
+            "preview": "".join(chr(97 + i % 26) for i in range(32)),
+        }
+    ]
+    assert [p["key"] for p in rec.top_prefixes("b")] == [b"b:16".hex()]
+    assert [p["tenant"] for p in rec.top_prefixes(None)] == ["a", "b"]
+    view = rec.view("b")
+    assert view["totals"]["requests"] == 4 and view["totals"]["cached_tokens"] == 80
+    assert view["ttft"]["partial"] == {"count": 2, "p50_s": 0.3, "p90_s": 0.3}
+    assert [p["tenant"] for p in view["top_prefixes"]] == ["b"]
+
+
+def test_recorder_keeps_the_top_prefixes_of_each_tenant_bounded() -> None:
+    fake = FakeSources()
+    rec = DashboardRecorder(fake.sources(), top=2)
+    for n in (16, 32, 48, 64, 80):  # five distinct prefixes; 80 saves most, 16 least
+        for _ in range(n // 16):
+            rec.note("a", b"s", list(range(n)) + [0], n + 1, n, 0, 0.1, "partial")
+        rec.digest()
+    # Past 2 * top entries the 2 best stay, then new ones join until the next trim.
+    assert [p["prefix_tokens"] for p in rec.top_prefixes("a")] == [80, 64]
+    assert rec.top_prefixes("a")[0]["tokens_saved"] == 80 * 5
+
+
+def test_admin_tenant_must_name_a_tenant_of_the_key_file() -> None:
+    with pytest.raises(ValueError, match="no key in the key file"):
+        Authenticator({"k": "alpha"}, "s", admin_tenants=["ops"])
+    with pytest.raises(ValueError, match="needs API keys"):
+        Authenticator(None, "s", admin_tenants=["default"])
+    auth = Authenticator({"k": "alpha", "o": "ops"}, "s", admin_tenants=["ops"])
+    assert auth.authenticate("Bearer o", None).admin and not auth.authenticate("Bearer k", None).admin
+
+
+# ---------------------------------------------------------------------------- the JSON over HTTP
+def test_dashboard_json_counts_the_traffic_and_names_the_prefix(serve, make_engine) -> None:
+    server = serve(make_engine(), model_name=MODEL, dashboard_interval_s=0.05)
+    usages = [chat(server.url, SYSTEM_A, f"question {i}") for i in range(3)]
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    assert cached[0] == 0 and cached[1] == cached[2] > 0
+    d = dashboard(server.url).json()
+    t = d["totals"]
+    assert t["requests"] == 3
+    assert t["prompt_tokens"] == sum(u["prompt_tokens"] for u in usages)
+    assert t["cached_tokens"] == sum(cached)
+    assert t["written_tokens"] == sum(u["prompt_tokens_details"]["cache_write_tokens"] for u in usages)
+    assert t["prefilled_tokens"] == server.engine.prefilled_tokens == t["prompt_tokens"] - t["cached_tokens"]
+    assert t["hit_rate"] == round(sum(cached) / t["prompt_tokens"], 4)
+    assert d["ttft"]["miss"]["count"] == 1 and d["ttft"]["partial"]["count"] == 2
+    # The one prefix both hits read: the cache's own key of its last block, the tokens it saved.
+    state = server.state
+    ids = state.bridge.render_ids(
+        [{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": "question 1"}]
+    )
+    ns = state.bridge.namespace("default", state.auth.salt_for("default"))
+    key = state.bridge.cache.block_keys(ids[: cached[1]], ns)[-1].hex()
+    (top,) = d["top_prefixes"]
+    assert top["key"] == key and top["tenant"] == "default"
+    assert top["tokens_saved"] == 2 * cached[1] and top["hits"] == 2 and top["prefix_tokens"] == cached[1]
+    assert "Alpha's handbook" in top["preview"]
+    assert d["cache"]["blocks"] == state.bridge.cache.stats().blocks > 0
+    assert d["tiers"] == [] and d["miss_reasons"] == {} and d["busting"] == []
+    # Every interval's tokens add up to the totals (the series sampled them all).
+    server.state.dashboard.sample()
+    series = dashboard(server.url).json()["series"]
+    assert sum(p["cached_tokens"] for p in series) == t["cached_tokens"]
+    assert sum(p["requests"] for p in series) == 3
+
+
+def test_dashboard_json_scopes_prefixes_to_the_callers_tenant(serve, make_engine) -> None:
+    server = serve(make_engine(), model_name=MODEL, api_keys=KEYS, salt_secret="x", admin_tenants=["ops"])
+    for i in range(2):
+        chat(server.url, SYSTEM_A, f"a{i}", "sk-alpha")
+        chat(server.url, SYSTEM_B, f"b{i}", "sk-beta")
+    r = dashboard(server.url)
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    assert dashboard(server.url, "sk-nope").status_code == 401
+    alpha, beta, ops = (dashboard(server.url, k).json() for k in ("sk-alpha", "sk-beta", "sk-ops"))
+    assert [(p["tenant"], "Alpha's" in p["preview"]) for p in alpha["top_prefixes"]] == [("alpha", True)]
+    assert [(p["tenant"], "Beta's" in p["preview"]) for p in beta["top_prefixes"]] == [("beta", True)]
+    assert "Beta's" not in str(alpha) and "Alpha's" not in str(beta)
+    assert alpha["tenant_cache"]["tenant"] == "alpha" and alpha["tenant_cache"]["requests"] == 2
+    assert not alpha["admin"] and ops["admin"]
+    assert sorted(p["tenant"] for p in ops["top_prefixes"]) == ["alpha", "beta"]
+    assert ops["top_prefixes"] == sorted(
+        alpha["top_prefixes"] + beta["top_prefixes"], key=lambda p: (-p["tokens_saved"], p["key"])
+    )
+    # The page itself loads without a key, under a policy that allows only its own origin.
+    page = httpx.get(server.url + "/dashboard")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    for asset in ("dashboard.css", "common.js", "server.js"):
+        assert httpx.get(f"{server.url}/dashboard/{asset}").status_code == 200
+    assert httpx.get(server.url + "/dashboard/router.py").status_code == 404
+
+
+# ---------------------------------------------------------------------------- the page, in Chromium
+def test_dashboard_page_shows_live_numbers_in_chromium(serve, make_engine, browse) -> None:
+    server = serve(make_engine(), model_name=MODEL, api_keys=KEYS, salt_secret="x", dashboard_interval_s=0.05)
+    for i in range(2):
+        chat(server.url, SYSTEM_A, f"q{i}", "sk-alpha")
+    page_url = server.url + "/dashboard#key=sk-alpha"
+
+    dom = browse(page_url)
+    first = dashboard(server.url, "sk-alpha").json()["totals"]
+    assert dom.by_id("status")[1]["class"] == "ok"
+    assert dom.value("requests") == 2 and dom.value("cached-tokens") == first["cached_tokens"] > 0
+    assert dom.value("hit-rate") == first["hit_rate"] > 0
+    assert dom.value("prefilled-tokens") == first["prefilled_tokens"] > 0
+    assert dom.by_id("tenant")[0] == "tenant alpha"
+    (row,) = dom.rows("top-prefixes")
+    assert row[1] == "alpha" and row[2] == str(first["cached_tokens"]) and "Alpha's handbook" in row[5]
+    assert "no data yet" in dom.by_id("miss-reasons")[0]
+    assert dom.rows("busting") == [["no data yet"]]
+
+    for i in range(2, 5):
+        chat(server.url, SYSTEM_A, f"q{i}", "sk-alpha")
+    dom2 = browse(page_url)
+    second = dashboard(server.url, "sk-alpha").json()["totals"]
+    assert dom2.value("requests") == 5
+    assert dom2.value("cached-tokens") == second["cached_tokens"] > first["cached_tokens"]
+    assert dom2.value("hit-rate") == second["hit_rate"] > first["hit_rate"]
+    assert dom2.rows("top-prefixes")[0][3] == "4"  # hits of the shared prefix
+
+    # Without a key the page asks for one (the form shows) and shows no numbers.
+    dom3 = browse(server.url + "/dashboard")
+    assert "hidden" not in dom3.by_id("key-form")[1] and dom3.by_id("requests")[0] == "–"
+    assert dom3.by_id("status")[0] == "an API key is needed"
