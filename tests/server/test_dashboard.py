@@ -217,3 +217,22 @@ def test_dashboard_page_shows_live_numbers_in_chromium(serve, make_engine, brows
     dom3 = browse(server.url + "/dashboard")
     assert "hidden" not in dom3.by_id("key-form")[1] and dom3.by_id("requests")[0] == "–"
     assert dom3.by_id("status")[0] == "an API key is needed"
+
+
+@pytest.mark.model
+def test_dashboard_page_with_the_real_model(serve, real_engine, browse) -> None:
+    """SmolLM2 behind the page: the prefix's preview is its real decoded text, the numbers are
+    the server's."""
+    server = serve(real_engine, model_name=MODEL, dashboard_interval_s=0.05)
+    usages = [chat(server.url, SYSTEM_A, f"Question number {i}?") for i in range(3)]
+    cached = usages[1]["prompt_tokens_details"]["cached_tokens"]
+    assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0 and cached > 0
+    dom = browse(server.url + "/dashboard")
+    totals = dashboard(server.url).json()["totals"]
+    assert dom.value("requests") == 3 and dom.value("cached-tokens") == totals["cached_tokens"] == 2 * cached
+    assert dom.value("prefilled-tokens") == real_engine.prefilled_tokens == totals["prefilled_tokens"]
+    (row,) = dom.rows("top-prefixes")
+    assert row[2] == str(2 * cached) and row[3] == "2" and row[4] == str(cached)
+    assert row[5].startswith("<|im_start|>system Alpha's handbook for support agents")
+    ttft = {r[0]: r for r in dom.rows("ttft-table")}
+    assert ttft["miss"][1] == "1" and int(ttft["hit"][1]) + int(ttft["partial"][1]) == 2

@@ -107,7 +107,7 @@ def create_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspo
         record_ttl_s=config.record_ttl_s,
     )
     state: dict[str, Any] = {}
-    series = dashboard.RouterSeries(router)
+    series = dashboard.RouterSeries(router, config.dashboard_interval_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -118,7 +118,7 @@ def create_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspo
             state["proxy"] = proxy
             tasks = [
                 asyncio.create_task(_health_loop(proxy, config.health_interval_s)),
-                asyncio.create_task(series.run(config.dashboard_interval_s)),
+                asyncio.create_task(series.run()),
             ]
             keepwarm = KeepWarm.load(config.keepwarm_file) if config.keepwarm_file else None
             if keepwarm is not None:

@@ -69,8 +69,15 @@ class RouterSeries:
     """A ring buffer of the router's traffic, one point per interval: the routed hit rate of the
     interval (cached / prompt tokens the replicas reported), requests routed, in flight, healthy."""
 
-    def __init__(self, router: Router, points: int = DEFAULT_POINTS, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        router: Router,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        points: int = DEFAULT_POINTS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.router = router
+        self.interval_s = interval_s
         self.clock = clock
         self.points: deque[dict[str, Any]] = deque(maxlen=points)
         self._last = (0, 0, 0)  # prompt tokens, cached tokens, routed: at the last sample
@@ -94,9 +101,10 @@ class RouterSeries:
         self.points.append(point)
         return point
 
-    async def run(self, interval_s: float) -> None:
+    async def run(self) -> None:
+        """Sample every ``interval_s`` until cancelled."""
         while True:
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(self.interval_s)
             self.sample()  # O(replicas) under the router's lock: cheap enough for the loop
 
 
@@ -111,6 +119,7 @@ def dashboard_data(router: Router, series: RouterSeries) -> dict[str, Any]:
         "kind": "router",
         "policy": router.policy.value,
         "now": round(time.time(), 3),
+        "interval_s": series.interval_s,
         "totals": {
             "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
             "prompt_tokens": prompt,

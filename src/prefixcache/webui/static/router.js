@@ -20,9 +20,18 @@ function renderRouter(d) {
     [PC.num(r.prefixes), "num"], [r.last_error || "", "preview"],
   ]), "no replicas", 11);
 
-  const col = (name) => d.series.map((p) => p[name]);
-  PC.lineChart("chart-hit-rate", [{ values: col("hit_rate") }], { max: 1, format: PC.pct });
-  PC.lineChart("chart-load", [{ values: col("routed") }, { values: col("in_flight") }]);
+  const s = d.series;
+  const col = (name) => s.map((p) => p[name]);
+  const WINDOW = Math.max(1, Math.round(30 / d.interval_s));
+  const windowSum = (name, i) => s.slice(Math.max(0, i - WINDOW + 1), i + 1).reduce((a, p) => a + p[name], 0);
+  const rollingRate = s.map((_, i) => {
+    const prompt = windowSum("prompt_tokens", i);
+    return prompt > 0 ? windowSum("cached_tokens", i) / prompt : null;
+  });
+  PC.setText("window", Math.round(WINDOW * d.interval_s) + " s");
+  PC.lineChart("chart-hit-rate", [{ values: rollingRate }], { max: 1, format: PC.pct });
+  const perSecond = (name) => s.map((_, i) => windowSum(name, i) / (Math.min(i + 1, WINDOW) * d.interval_s));
+  PC.lineChart("chart-load", [{ values: perSecond("routed") }, { values: col("in_flight") }]);
 }
 
 document.addEventListener("DOMContentLoaded", () => PC.poll("/router/dashboard", 2000, renderRouter));

@@ -16,9 +16,18 @@ function renderServer(d) {
 
   const s = d.series;
   const col = (name) => s.map((p) => p[name]);
-  PC.lineChart("chart-hit-rate", [{ values: col("hit_rate") }], { max: 1, format: PC.pct });
+  // Rolling windows of WINDOW points: per-interval values of sparse traffic are mostly gaps.
+  const WINDOW = Math.max(1, Math.round(30 / d.interval_s));
+  const windowSum = (name, i) => s.slice(Math.max(0, i - WINDOW + 1), i + 1).reduce((a, p) => a + p[name], 0);
+  const rollingRate = s.map((_, i) => {
+    const prompt = windowSum("prompt_tokens", i);
+    return prompt > 0 ? windowSum("cached_tokens", i) / prompt : null;
+  });
+  const perSecond = (name) => s.map((_, i) => windowSum(name, i) / (Math.min(i + 1, WINDOW) * d.interval_s));
+  PC.setText("window", Math.round(WINDOW * d.interval_s) + " s");
+  PC.lineChart("chart-hit-rate", [{ values: rollingRate }], { max: 1, format: PC.pct });
   PC.lineChart("chart-tokens", [
-    { values: col("cached_tokens") }, { values: col("prefilled_tokens") }, { values: col("written_tokens") },
+    { values: perSecond("cached_tokens") }, { values: perSecond("prefilled_tokens") }, { values: perSecond("written_tokens") },
   ]);
   PC.lineChart("chart-ttft", [
     { values: col("ttft_hit_s") }, { values: col("ttft_miss_s") }, { values: col("ttft_partial_s") },
