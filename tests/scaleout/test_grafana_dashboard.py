@@ -14,7 +14,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixcache.cache.tiers import attach_tiers
+from prefixcache.cache.tiers import attach_tiers, register_prometheus
 from prefixcache.router import RouterConfig, create_router_app
 from prefixcache.server import create_app
 
@@ -79,7 +79,9 @@ def scraped(tiny_runner: Any, tmp_path: Path) -> dict[str, str]:
     try:
         attach_tiers(engine.cache, disk_dir=tmp_path / "disk", disk_bytes=1 << 24)
         with contextlib.ExitStack() as stack:
-            server = stack.enter_context(ServerThread(create_app(engine, model_name="m")))
+            app = create_app(engine, model_name="m")
+            register_prometheus(engine.cache, app.state.prefixcache.metrics.registry)  # as 'serve' does
+            server = stack.enter_context(ServerThread(app))
             router = stack.enter_context(ServerThread(create_router_app(RouterConfig(replicas=[server.url]))))
             body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi " * 40}]}
             assert httpx.post(router.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200

@@ -193,7 +193,7 @@ def serve(
 
     import uvicorn
 
-    from prefixcache.cache.tiers import attach_tiers
+    from prefixcache.cache.tiers import attach_tiers, register_prometheus
     from prefixcache.engine import Engine
     from prefixcache.server import create_app
     from prefixcache.server.app import DEFAULT_MODEL_NAME
@@ -265,6 +265,8 @@ def serve(
         tenant_queue_share=tenant_queue_share,
         admin_tenants=admin_tenant or (),
     )
+    if engine.cache is not None and engine.cache.tiers:
+        register_prometheus(engine.cache, app.state.prefixcache.metrics.registry)
     tiers = ", ".join(t.name for t in engine.cache.tiers) if engine.cache is not None else ""
     typer.echo(f"prefixcache: cache tiers below memory: {tiers or 'none'}")
     typer.echo(

@@ -26,7 +26,6 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from prefixcache.cache.tiers import register_prometheus
 from prefixcache.server import (
     routes_anthropic,
     routes_dashboard,
@@ -105,8 +104,7 @@ def create_app(
     per context token for a longer context). ``tenant_queue_share``: with two tenants or more,
     the share of ``max_queue`` one tenant may hold (at least one request). ``admin_tenants``:
     tenants of ``api_keys`` that see every tenant's prefixes on the dashboard.
-    ``dashboard_interval_s``: seconds between two points of the dashboard's time series.
-    Tier metrics (``prefixcache_tier_*``) are exported when the engine's cache has tiers."""
+    ``dashboard_interval_s``: seconds between two points of the dashboard's time series."""
     tenants = len(set(api_keys.values())) if api_keys else 1
     tenant_limit = Admission.tenant_limit_for(max_queue, tenant_queue_share, tenants)
     bridge = EngineBridge(engine, max_queue, tenant_limit)
@@ -125,8 +123,6 @@ def create_app(
             block_size=bridge.block_size,
         )
 
-    if bridge.cache is not None and bridge.cache.tiers:
-        register_prometheus(bridge.cache, metrics.registry)
     auth = Authenticator(api_keys, salt_secret, admin_tenants)
     dashboard = DashboardRecorder(_dashboard_sources(bridge, engine), interval_s=dashboard_interval_s)
 
