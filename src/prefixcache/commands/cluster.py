@@ -22,6 +22,7 @@ from typing import Annotated
 import typer
 
 from prefixcache.cache.config import DEFAULTS
+from prefixcache.commands.server import parse_bytes
 
 POLICIES = ("prefix-affinity", "cache-aware", "round-robin", "least-loaded")
 
@@ -75,6 +76,17 @@ def route(
     record_ttl: Annotated[
         float, typer.Option(help="Seconds the router remembers where a prefix went.")
     ] = DEFAULTS.default_ttl_s,
+    read_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Seconds a replica may stay silent (before its answer or between stream chunks) before "
+            "the request fails with 504; a slow replica is not marked down and the request not retried.",
+        ),
+    ] = 600.0,
+    max_body_bytes: Annotated[
+        str, typer.Option(help="Largest request body (413 beyond, before it is read), e.g. 8MiB.")
+    ] = "8MiB",
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
 ) -> None:
     """Route OpenAI and Anthropic requests across replicas so that requests sharing a prompt
@@ -98,6 +110,8 @@ def route(
         load_slack=load_slack,
         record_ttl_s=record_ttl,
         keepwarm_file=str(keep_warm) if keep_warm else None,
+        read_timeout_s=read_timeout,
+        max_body_bytes=parse_bytes(max_body_bytes),
     )
     typer.echo(f"prefixcache router: {policy} over {len(replica)} replicas on http://{host}:{port}")
     uvicorn.run(create_router_app(config), host=host, port=port, log_level=log_level.lower())

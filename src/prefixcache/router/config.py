@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prefixcache.cache.config import DEFAULTS
+from prefixcache.limits import DEFAULT_MAX_BODY_BYTES
 from prefixcache.router.policies import Policy
 
 
@@ -26,3 +27,4 @@ class RouterConfig:
     load_slack: int = 4
     record_ttl_s: float = DEFAULTS.default_ttl_s
     keepwarm_file: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # 413 beyond, before the body is read
