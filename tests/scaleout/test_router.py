@@ -303,7 +303,7 @@ def test_route_command_serves_and_stops(fake_replicas) -> None:  # noqa: ANN001
         assert r.status_code == 413 and "limit of 2048 bytes" in r.json()["error"]["message"]
     finally:
         proc.terminate()
-        assert proc.wait(20) in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown
+        assert proc.wait(20) == 0  # a clean stop: uvicorn's re-raised SIGTERM ends as Ctrl-C does
 
 
 def test_route_command_rejects_an_unknown_policy() -> None:
