@@ -63,17 +63,25 @@ def redacted_url(url: str) -> str:
 
 
 def start_redis(
-    binary: str, directory: str, *, maxmemory: int, policy: str, password: str, timeout_s: float = 10.0
+    binary: str,
+    directory: str,
+    *,
+    maxmemory: int,
+    policy: str,
+    password: str,
+    port: int | None = None,
+    timeout_s: float = 10.0,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """A redis-server on a free loopback port: no persistence, ``maxmemory`` bytes evicted by
     ``policy``, ``requirepass password``. The configuration goes in on stdin (``redis-server -``),
     so the password is in no process's argv. Returns the process and its URL (password in it:
-    keep it out of argv and logs), once it answers an authenticated PING."""
+    keep it out of argv and logs), once it answers an authenticated PING. ``port``: a given one
+    (a restart where clients expect it), else a free one."""
     from urllib.parse import quote
 
     import redis
 
-    port = free_port()
+    port = port or free_port()
     config = (
         f'port {port}\nbind 127.0.0.1\nsave ""\nappendonly no\ndir {directory}\n'
         f"maxmemory {maxmemory}\nmaxmemory-policy {policy}\nrequirepass {password}\n"
