@@ -212,6 +212,19 @@ def start_replica(
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
+def back_up(soak: Soak, url: str, proc: subprocess.Popen[bytes]) -> None:
+    """Note when a restarted replica answers /health again (the router's next health round
+    puts it back in rotation)."""
+    from prefixcache.commands.cluster import wait_ready
+
+    try:
+        wait_ready(url, proc, 600)
+    except RuntimeError:
+        return
+    with soak.lock:
+        soak.events.append((time.monotonic(), "replica healthy again", url))
+
+
 def serve_in_thread(app: Any, port: int) -> Any:
     import uvicorn
 
@@ -306,9 +319,9 @@ def main() -> None:  # noqa: PLR0915 - one linear script: set up, run, classify,
                 procs[urls[1]].send_signal(signal.SIGKILL)
                 procs[urls[1]].wait(10)
             else:
-                procs[urls[1]] = start_replica(
-                    ports[1], env, tmp / "keys.json", args.capacity, tmp / "replica-1.log"
-                )
+                log = tmp / "replica-1.log"
+                procs[urls[1]] = start_replica(ports[1], env, tmp / "keys.json", args.capacity, log)
+                threading.Thread(target=back_up, args=(soak, urls[1], procs[urls[1]]), daemon=True).start()
             soak.events.append((now, what, urls[1] if "replica" in what else ""))
         while time.monotonic() - t0 < args.duration:
             time.sleep(0.2)
