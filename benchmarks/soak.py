@@ -403,7 +403,7 @@ def report(
         f"{args.invalid_share:.0%} invalid requests; a prober sending a fresh prompt as one tenant, then "
         "as another. Every served answer is compared with a cache-off reference server's.",
         "",
-        "Events: " + "; ".join(f"{t - t0:.0f} s {what}" for t, what, _ in soak.events) + ".",
+        "Events: " + "; ".join(f"{t - t0:.0f} s {what}" for t, what, _ in sorted(soak.events)) + ".",
         "",
         "| measure | value | bound |",
         "|---|---|---|",
