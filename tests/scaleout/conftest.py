@@ -5,6 +5,7 @@ tests/conftest.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -201,3 +202,24 @@ class ServerThread:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def stop_process_tree(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    """Cleanup after a failed test: SIGTERM ``proc`` (a clean stop stops its children too), then
+    kill whatever of it and its descendants is still running."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    for child in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()

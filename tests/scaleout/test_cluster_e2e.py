@@ -127,7 +127,7 @@ def test_cluster_command_up_answers_through_the_router_and_stops_on_sigterm(
 
     import prefixcache
 
-    from .conftest import free_port, wait_http
+    from .conftest import free_port, stop_process_tree, wait_http
 
     password = "cluster-test-password-0123456789"
     (tmp_path / "pw").write_text(password + "\n")
@@ -180,6 +180,4 @@ def test_cluster_command_up_answers_through_the_router_and_stops_on_sigterm(
         assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
         assert password not in log.read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        stop_process_tree(proc)

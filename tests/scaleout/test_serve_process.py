@@ -21,7 +21,7 @@ import redis
 
 import prefixcache
 
-from .conftest import free_port, wait_http
+from .conftest import free_port, stop_process_tree, wait_http
 
 SRC = str(Path(prefixcache.__file__).resolve().parents[1])
 KEYS = {"sk-alpha-0123456789abcdef": "alpha", "sk-beta-0123456789abcdef0": "beta"}
@@ -144,6 +144,4 @@ def test_serve_processes_restart_warm_from_disk_share_redis_per_tenant_and_stop_
             started.remove(s)
     finally:
         for s in started:
-            if s.proc.poll() is None:
-                s.proc.kill()
-                s.proc.wait(10)
+            stop_process_tree(s.proc)
