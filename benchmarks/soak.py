@@ -137,21 +137,22 @@ class Soak:
             ("malformed", b'{"model": "m", "messages": ['),
             ("wrong model", json.dumps({**good, "model": "gpt-17"})),
             ("bad max_tokens", json.dumps({**good, "max_tokens": -3})),
-            ("tiny temperature", json.dumps({**good, "temperature": 1e-40})),
+            ("negative temperature", json.dumps({**good, "temperature": -1})),
             ("huge seed", json.dumps({**good, "seed": 2**64})),
             ("no messages", json.dumps({**good, "messages": []})),
         ]
-        _, content = rng.choice(cases)
+        case, content = rng.choice(cases)
         headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
         if rng.random() < 0.15:
             headers["authorization"] = "Bearer sk-not-a-key-of-this-deployment"
+            case += ", wrong key"
         t0 = time.monotonic()
         try:
             r = c.post("/v1/chat/completions", content=content, headers=headers)
             status, replica = r.status_code, r.headers.get("x-prefixcache-replica", "")
         except httpx.HTTPError:
             status, replica = 0, ""
-        return Outcome("invalid", t0, time.monotonic(), status, replica)
+        return Outcome("invalid", t0, time.monotonic(), status, replica, prompt=(case, ""))
 
     def worker(self, seed: int) -> None:
         rng = random.Random(seed)
@@ -389,6 +390,12 @@ def report(
             (f"replica {i}: peak cache bytes / budget", f"{peak} / {budget} ({peak / budget:.1%})", "<= 105%")
         )
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start))
+    odd = [o for o in invalid if not 400 <= o.status < 500]
+    odd_text = "; ".join(
+        f"{o.prompt[0]}: {o.status or 'no answer'}"
+        + (" (in flight on the killed replica)" if explained(o) else "")
+        for o in odd
+    )
     lines = [
         "# Soak benchmark",
         "",
@@ -408,6 +415,8 @@ def report(
         "| measure | value | bound |",
         "|---|---|---|",
         *[f"| {a} | {b} | {c} |" for a, b, c in rows],
+        "",
+        f"Invalid requests not answered 4xx: {odd_text or 'none'}.",
         "",
     ]
     text = "\n".join(lines)
