@@ -111,6 +111,20 @@ def test_a_stream_whose_replica_dies_mid_answer_is_ended_with_an_error_and_count
     assert f'prefixcache_router_broken_streams_total{{replica="{r1.url}"}} 0.0' in metrics
 
 
+def test_a_client_leaving_mid_stream_closes_the_upstream_and_is_not_a_replica_failure(fake_replicas) -> None:  # noqa: ANN001
+    (r0,) = fake_replicas(1, modes=["hold-mid-stream"])  # the replica would never end this stream
+    with router([r0]) as srv:
+        with (
+            httpx.Client(base_url=srv.url, timeout=30) as c,
+            c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as r,
+        ):
+            assert next(line for line in r.iter_lines() if line.startswith("data:")) == FULL_STREAM[0]
+        # The client is gone: the relay stops and is booked once, as completed.
+        wait_until(lambda: replica_row(snapshot(srv.url), r0)["in_flight"] == 0, "the relay to close")
+        row = replica_row(snapshot(srv.url), r0)
+    assert (row["completed"], row["failed"], row["broken_streams"], row["healthy"]) == (1, 0, 0, True)
+
+
 def test_the_openai_client_raises_on_a_broken_stream(fake_replicas) -> None:  # noqa: ANN001
     import openai
 

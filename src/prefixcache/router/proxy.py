@@ -44,6 +44,7 @@ import anyio
 import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from prefixcache.limits import RejectedBody, parse_json_body
 from prefixcache.router.affinity import PrefixKey, prefix_key
@@ -101,6 +102,89 @@ class _Lost(Exception):
     def __init__(self, exc: httpx.TransportError) -> None:
         super().__init__(str(exc))
         self.exc = exc
+
+
+class _Relay:
+    """One relayed stream: whole events out; on a transport error an error event ends it (a
+    broken stream). Its bookkeeping runs exactly once (:meth:`close`), whether the stream ended,
+    broke, or the client left, even before the first chunk was asked for."""
+
+    def __init__(
+        self,
+        router: Router,
+        replica: Replica,
+        resp: httpx.Response,
+        chunks: AsyncIterator[bytes],
+        first: bytes | None,
+        path: str,
+    ) -> None:
+        self.router, self.replica, self.resp, self.chunks, self.first = router, replica, resp, chunks, first
+        self.path = path
+        self.sniff = SSEUsage()
+        self.broken: httpx.TransportError | None = None
+        self.closed = False
+
+    async def events(self) -> AsyncIterator[bytes]:
+        cutter = EventCutter()
+        try:
+            data = self.first
+            while data is not None:
+                out = cutter.feed(data)
+                if out:
+                    self.sniff.feed(out)
+                    yield out
+                try:
+                    data = await anext(self.chunks, None)
+                except httpx.TransportError as exc:  # bytes already went out: no retry
+                    self.broken = exc
+                    break
+            if self.broken is None:
+                rest = cutter.rest()
+                if rest:
+                    self.sniff.feed(rest)
+                    yield rest
+            else:
+                log.warning("router: stream broken: %s: %s", self.replica.url, self._why())
+                text = (
+                    "The replica serving this stream failed mid-answer; the answer is incomplete: "
+                    "send the request again."
+                )
+                lead = b"" if cutter.at_boundary else b"\n\n"
+                yield lead + stream_error_event(self.path, text, "stream_broken")
+        finally:
+            await self.close()
+
+    def _why(self) -> str:
+        return f"{type(self.broken).__name__}: {self.broken}"
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        await self.resp.aclose()
+        if self.broken is not None:
+            down = not _is_slow(self.broken)
+            self.router.stream_broken(self.replica, f"stream broken: {self._why()}", down=down)
+        else:  # a clean end, or the client went away (not the replica's failure)
+            status = self.resp.status_code
+            self.router.finished(self.replica, ok=status < 500, error=f"HTTP {status}")
+        if self.sniff.usage is not None:
+            self.router.usage(self.replica, *self.sniff.usage)
+
+
+class _RelayResponse(StreamingResponse):
+    """Streams a :class:`_Relay` and closes it in every case (a client that leaves before the
+    first chunk never starts the generator, whose own ``finally`` then never runs)."""
+
+    def __init__(self, relay: _Relay, status_code: int, headers: dict[str, str]) -> None:
+        super().__init__(relay.events(), status_code=status_code, headers=headers)
+        self.relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.relay.close()
 
 
 class Proxy:
@@ -183,11 +267,8 @@ class Proxy:
             except httpx.TransportError as exc:
                 await resp.aclose()
                 raise _Lost(exc) from exc
-            return StreamingResponse(
-                self._relay(first, chunks, resp, replica, target.split("?", 1)[0]),
-                status_code=resp.status_code,
-                headers=self._response_headers(resp, replica),
-            )
+            relay = _Relay(self.router, replica, resp, chunks, first, target.split("?", 1)[0])
+            return _RelayResponse(relay, resp.status_code, self._response_headers(resp, replica))
         try:
             content = await resp.aread()
         except httpx.TransportError as exc:  # died mid-response; nothing sent yet
@@ -207,53 +288,6 @@ class Proxy:
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_RESPONSE}
         headers["x-prefixcache-replica"] = replica.url
         return headers
-
-    async def _relay(
-        self,
-        first: bytes | None,
-        chunks: AsyncIterator[bytes],
-        resp: httpx.Response,
-        replica: Replica,
-        path: str,
-    ) -> AsyncIterator[bytes]:
-        """Relay whole events; on a transport error end with an error event (a broken stream)."""
-        sniff, cutter = SSEUsage(), EventCutter()
-        broken: httpx.TransportError | None = None
-        try:
-            data = first
-            while data is not None:
-                out = cutter.feed(data)
-                if out:
-                    sniff.feed(out)
-                    yield out
-                try:
-                    data = await anext(chunks, None)
-                except httpx.TransportError as exc:  # bytes already went out: no retry
-                    broken = exc
-                    break
-            if broken is None:
-                rest = cutter.rest()
-                if rest:
-                    sniff.feed(rest)
-                    yield rest
-            else:
-                msg = f"{replica.url}: {type(broken).__name__}: {broken}"
-                log.warning("router: stream broken: %s", msg)
-                text = (
-                    "The replica serving this stream failed mid-answer; the answer is incomplete: "
-                    "send the request again."
-                )
-                lead = b"" if cutter.at_boundary else b"\n\n"
-                yield lead + stream_error_event(path, text, "stream_broken")
-        finally:
-            await resp.aclose()
-            if broken is not None:
-                msg = f"stream broken: {type(broken).__name__}: {broken}"
-                self.router.stream_broken(replica, msg, down=not _is_slow(broken))
-            else:  # a clean end, or the client went away (not the replica's failure)
-                self.router.finished(replica, ok=resp.status_code < 500, error=f"HTTP {resp.status_code}")
-            if sniff.usage is not None:
-                self.router.usage(replica, *sniff.usage)
 
     async def broadcast(self, request: Request) -> Response:
         """Send the request to every healthy replica; 200 if any accepted it (keep-warm pins)."""
