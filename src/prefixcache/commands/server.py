@@ -177,6 +177,36 @@ def serve(
         ),
     ] = None,
     disk_cache_size: Annotated[str, typer.Option(help="Disk tier byte budget, e.g. 8GiB.")] = "8GiB",
+    kv_events_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-events-endpoint",
+            help="Publish KV cache events (BlockStored, BlockRemoved, AllBlocksCleared) in vLLM's "
+            "format on a ZeroMQ PUB socket bound here, e.g. tcp://127.0.0.1:5557.",
+        ),
+    ] = None,
+    kv_events_replay_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-events-replay-endpoint",
+            help="Also bind a ROUTER socket here that replays buffered event batches from a "
+            "sequence number (vLLM's replay protocol), e.g. tcp://127.0.0.1:5558.",
+        ),
+    ] = None,
+    kv_events_topic: Annotated[
+        str, typer.Option("--kv-events-topic", help="Topic frame of every KV event message.")
+    ] = "",
+    kv_events_buffer: Annotated[
+        int, typer.Option("--kv-events-buffer", min=1, help="Event batches kept for replay.")
+    ] = 10_000,
+    kv_events_hash_format: Annotated[
+        str,
+        typer.Option(
+            "--kv-events-hash-format",
+            help="Block hashes on the wire: int (low 64 bits of the key, vLLM's default) or bytes "
+            "(the whole 32-byte key).",
+        ),
+    ] = "int",
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
 ) -> None:
     """Serve the engine over HTTP: OpenAI (/v1/chat/completions, /v1/completions) and Anthropic
@@ -251,6 +281,22 @@ def serve(
     )
     if engine.cache is not None and engine.cache.tiers:
         register_prometheus(engine.cache, app.state.prefixcache.metrics.registry)
+    publisher = None
+    if kv_events_endpoint is not None:
+        publisher = _kv_events(
+            app,
+            engine,
+            kv_events_endpoint,
+            kv_events_replay_endpoint,
+            kv_events_topic,
+            kv_events_buffer,
+            kv_events_hash_format,
+        )
+    elif kv_events_replay_endpoint is not None:
+        engine.close()
+        raise typer.BadParameter(
+            "a replay endpoint needs --kv-events-endpoint too", param_hint="--kv-events-replay-endpoint"
+        )
     tiers = ", ".join(t.name for t in engine.cache.tiers) if engine.cache is not None else ""
     typer.echo(f"prefixcache: cache tiers below memory: {tiers or 'none'}")
     typer.echo(
@@ -264,9 +310,48 @@ def serve(
     except KeyboardInterrupt:
         pass
     finally:
+        if publisher is not None:
+            publisher.close()
         engine.close()
     if not server.started:
         raise typer.Exit(3)  # uvicorn's startup failure (the port in use, ...) is logged above
+
+
+def _kv_events(
+    app: object,
+    engine: object,
+    endpoint: str,
+    replay: str | None,
+    topic: str,
+    buffer: int,
+    hash_format: str,
+) -> object:
+    """Bind the KV event publisher and attach it to the engine's cache (typer errors that say
+    what to fix; the engine is closed on failure)."""
+    from prefixcache.kvevents.publisher import KVEventPublisher, PublisherConfig
+    from prefixcache.kvevents.wire import MEDIUM_CPU, MEDIUM_GPU, HashFormat
+    from prefixcache.server.kv_blocks import enable_kv_events
+
+    device = getattr(getattr(engine, "runner", None), "device", "cpu")
+    medium = MEDIUM_GPU if getattr(device, "type", str(device)) == "cuda" else MEDIUM_CPU
+    try:
+        fmt = HashFormat(hash_format)
+        config = PublisherConfig(endpoint, replay, topic, buffer, hash_format=fmt, medium=medium)
+        publisher = KVEventPublisher(config)
+    except ValueError as e:
+        engine.close()  # type: ignore[attr-defined]
+        hint = "--kv-events-hash-format" if hash_format not in ("int", "bytes") else "--kv-events-endpoint"
+        msg = f"'{hash_format}' is not int or bytes" if hint == "--kv-events-hash-format" else str(e)
+        raise typer.BadParameter(msg, param_hint=hint) from e
+    try:
+        enable_kv_events(app, publisher)
+    except ValueError as e:
+        publisher.close()
+        engine.close()  # type: ignore[attr-defined]
+        raise typer.BadParameter(str(e), param_hint="--kv-events-endpoint") from e
+    replay_note = f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
+    typer.echo(f"prefixcache: KV events on {publisher.endpoint}{replay_note} ({fmt.value} hashes, {medium})")
+    return publisher
 
 
 def _secrets(
