@@ -148,6 +148,10 @@ class BlockAnchors:
     def get(self, chunk: str) -> tuple[int, float] | None:
         return self._map.get(chunk)
 
+    def blocks(self) -> set[int]:
+        """Every anchor's block hash."""
+        return {block for block, _ in self._map.values()}
+
     def __len__(self) -> int:
         return len(self._map)
 
