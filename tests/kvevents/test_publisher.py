@@ -133,3 +133,43 @@ def test_a_bad_endpoint_says_what_to_write() -> None:
             KVEventPublisher(PublisherConfig(pub.endpoint))  # the port is taken
     finally:
         pub.close()
+
+
+def test_blocks_promoted_from_the_disk_tier_are_stored_again(tiny_runner, tmp_path) -> None:  # noqa: ANN001
+    from prefixcache.cache.tiers import attach_tiers, flush_tiers
+    from prefixcache.engine.engine import Engine
+
+    cache = PrefixCache(block_size=16)
+    attach_tiers(cache, disk_dir=tmp_path / "disk")
+    engine = Engine(tiny_runner, prefill_chunk=16, cache=cache)
+    pub = KVEventPublisher(PublisherConfig("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"))
+    sub = Subscriber(pub.endpoint, pub.replay_endpoint)
+    try:
+        pub.attach(cache)
+        ids = list(range(3, 53))  # 50 tokens: 3 full blocks
+        keys = cache.block_keys(ids, engine.namespace())
+        engine.generate(prompt_token_ids=ids, max_tokens=1)
+        flush_tiers(cache)  # the disk tier has every block
+        assert cache.flush(engine.namespace()) == 3  # memory only
+        again = engine.generate(prompt_token_ids=ids, max_tokens=1)
+        assert again.usage.cached_tokens == 48  # read back from disk
+        want = [low64(k) for k in keys]
+        deadline = time.monotonic() + 10
+        while sum(len(e.block_hashes) for e in events_of(sub.replay(0)) if isinstance(e, BlockStored)) < 6:
+            assert time.monotonic() < deadline, "the promotion's BlockStored never came"
+            sub.receive(100)
+        events = events_of(sub.replay(0))
+        assert isinstance(events[0], AllBlocksCleared)
+        cut = next(i for i, e in enumerate(events) if isinstance(e, BlockRemoved))
+        committed, flushed, promoted = events[1:cut], events[cut], events[cut + 1 :]
+        # The engine commits chunk by chunk (16 tokens), so the commit may come as several events.
+        assert all(isinstance(e, BlockStored) for e in committed + promoted)
+        assert [h for e in committed for h in e.block_hashes] == want
+        assert flushed.block_hashes == want[::-1]
+        assert [h for e in promoted for h in e.block_hashes] == want
+        assert [t for e in promoted for t in e.token_ids] == ids[:48]
+        assert promoted[0].parent_block_hash is None
+    finally:
+        sub.close()
+        pub.close()
+        engine.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -240,6 +240,14 @@ def serve(
         raise typer.BadParameter(
             "--trace-keys-only writes no prompt content: drop --trace-text", param_hint="--trace-keys-only"
         )
+    # Bound before the model loads: a taken port or a bad address fails at once.
+    publisher = _kv_publisher(
+        kv_events_endpoint,
+        kv_events_replay_endpoint,
+        kv_events_topic,
+        kv_events_buffer,
+        kv_events_hash_format,
+    )
     body_limit = parse_bytes(max_body_bytes) if max_body_bytes else None
     capacity_bytes = parse_bytes(capacity)
     try:
@@ -256,6 +264,8 @@ def serve(
             threads=threads,
         )
     except ValueError as e:  # a missing model file, a bad chunk size or dtype: say which
+        if publisher is not None:
+            publisher.close()
         raise typer.BadParameter(str(e)) from e
     if engine.cache is not None:
         attach_tiers(
@@ -281,22 +291,8 @@ def serve(
     )
     if engine.cache is not None and engine.cache.tiers:
         register_prometheus(engine.cache, app.state.prefixcache.metrics.registry)
-    publisher = None
-    if kv_events_endpoint is not None:
-        publisher = _kv_events(
-            app,
-            engine,
-            kv_events_endpoint,
-            kv_events_replay_endpoint,
-            kv_events_topic,
-            kv_events_buffer,
-            kv_events_hash_format,
-        )
-    elif kv_events_replay_endpoint is not None:
-        engine.close()
-        raise typer.BadParameter(
-            "a replay endpoint needs --kv-events-endpoint too", param_hint="--kv-events-replay-endpoint"
-        )
+    if publisher is not None:
+        _attach_kv_events(app, engine, publisher)
     tiers = ", ".join(t.name for t in engine.cache.tiers) if engine.cache is not None else ""
     typer.echo(f"prefixcache: cache tiers below memory: {tiers or 'none'}")
     typer.echo(
@@ -317,41 +313,47 @@ def serve(
         raise typer.Exit(3)  # uvicorn's startup failure (the port in use, ...) is logged above
 
 
-def _kv_events(
-    app: object,
-    engine: object,
-    endpoint: str,
-    replay: str | None,
-    topic: str,
-    buffer: int,
-    hash_format: str,
-) -> object:
-    """Bind the KV event publisher and attach it to the engine's cache (typer errors that say
-    what to fix; the engine is closed on failure)."""
+def _kv_publisher(endpoint: str | None, replay: str | None, topic: str, buffer: int, hash_format: str) -> Any:
+    """The bound KV event publisher, or None without ``--kv-events-endpoint`` (typer errors that
+    say what to fix)."""
     from prefixcache.kvevents.publisher import KVEventPublisher, PublisherConfig
-    from prefixcache.kvevents.wire import MEDIUM_CPU, MEDIUM_GPU, HashFormat
+    from prefixcache.kvevents.wire import HashFormat
+
+    if endpoint is None:
+        if replay is not None:
+            raise typer.BadParameter(
+                "a replay endpoint needs --kv-events-endpoint too", param_hint="--kv-events-replay-endpoint"
+            )
+        return None
+    if hash_format not in ("int", "bytes"):
+        raise typer.BadParameter(f"'{hash_format}' is not int or bytes", param_hint="--kv-events-hash-format")
+    try:
+        return KVEventPublisher(
+            PublisherConfig(endpoint, replay, topic, buffer, hash_format=HashFormat(hash_format))
+        )
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--kv-events-endpoint") from e
+
+
+def _attach_kv_events(app: Any, engine: Any, publisher: Any) -> None:
+    """Publish the engine cache's events (``medium`` from the engine's device)."""
+    from prefixcache.kvevents.wire import MEDIUM_CPU, MEDIUM_GPU
     from prefixcache.server.kv_blocks import enable_kv_events
 
     device = getattr(getattr(engine, "runner", None), "device", "cpu")
-    medium = MEDIUM_GPU if getattr(device, "type", str(device)) == "cuda" else MEDIUM_CPU
-    try:
-        fmt = HashFormat(hash_format)
-        config = PublisherConfig(endpoint, replay, topic, buffer, hash_format=fmt, medium=medium)
-        publisher = KVEventPublisher(config)
-    except ValueError as e:
-        engine.close()  # type: ignore[attr-defined]
-        hint = "--kv-events-hash-format" if hash_format not in ("int", "bytes") else "--kv-events-endpoint"
-        msg = f"'{hash_format}' is not int or bytes" if hint == "--kv-events-hash-format" else str(e)
-        raise typer.BadParameter(msg, param_hint=hint) from e
+    publisher.config.medium = MEDIUM_GPU if getattr(device, "type", str(device)) == "cuda" else MEDIUM_CPU
     try:
         enable_kv_events(app, publisher)
     except ValueError as e:
         publisher.close()
-        engine.close()  # type: ignore[attr-defined]
+        engine.close()
         raise typer.BadParameter(str(e), param_hint="--kv-events-endpoint") from e
+    config = publisher.config
     replay_note = f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
-    typer.echo(f"prefixcache: KV events on {publisher.endpoint}{replay_note} ({fmt.value} hashes, {medium})")
-    return publisher
+    typer.echo(
+        f"prefixcache: KV events on {publisher.endpoint}{replay_note} "
+        f"({config.hash_format.value} hashes, {config.medium})"
+    )
 
 
 def _secrets(
