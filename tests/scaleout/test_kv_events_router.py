@@ -89,6 +89,17 @@ def test_an_evicted_prefix_is_routed_by_load_not_to_the_replica_that_lost_it(tin
                 assert again.headers["x-prefixcache-replica"] == holder  # its blocks are there
                 assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
+                # A streamed response teaches the router too (the header precedes the stream).
+                learned = len(index.anchors)
+                streamed = {
+                    **body("A streamed prompt about shipping rates and parcels. " * 6),
+                    "stream": True,
+                }
+                with c.stream("POST", r.url + "/v1/chat/completions", json=streamed) as s:
+                    assert s.status_code == 200 and "x-prefixcache-blocks" not in s.headers
+                    s.read()
+                assert len(index.anchors) > learned
+
                 # Fill the holder directly (not through the router) until the prefix is evicted.
                 for i in range(2):
                     filler = body(f"Unrelated filler prompt number {i}. " * 10)
