@@ -151,3 +151,51 @@ def test_a_real_run_decodes_in_order_with_no_gap_and_replays_identically(tmp_pat
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def test_anchors_name_blocks_that_later_prompts_sharing_the_chunk_hold(real_engine) -> None:  # noqa: ANN001
+    """The router's proportional anchors, on SmolLM2's real tokenizer and chat template: every
+    anchor learned from one prompt is a block of every other prompt that shares its routing
+    chunk (so it is held exactly when that shared prefix is), and most shared chunks get one."""
+    from prefixcache.router.affinity import prefix_key
+    from prefixcache.router.kv_index import BlockAnchors
+    from prefixcache.router.proxy import rendered_chars
+    from prefixcache.server.kv_blocks import blocks_header
+
+    words = [
+        "account",
+        "billing",
+        "invoice",
+        "refund",
+        "policy",
+        "customer",
+        "order",
+        "shipping",
+        "warranty",
+        "return",
+    ]
+    systems = [" ".join(words[(i + j) % len(words)] for j in range(n)) for i, n in ((0, 120), (3, 250))]
+    users = ["Hi", "Where is my parcel? It was due on Monday.", "Cancel my plan " * 20]
+    bodies = [
+        {"model": MODEL, "messages": [{"role": "system", "content": s}, {"role": "user", "content": u}]}
+        for s in systems
+        for u in users
+    ]
+    ns = real_engine.namespace()
+    views = []
+    for b in bodies:
+        ids = real_engine.render_ids(b["messages"])
+        keys = real_engine.cache.block_keys(ids, ns)
+        views.append((prefix_key(b).chunks, rendered_chars(b), blocks_header(len(ids), 16, keys), keys))
+    checked = 0
+    for i, (chunks, chars, header, _) in enumerate(views):
+        anchors = BlockAnchors(256)
+        assert anchors.learn(chunks, chars, header, 0.0) > 0
+        for j, (other_chunks, _, _, other_keys) in enumerate(views):
+            held = {int.from_bytes(k[-8:], "big") for k in other_keys}
+            for chunk in set(chunks) & set(other_chunks):
+                anchor = anchors.get(chunk)
+                if anchor is not None and i != j:
+                    assert anchor[0] in held, f"prompt {i}'s anchor for a chunk prompt {j} shares"
+                    checked += 1
+    assert checked >= 20
