@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import zmq
+
 from prefixcache.cache import PrefixCache
 from prefixcache.cache.keys import pack_tokens
 from prefixcache.kvevents.publisher import KVEventPublisher, PublisherConfig
@@ -89,4 +91,36 @@ def test_history_older_than_the_buffer_is_reported_lost_and_the_view_not_synced(
         finally:
             feed.close()
     finally:
+        pub.close()
+
+
+def test_a_restarted_publisher_is_followed_from_its_new_start() -> None:
+    from prefixcache.commands.cluster import free_port
+
+    endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    view, lost = ReplicaBlocks(), []
+    cache = PrefixCache(block_size=4)
+    first = zmq.Context()  # its own, terminated below: the ports are free when term() returns
+    pub = KVEventPublisher(PublisherConfig(endpoint, replay), context=first)
+    feed = EventFeed(
+        endpoint, replay, on_batch=lambda seq, b: view.apply(seq, b, time.monotonic()), on_lost=lost.append
+    ).start()
+    try:
+        pub.attach(cache)
+        until(lambda: pub.stats.batches == 1, "AllBlocksCleared")
+        old = publish(cache, pub, 3)
+        until(lambda: feed.stats.last_seq == 3, "the first publisher's batches")
+        assert view.held == set(old) and view.synced
+        pub.close()
+        first.term()
+        cache = PrefixCache(block_size=4)  # a new process: empty cache, sequence from 0
+        pub = KVEventPublisher(PublisherConfig(endpoint, replay))
+        pub.attach(cache)
+        until(lambda: pub.stats.batches == 1, "the new AllBlocksCleared")
+        new = publish(cache, pub, 1, first=7)
+        until(lambda: view.held == set(new), "the restarted publisher's stream")
+        assert view.synced and feed.stats.restarts == 1 and len(lost) == 1 and "restarted" in lost[0]
+        assert feed.stats.last_seq == 1
+    finally:
+        feed.close()
         pub.close()

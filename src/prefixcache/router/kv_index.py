@@ -83,8 +83,9 @@ class ReplicaBlocks:
     max_removed: int = 100_000
 
     def apply(self, seq: int, batch: KVEventBatch, now: float) -> None:
-        if seq == 0:
-            self.synced = True  # the stream's first batch: nothing came before it
+        if seq == 0:  # a stream's first batch (a publisher's start): nothing came before it
+            self._clear(now)
+            self.synced = True
         self.live = True
         for ev in batch.events:
             if isinstance(ev, BlockStored):
@@ -99,13 +100,16 @@ class ReplicaBlocks:
                     self.removed[key] = now
                     self.removed.move_to_end(key)
             elif isinstance(ev, AllBlocksCleared):
-                for key in self.held:
-                    self.removed[key] = now
-                    self.removed.move_to_end(key)
-                self.held.clear()
+                self._clear(now)
                 self.synced = True
         while len(self.removed) > self.max_removed:
             self.removed.popitem(last=False)
+
+    def _clear(self, now: float) -> None:
+        for key in self.held:
+            self.removed[key] = now
+            self.removed.move_to_end(key)
+        self.held.clear()
 
     def removed_since(self, key: int, t: float) -> bool:
         when = self.removed.get(key)
