@@ -151,3 +151,27 @@ def test_kv_events_flag_is_checked() -> None:
         create_router_app(
             RouterConfig(["http://a:1"], "round-robin", kv_events={"http://a:1": FeedSpec("tcp://a:2")})
         )
+
+
+def test_the_commands_reject_bad_kv_event_flags_with_a_fix() -> None:
+    from typer.testing import CliRunner
+
+    from prefixcache.cli import app
+
+    def said(res: Any) -> str:  # the error box's text, unwrapped
+        return " ".join(res.output.replace("│", " ").split())
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["route", "--replica", "http://x:1", "--kv-events", "tcp://x:2"])
+    assert res.exit_code == 2 and "REPLICA_URL=PUB_ENDPOINT" in said(res)
+    res = runner.invoke(app, ["route", "--replica", "http://x:1", "--kv-events", "http://y:1=tcp://y:2"])
+    assert res.exit_code == 2 and "not a --replica" in said(res)
+    # serve checks its KV event flags before loading the model (no model loads here).
+    res = runner.invoke(app, ["serve", "--kv-events-endpoint", "127.0.0.1:5557"])
+    assert res.exit_code == 2 and "tcp://127.0.0.1:5557" in said(res)
+    res = runner.invoke(app, ["serve", "--kv-events-replay-endpoint", "tcp://127.0.0.1:5558"])
+    assert res.exit_code == 2 and "needs --kv-events-endpoint" in said(res)
+    res = runner.invoke(
+        app, ["serve", "--kv-events-endpoint", "tcp://127.0.0.1:*", "--kv-events-hash-format", "hex"]
+    )
+    assert res.exit_code == 2 and "not int or bytes" in said(res)
