@@ -305,10 +305,10 @@ class DiskTier:
                     continue
                 for entry in os.scandir(fan.path):
                     key_hex = entry.name[: -len(_SUFFIX)]
-                    if entry.name.endswith(_SUFFIX) and _KEY_NAME.fullmatch(key_hex):
-                        if entry.is_file(follow_symlinks=False):
-                            status = entry.stat(follow_symlinks=False)
-                            found.append((status.st_mtime, key_hex, ns_dir.name, status.st_size))
+                    named = entry.name.endswith(_SUFFIX) and _KEY_NAME.fullmatch(key_hex)
+                    if named and entry.is_file(follow_symlinks=False):
+                        status = entry.stat(follow_symlinks=False)
+                        found.append((status.st_mtime, key_hex, ns_dir.name, status.st_size))
         found.sort()
         for _, key_hex, tag, size in found:
             self._remember(key_hex, tag, size)
