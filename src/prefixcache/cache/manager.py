@@ -305,6 +305,14 @@ class PrefixCache:
         with self._lock:
             return self._pins.unpin(keys, ns.root) * self.block_size
 
+    def limit_tenant_pins(self, share: float) -> None:
+        """Let one tenant pin at most ``share`` (0 < share <= 1) of the pinned budget: beyond,
+        :meth:`pin` raises :class:`~prefixcache.cache.pins.TenantPinBudgetExceeded`."""
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"the tenant pin share must be in (0, 1]; got {share}")
+        with self._lock:
+            self._pins.tenant_share = share
+
     def pinned_prefixes(self) -> int:
         with self._lock:
             return len(self._pins)
