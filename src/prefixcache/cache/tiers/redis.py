@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: The longest expiry a Redis entry gets by default (the longest TTL class a client may ask for).
+#: The longest expiry a Redis entry gets by default: an hour (a client's "24h" retention class
+#: keeps its blocks in memory that long, in the shared Redis at most this long unused).
 DEFAULT_MAX_TTL_S = 3600.0
 
 
