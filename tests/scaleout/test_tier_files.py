@@ -117,10 +117,10 @@ def test_disk_remove_namespace_deletes_that_tenant_only(tmp_path: Path) -> None:
     run(cache, PROMPT, NS_B)
     flush_tiers(cache)
     assert disk.stats().entries == 10
-    assert cache.flush_tiers(NS_A) == {"disk": 5}
+    assert cache.remove_tier_entries(NS_A) == {"disk": 5}
     assert disk.stats().entries == 5
     assert not (tmp_path / disk.codec.namespace_tag(NS_A.root)).exists()
-    assert cache.flush_tiers(NS_A) == {"disk": 0}
+    assert cache.remove_tier_entries(NS_A) == {"disk": 0}
     fresh = make_cache()
     attach_tiers(fresh, disk_dir=tmp_path)
     assert run(fresh, PROMPT, NS_A) == 0
@@ -138,7 +138,7 @@ def test_redis_remove_namespace_deletes_that_tenant_only(redis_url: str) -> None
     rt.flush()
     client = redis.Redis.from_url(redis_url)
     assert len(list(client.scan_iter(match="prefixcache:*"))) == 10
-    assert cache.flush_tiers(NS_A) == {"redis": 5}
+    assert cache.remove_tier_entries(NS_A) == {"redis": 5}
     left = sorted(client.scan_iter(match="prefixcache:*"))
     assert left == sorted(rt.redis_key(k, NS_B.root).encode() for k in cache.block_keys(PROMPT, NS_B))
     fresh = make_cache()

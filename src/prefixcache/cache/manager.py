@@ -324,11 +324,11 @@ class PrefixCache:
 
     def flush(self, ns: Namespace) -> int:
         """Remove every unreferenced, unpinned block of this namespace from memory. Returns
-        blocks removed. :meth:`flush_tiers` does the same in the tiers below."""
+        blocks removed. :meth:`remove_tier_entries` does the same in the tiers below."""
         with self._lock:
             return self.store.remove_where(lambda run: run.namespace == ns.root, reason="flush")
 
-    def flush_tiers(self, ns: Namespace) -> dict[str, int]:
+    def remove_tier_entries(self, ns: Namespace) -> dict[str, int]:
         """Delete this namespace's entries from every tier (disk, Redis): {tier name: entries
         removed}. Tier I/O runs outside the cache's lock; blocks written after it starts stay."""
         return self._tier_stack.remove_namespace(ns.root)

@@ -124,7 +124,7 @@ async def cache_flush(request: Request, tenant: Tenant = Depends(get_tenant)) ->
     bridge = get_state(request).bridge
     ns = bridge.namespace(tenant.name, tenant.salt)
     removed = await bridge.run(lambda: bridge.cache.flush(ns))
-    tiers = await bridge.run(lambda: bridge.cache.flush_tiers(ns))
+    tiers = await bridge.run(lambda: bridge.cache.remove_tier_entries(ns))
     return {"flushed_blocks": removed, "tier_entries_removed": tiers}
 
 
