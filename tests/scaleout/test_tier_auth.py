@@ -93,6 +93,14 @@ def test_zeroed_disk_entries_with_a_recomputed_plain_checksum_are_not_served(tmp
     s = disk.stats()
     assert (s.hits, s.corrupt) == (0, 1)
     assert b.stats().tier_hits == 0
+    # Block 0's forgery was deleted and B wrote the recomputed block in its place; the others
+    # are still forged (B's index skips keys it holds) and are refused, one per lookup, likewise.
+    flush_tiers(b)
+    c = make_cache()
+    (disk_c,) = attach_tiers(c, disk_dir=tmp_path)
+    cached, payloads = run(c, PROMPT)
+    assert cached == 4 and torch.equal(payloads[0], payload_for(PROMPT, 0))
+    assert (disk_c.stats().hits, disk_c.stats().corrupt) == (1, 1)
 
 
 @pytest.mark.redis
@@ -113,6 +121,13 @@ def test_zeroed_redis_entries_with_a_recomputed_plain_checksum_are_not_served(re
     assert run(b, PROMPT)[0] == 0
     s = rb.stats()
     assert (s.hits, s.corrupt) == (0, 1)
+    # Deleted, and every block rewritten by B's write-through of its recomputed blocks.
+    rb.flush()
+    c = make_cache()
+    (rc,) = attach_tiers(c, redis_url=redis_url, pin_refresh_s=None)
+    cached, payloads = run(c, PROMPT)
+    assert cached == 20 and (rc.stats().hits, rc.stats().corrupt) == (5, 0)
+    assert all(torch.equal(p, payload_for(PROMPT, i)) for i, p in enumerate(payloads))
 
 
 @pytest.mark.redis
