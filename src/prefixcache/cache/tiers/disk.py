@@ -110,34 +110,24 @@ class DiskTier:
             path = self.entry_path(tag, key_hex)
             try:
                 data = _read_entry(path, limit)
+                parent = keys[index - 1] if index else False
+                entry = self.codec.decode(data, key=key, tokens=tokens[index], parent=parent, layout=layout)
             except FileNotFoundError:
                 with self._lock:
                     self._forget(key_hex)
                     self._stats.misses += 1
                 break
             except CorruptEntry as exc:
-                data, bad = b"", exc
-            except OSError as exc:
-                log.warning("disk tier: cannot read %s: %s", path, exc)
-                with self._lock:
-                    self._stats.errors += 1
-                break
-            else:
-                bad = None
-            if bad is None:
-                try:
-                    parent = keys[index - 1] if index else False
-                    entry = self.codec.decode(
-                        data, key=key, tokens=tokens[index], parent=parent, layout=layout
-                    )
-                except CorruptEntry as exc:
-                    bad = exc
-            if bad is not None:
-                log.warning("disk tier: corrupt entry %s (%s): deleted, not served", path.name, bad)
+                log.warning("disk tier: corrupt entry %s (%s): deleted, not served", path.name, exc)
                 with self._lock:
                     self._stats.corrupt += 1
                     self._forget(key_hex)
                 self._unlink(path)
+                break
+            except OSError as exc:
+                log.warning("disk tier: cannot read %s: %s", path, exc)
+                with self._lock:
+                    self._stats.errors += 1
                 break
             with self._lock:
                 self._stats.hits += 1
