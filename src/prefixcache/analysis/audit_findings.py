@@ -17,7 +17,7 @@ import numpy as np
 from prefixcache.analysis.audit_scan import PrefixVersion, ScanResult
 from prefixcache.analysis.config import AuditConfig
 from prefixcache.analysis.costs import Pricing, pricing_profile
-from prefixcache.analysis.spans import Pair, find_busting
+from prefixcache.analysis.spans import Finding, Pair, find_busting
 from prefixcache.analysis.trace import Trace, load_tokenizer
 
 
@@ -150,7 +150,16 @@ def _busting(
         for i in picked
     ]
     findings = find_busting(pairs, tokenizer, min_shared=cfg.min_shared_tokens)
-    rows = [f.as_dict(len(requests), len(pairs)) for f in findings]
+    return busting_rows(findings, len(requests), len(pairs), pricing)
+
+
+def busting_rows(
+    findings: list[Finding], requests: int, sampled: int, pricing: Pricing
+) -> list[dict[str, Any]]:
+    """The busting list's rows (the audit's ``busting`` and the server's ``GET /v1/cache/report``):
+    each finding over ``sampled`` pairs of an endpoint's ``requests``, with what moving the span
+    below the shared content would save under ``pricing``."""
+    rows = [f.as_dict(requests, sampled) for f in findings]
     usd_per_token = pricing.input_per_mtok / 1e6
     for row in rows:
         # (tokens x multiplier difference) x price, in this order: the output's floats depend on it
