@@ -15,6 +15,7 @@ import typer
 if TYPE_CHECKING:
     from rich.progress import Progress
 
+    from prefixcache.analysis.costs import CostModel
     from prefixcache.analysis.trace import Trace
 
 log = logging.getLogger(__name__)
@@ -220,14 +221,22 @@ def simulate(
         ),
     ] = None,
     prefill_tps: Annotated[
-        float | None,
-        typer.Option(help="Prefill tokens/s (default: benchmarks/results/calibration.json, else 450)."),
+        str | None,
+        typer.Option(
+            help="Prefill tokens/s per replica, or a hardware profile: smollm2-135m-cpu, "
+            "smollm2-135m-cpu-hf, llama3-8b-h100-est (docs/ops.md says where each figure comes "
+            "from). Default: benchmarks/results/calibration.json, else 450."
+        ),
     ] = None,
     calibration: Annotated[Path, typer.Option(help="Calibration written by `prefixcache bench`.")] = Path(
         "benchmarks/results/calibration.json"
     ),
     kv_bytes_per_token: Annotated[
-        int | None, typer.Option(help="Cache bytes per token (default: SmolLM2 float32, 46,080).")
+        str | None,
+        typer.Option(
+            help="Cache bytes per token, or a model profile: smollm2-135m-cpu, llama3-8b, qwen2.5-7b, "
+            "llama3-70b (default: SmolLM2 float32, 46,080)."
+        ),
     ] = None,
     pricing: Annotated[
         list[str] | None, typer.Option(help="Pricing profile(s), repeatable: anthropic, openai, self-hosted.")
@@ -246,11 +255,9 @@ def simulate(
 
     What-if: another TTL, capacity, block size, replica count and routing policy, or keep-warm.
     """
-    from dataclasses import replace
-
     from rich.console import Console
 
-    from prefixcache.analysis.costs import PROFILES, cost_model, parse_duration, parse_size
+    from prefixcache.analysis.costs import PROFILES, parse_duration, parse_size
     from prefixcache.analysis.report import plot_sweep, print_sim, print_sweep, save_png, to_json
     from prefixcache.analysis.simulate import ROUTINGS, SimConfig, load_keep_warm, parse_sweep, simulate_file
     from prefixcache.analysis.simulate import simulate as run_sim
@@ -267,9 +274,7 @@ def simulate(
     for p in profiles:
         if p not in PROFILES:
             raise typer.BadParameter(f"{p!r}: choose from {', '.join(PROFILES)}", param_hint="--pricing")
-    model = cost_model(prefill_tps, calibration)
-    if kv_bytes_per_token:
-        model = replace(model, kv_bytes_per_token=kv_bytes_per_token)
+    model = _cost_model(prefill_tps, kv_bytes_per_token, calibration)
     cfg = SimConfig(
         ttl_s=parse_duration(ttl),
         capacity_bytes=parse_size(capacity),
@@ -341,6 +346,28 @@ def simulate(
     if plot:
         save_png(plot_sweep(name, raw, [float(v) for v in values], results), plot)
         console.print(f"plot: {plot}", style="dim")
+
+
+def _cost_model(prefill_tps: str | None, kv_bytes_per_token: str | None, calibration: Path) -> CostModel:
+    """The simulator's cost model from the two flags (numbers or profile names)."""
+    from dataclasses import replace
+
+    from prefixcache.analysis import hardware
+    from prefixcache.analysis.costs import cost_model
+
+    model = cost_model(None, calibration)
+    if prefill_tps is not None:
+        try:
+            rate, source = hardware.prefill_tps(prefill_tps)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--prefill-tps") from None
+        model = replace(model, prefill_tps=rate, source=source)
+    if kv_bytes_per_token is not None:
+        try:
+            model = replace(model, kv_bytes_per_token=hardware.kv_bytes_per_token(kv_bytes_per_token))
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--kv-bytes-per-token") from None
+    return model
 
 
 def register(app: typer.Typer) -> None:
