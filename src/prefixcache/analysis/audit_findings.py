@@ -131,7 +131,10 @@ def _busting(
     tokenizer: Callable[[], Any],
 ) -> list[dict[str, Any]]:
     """Busting spans from a sample of (request, its most similar earlier request) pairs, spread
-    over time, with what moving each below the shared content would save."""
+    over time, with what moving each below the shared content would save. None without token
+    text (a trace of block hashes: its stand-in tokens would decode as noise)."""
+    if not has_token_text(trace):
+        return []
     reference = scan.reference
     candidates = requests[reference[requests] >= 0]
     if len(candidates):
@@ -151,6 +154,20 @@ def _busting(
     ]
     findings = find_busting(pairs, tokenizer, min_shared=cfg.min_shared_tokens)
     return busting_rows(findings, len(requests), len(pairs), pricing)
+
+
+def has_token_text(trace: Trace) -> bool:
+    """Whether the trace's prompts are real tokens (not block hashes: an imported hash_ids trace
+    or a keys-only trace log says ``"token_text": false`` in its header)."""
+    return trace.header.get("token_text", True) is not False
+
+
+#: What the audit cannot find in a trace without token text, and why (its ``unavailable_findings``).
+NO_TEXT_FINDINGS = (
+    "busting spans: no token text to locate and classify a variable span (timestamp, uuid, ...)",
+    "divergence at token precision: only whole blocks can be compared, so 'divergence' is in "
+    "multiples of the block size",
+)
 
 
 def busting_rows(

@@ -52,6 +52,8 @@ def print_audit(res: AuditResult, console: Console) -> None:
         f"hit rate [bold]{_pct(res.hit_rate)}[/bold] of an achievable {_pct(res.achievable_hit_rate)} "
         f"[dim](achieved from {res.achieved_source})[/dim]"
     )
+    for missing in res.unavailable:
+        console.print(f"[yellow]not available from this trace:[/yellow] {missing}")
     t = Table(title="Endpoints", title_justify="left")
     for col in (
         "endpoint",

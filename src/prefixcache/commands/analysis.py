@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 trace_app = typer.Typer(
     name="trace",
-    help="Request traces: make synthetic ones (the format is documented in docs/ops.md).",
+    help="Request traces: make synthetic ones, import public and foreign ones (format: docs/ops.md).",
     no_args_is_help=True,
     rich_markup_mode="rich",
 )
@@ -145,7 +145,10 @@ def audit(
             help="Tokenizer for text prompts and span decoding (default: the trace header's, else SmolLM2)."
         ),
     ] = None,
-    block_size: Annotated[int, typer.Option(help="Tokens per cache block.")] = 16,
+    block_size: Annotated[
+        int | None,
+        typer.Option(help="Tokens per cache block (default: the trace header's block_size, else 16)."),
+    ] = None,
     align: Annotated[
         int | None,
         typer.Option(help="Hits end on a multiple of this many tokens (the engine's prefill chunk)."),
@@ -173,7 +176,7 @@ def audit(
     _check_file(trace)
     cfg = AuditConfig(
         ttl_s=parse_duration(ttl),
-        block_size=block_size,
+        block_size=_block_size(trace, block_size),
         align_tokens=align,
         pricing=pricing,
         tokenizer=tokenizer,
@@ -201,7 +204,10 @@ def simulate(
     trace: Annotated[Path, typer.Argument(help="Trace file (JSONL v1).")],
     ttl: Annotated[str, typer.Option(help="Cache TTL: 300, 5m, 1h.")] = "300",
     capacity: Annotated[str, typer.Option(help="Cache bytes per replica: 16GiB, 512MiB, inf.")] = "16GiB",
-    block_size: Annotated[int, typer.Option(help="Tokens per cache block.")] = 16,
+    block_size: Annotated[
+        int | None,
+        typer.Option(help="Tokens per cache block (default: the trace header's block_size, else 16)."),
+    ] = None,
     align: Annotated[
         int | None,
         typer.Option(
@@ -275,6 +281,8 @@ def simulate(
         if p not in PROFILES:
             raise typer.BadParameter(f"{p!r}: choose from {', '.join(PROFILES)}", param_hint="--pricing")
     model = _cost_model(prefill_tps, kv_bytes_per_token, calibration)
+    _check_file(trace)
+    block_size = _block_size(trace, block_size)
     cfg = SimConfig(
         ttl_s=parse_duration(ttl),
         capacity_bytes=parse_size(capacity),
@@ -348,6 +356,15 @@ def simulate(
         console.print(f"plot: {plot}", style="dim")
 
 
+def _block_size(trace: Path, given: int | None) -> int:
+    from prefixcache.analysis.importers import block_size_for
+
+    try:
+        return block_size_for(trace, given)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--block-size") from None
+
+
 def _cost_model(prefill_tps: str | None, kv_bytes_per_token: str | None, calibration: Path) -> CostModel:
     """The simulator's cost model from the two flags (numbers or profile names)."""
     from dataclasses import replace
@@ -372,6 +389,9 @@ def _cost_model(prefill_tps: str | None, kv_bytes_per_token: str | None, calibra
 
 def register(app: typer.Typer) -> None:
     """Add this layer's commands to the root app."""
+    from prefixcache.commands import trace_import
+
+    trace_import.register(trace_app)
     app.add_typer(trace_app, name="trace")
     app.command("audit")(audit)
     app.command("simulate")(simulate)
