@@ -1,6 +1,7 @@
 """The live cache-busting watch (``server/busting.py``) on traffic replayed from synthetic traces
 with planted busting: every planted span is found at its planted token, and the clean endpoints
-(multi-turn chats, long random tails, prompt deploys, plain traffic) raise nothing."""
+(multi-turn chats, long random tails, prompt deploys, plain traffic, and all of them interleaved
+on one endpoint: distinct system prompts side by side) raise nothing."""
 
 from __future__ import annotations
 
@@ -49,8 +50,12 @@ def replayed(
     live = LiveBusting(
         ByteTokenizer, window=32, on_finding=lambda t, e, f: raised.append((e, f.kind, f.start_token))
     )
+    clean = {spec.split(":")[0] for spec in CLEAN}
     for i in range(len(trace)):
-        live.observe(trace.tenant_name(i), trace.endpoint_name(i), trace.tokens(i), float(trace.ts[i]))
+        name, tokens, ts = trace.endpoint_name(i), trace.tokens(i), float(trace.ts[i])
+        live.observe(trace.tenant_name(i), name, tokens, ts)
+        if name in clean:  # every clean endpoint again, interleaved on one endpoint of another tenant
+            live.observe("initech", "mixed", tokens, ts)
     return live, raised, trace.header
 
 
@@ -79,6 +84,9 @@ def test_clean_endpoints_raise_nothing_and_reports_stay_per_tenant(replayed) -> 
             if name in rows:
                 assert rows[name]["busting"] == []
                 assert rows[name]["window_pairs"] == 32
+    # Distinct system prompts, chats, RAG tails and deploys interleaved on one endpoint: nothing.
+    [mixed] = live.report("initech")["endpoints"]
+    assert (mixed["endpoint"], mixed["busting"], mixed["window_pairs"]) == ("mixed", [], 32)
     assert live.report("nobody")["endpoints"] == []
     stamp = acme["stamp"]["busting"][0]
     # The audit's busting row schema, in its order.

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -67,47 +68,85 @@ def import_trace(
     ``progress(bytes_read, total_bytes)``. Raises TraceFormatError naming the file and line."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown trace format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    src = Path(src)
-    lines = _lines(src, progress)
+    src, dst = Path(src), Path(dst)
     header: dict[str, Any] = {"v": FORMAT_VERSION, "type": "header", "source": fmt}
     if tokenizer is not None:
         header["tokenizer"] = tokenizer
     if fmt in BLOCK_SIZES:
-        block = BLOCK_SIZES[fmt]
-        header.update(block_size=block, token_text=False)
-        requests = [_hash_ids_line(fmt, src, n, obj, block, tenant, endpoint) for n, obj in lines]
+        header.update(block_size=BLOCK_SIZES[fmt], token_text=False)
+    requests = _requests(
+        fmt, src, header, _lines(src, progress), timestamp_field, interval_ms, tenant, endpoint
+    )
+    # The requests go to a scratch file as they are converted (a large trace is never held in
+    # memory), then behind the header (known only at the end) into ``dst``: copied when already
+    # in time order (the public traces are), else sorted (stable) in memory.
+    scratch = dst.with_name(dst.name + ".part")
+    count, ordered, last = 0, True, float("-inf")
+    try:
+        with open(scratch, "w", encoding="utf-8") as part:
+            for r in requests:
+                ts = r["ts"]
+                ordered = ordered and ts >= last
+                last = ts if ts > last else last
+                part.write(json.dumps(r, separators=(",", ":"), ensure_ascii=False) + "\n")
+                count += 1
+        if not count:
+            raise TraceFormatError(f"{src}: no requests found; is this a {fmt} trace?")
+        with open(scratch, "rb") as part, open(dst, "wb") as out:
+            out.write(json.dumps(header, separators=(",", ":")).encode() + b"\n")
+            if ordered:
+                shutil.copyfileobj(part, out)
+            else:
+                lines = part.readlines()
+                keys = [json.loads(line)["ts"] for line in lines]
+                for i in sorted(range(len(lines)), key=keys.__getitem__):
+                    out.write(lines[i])
+    finally:
+        scratch.unlink(missing_ok=True)
+    return ImportResult(count, header.get("block_size"), header.get("token_text", True))
+
+
+def _requests(
+    fmt: str,
+    src: Path,
+    header: dict[str, Any],
+    lines: Iterator[tuple[int, dict[str, Any]]],
+    timestamp_field: str,
+    interval_ms: float | None,
+    tenant: str | None,
+    endpoint: str | None,
+) -> Iterator[dict[str, Any]]:
+    """The converted request lines, in file order; a trace log's header lines go into ``header``."""
+    if fmt in BLOCK_SIZES:
+        for n, obj in lines:
+            yield _hash_ids_line(fmt, src, n, obj, BLOCK_SIZES[fmt], tenant, endpoint)
     elif fmt in ROUTES:
-        requests = [
-            _body_line(fmt, src, k, n, obj, timestamp_field, interval_ms, tenant, endpoint)
-            for k, (n, obj) in enumerate(lines)
-        ]
+        for k, (n, obj) in enumerate(lines):
+            yield _body_line(fmt, src, k, n, obj, timestamp_field, interval_ms, tenant, endpoint)
     else:
-        requests = []
-        for _, obj in iter_lines(src):
-            if obj.get("type", "request") == "header":
+        for n, obj in lines:
+            kind = obj.get("type", "request")
+            if kind == "header":
                 header.update({k: v for k, v in obj.items() if k not in ("type", "source")})
-            elif obj.get("type", "request") == "request":
-                if not isinstance(obj.get("ts"), int | float):
-                    raise TraceFormatError(f"{src}: a request line without a numeric 'ts': {str(obj)[:80]}")
-                requests.append(obj)
+            elif kind == "request":
+                if (
+                    not isinstance(obj.get("ts"), int | float)
+                    or obj.get("v", FORMAT_VERSION) != FORMAT_VERSION
+                ):
+                    raise TraceFormatError(
+                        f"{src}:{n}: not a v1 trace-log request line (needs a numeric 'ts')"
+                    )
                 if "block_keys" in obj:
                     header["token_text"] = False
                     header.setdefault("block_size", int(obj.get("block_size", 16)))
+                yield obj
             else:
-                raise TraceFormatError(f"{src}: a {obj.get('type')!r} line: a server trace log has none")
-    if not requests:
-        raise TraceFormatError(f"{src}: no requests found; is this a {fmt} trace?")
-    requests.sort(key=lambda r: r["ts"])  # stable: simultaneous requests keep their order
-    with open(dst, "w", encoding="utf-8") as out:
-        out.write(json.dumps(header, separators=(",", ":")) + "\n")
-        for r in requests:
-            out.write(json.dumps(r, separators=(",", ":"), ensure_ascii=False) + "\n")
-    return ImportResult(len(requests), header.get("block_size"), header.get("token_text", True))
+                raise TraceFormatError(f"{src}:{n}: a {kind!r} line: a server trace log has none")
 
 
 def _lines(src: Path, progress: Callable[[int, int], None] | None) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) of every non-blank line, with progress in bytes read."""
-    total = src.stat().st_size
+    total = src.stat().st_size if src.suffix != ".gz" else 0  # (a .gz: bytes read are not its size)
     with _open_binary(src) as fh:
         for lineno, raw in enumerate(fh, 1):
             if progress is not None and lineno % 10_000 == 0:

@@ -52,7 +52,7 @@ def trace_import(
     if not src.is_file():
         raise typer.BadParameter(f"no such file: {src}", param_hint="SRC")
     with _progress() as prog:
-        task = prog.add_task(f"reading {src.name}", total=src.stat().st_size or None)
+        task = prog.add_task(f"importing {src.name}", total=None)
         try:
             res = import_trace(
                 from_format,
@@ -63,7 +63,7 @@ def trace_import(
                 tenant=tenant,
                 endpoint=endpoint,
                 tokenizer=tokenizer,
-                progress=lambda done, total: prog.update(task, completed=done, total=total),
+                progress=lambda done, total: prog.update(task, completed=done, total=total or None),
             )
         except TraceFormatError as exc:
             raise typer.BadParameter(str(exc), param_hint="SRC") from None
