@@ -9,7 +9,10 @@ first differing token is often inside a value: ``...T22:07:28`` vs ``...T22:07:3
 ``uuid`` > ``timestamp`` (ISO 8601 date-time, or epoch seconds/milliseconds) > ``hex_id`` >
 ``counter`` (integers that increase with time across the examples) > ``other``.
 
-Findings are grouped by (kind, token position of the value's start).
+Findings are grouped by (kind, token position of the value's start). One implementation serves
+both detectors: :class:`BustingDetector` takes pairs one at a time; the audit feeds it an
+endpoint's sampled pairs (:func:`find_busting`), the server each finished request of an endpoint
+over a sliding window (:mod:`prefixcache.server.busting`).
 """
 
 from __future__ import annotations
