@@ -22,8 +22,8 @@ Cost and bounds. The request path only appends ``(tenant, endpoint, token ids)``
 queue (:meth:`BustingWatch.submit`; full: the request is skipped and counted); one daemon thread
 does the work. Memory: at most ``max_tenants`` tenants x ``max_endpoints`` endpoints each (least
 recently seen dropped first) x ``window`` prompts of at most ``max_prompt_tokens`` tokens
-(uint32): 4 MiB per tenant at the defaults. Work per request: ``window`` vectorised prefix
-comparisons, then the detector's resynchronisation search (at most 256 window searches) and, for
+(uint32): at the defaults (64 x 8 x 32 x 8,192 x 4 bytes) 8 MiB per tenant, 512 MiB in all.
+Work per request: ``window`` vectorised prefix comparisons, then the detector's resynchronisation search (at most 256 window searches) and, for
 a busting pair, decoding about a hundred tokens of context.
 """
 
@@ -49,8 +49,8 @@ from prefixcache.analysis.spans import BustingDetector, Finding, Pair
 log = logging.getLogger(__name__)
 
 DEFAULT_WINDOW = 32  # prompts (and pairs) per endpoint
-DEFAULT_MAX_ENDPOINTS = 16  # per tenant
-DEFAULT_MAX_TENANTS = 256
+DEFAULT_MAX_ENDPOINTS = 8  # per tenant
+DEFAULT_MAX_TENANTS = 64
 DEFAULT_MAX_PROMPT_TOKENS = 8192  # tokens kept of each prompt (busting below them goes unseen)
 DEFAULT_QUEUE = 1024  # requests waiting for the watcher's thread before new ones are skipped
 _MAX_REPORTED = 256  # findings remembered as reported, per endpoint
