@@ -23,8 +23,9 @@ queue (:meth:`BustingWatch.submit`; full: the request is skipped and counted); o
 does the work. Memory: at most ``max_tenants`` tenants x ``max_endpoints`` endpoints each (least
 recently seen dropped first) x ``window`` prompts of at most ``max_prompt_tokens`` tokens
 (uint32): at the defaults (64 x 8 x 32 x 8,192 x 4 bytes) 8 MiB per tenant, 512 MiB in all.
-Work per request: ``window`` vectorised prefix comparisons, then the detector's resynchronisation search (at most 256 window searches) and, for
-a busting pair, decoding about a hundred tokens of context.
+Work per request: ``window`` vectorised prefix comparisons, then the detector's
+resynchronisation search (at most 256 window searches) and, for a busting pair, decoding about a
+hundred tokens of context.
 """
 
 from __future__ import annotations
