@@ -108,6 +108,14 @@ def serve(
             "audit and simulate still replay the trace.",
         ),
     ] = False,
+    busting_window: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Requests per endpoint the live cache-busting watch compares (GET /v1/cache/report, "
+            "a log warning and prefixcache_cache_busting_findings_total per finding); 0 turns it off.",
+        ),
+    ] = 32,
     ttl: Annotated[
         float, typer.Option(min=1.0, help="Default cache TTL in seconds (refreshed on every hit).")
     ] = DEFAULTS.default_ttl_s,
@@ -285,6 +293,7 @@ def serve(
         max_body_bytes=body_limit,
         tenant_queue_share=tenant_queue_share,
         tenant_pin_share=tenant_pin_share,
+        busting_window=busting_window,
     )
     if engine.cache is not None and engine.cache.tiers:
         register_prometheus(engine.cache, app.state.prefixcache.metrics.registry)

@@ -1,8 +1,9 @@
 """Operations routes: GET /health, GET /v1/models, GET /metrics, and the caller's cache:
-GET/DELETE /v1/cache, POST/DELETE /v1/cache/pin."""
+GET/DELETE /v1/cache, POST/DELETE /v1/cache/pin, GET /v1/cache/report."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Annotated, Any
 
@@ -188,3 +189,18 @@ async def cache_unpin(body: PinRequest, request: Request, tenant: Tenant = Depen
     ids = await _prefix_ids(request, body)
     unpinned = await bridge.run(lambda: bridge.cache.unpin(ids, ns))
     return {"unpinned_tokens": unpinned}
+
+
+@router.get("/v1/cache/report", summary="Cache busting found live in the caller's traffic")
+async def cache_report(request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
+    """The caller's endpoints and their busting findings over the live window (the audit's
+    ``busting`` rows; see :mod:`~prefixcache.server.busting`). Never another tenant's."""
+    watch = get_state(request).busting
+    if watch is None:
+        raise APIError(
+            400,
+            "The live cache-busting watch is off on this server (--busting-window 0).",
+            code="report_disabled",
+        )
+    live = watch.live
+    return await asyncio.to_thread(live.report, tenant.name)
