@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_TENANT_QUEUE_SHARE = 0.5
+DEFAULT_TENANT_PIN_SHARE = 0.5
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 
@@ -86,6 +87,7 @@ def create_app(
     trace_tokenizer: str | None = None,
     max_body_bytes: int | None = None,
     tenant_queue_share: float = DEFAULT_TENANT_QUEUE_SHARE,
+    tenant_pin_share: float = DEFAULT_TENANT_PIN_SHARE,
     busting_window: int = DEFAULT_WINDOW,
 ) -> FastAPI:
     """Build the app. ``api_keys``: key -> tenant (None: one ``default`` tenant, no auth).
@@ -95,12 +97,15 @@ def create_app(
     ``salt_secret``: the tenant-salt secret (default ``$PREFIXCACHE_SALT_SECRET`` or random).
     ``max_body_bytes``: a larger body is a 413 before it is parsed (default: 8 MiB, or 32 bytes
     per context token for a longer context). ``tenant_queue_share``: with two tenants or more,
-    the share of ``max_queue`` one tenant may hold (at least one request). ``busting_window``:
-    requests per endpoint the live cache-busting watch compares (0: no watch; see
-    :mod:`~prefixcache.server.busting`)."""
+    the share of ``max_queue`` one tenant may hold (at least one request); ``tenant_pin_share``
+    likewise of the cache's pinned budget (``POST /v1/cache/pin`` answers 409 beyond).
+    ``busting_window``: requests per endpoint the live cache-busting watch compares (0: no
+    watch; see :mod:`~prefixcache.server.busting`)."""
     tenants = len(set(api_keys.values())) if api_keys else 1
     tenant_limit = Admission.tenant_limit_for(max_queue, tenant_queue_share, tenants)
     bridge = EngineBridge(engine, max_queue, tenant_limit)
+    if bridge.cache is not None and tenants > 1:
+        bridge.cache.limit_tenant_pins(tenant_pin_share)
     metrics = Metrics(
         stats_fn=lambda: bridge.cache.stats() if bridge.cache is not None else None,
         queue_depth_fn=lambda: bridge.admission.depth,
