@@ -28,13 +28,18 @@ class StallingTier:
     def __init__(self) -> None:
         self.reading = threading.Event()
 
-    def get_many(self, keys: Sequence[bytes], tokens: Sequence[bytes]) -> list[tuple[Any, int]]:
+    def get_many(
+        self, keys: Sequence[bytes], tokens: Sequence[bytes], namespace: bytes, layout: Any = None
+    ) -> list[tuple[Any, int]]:
         self.reading.set()
         time.sleep(STALL_S)
         return []
 
     def put(self, block: Any) -> None:
         pass
+
+    def remove_namespace(self, namespace: bytes) -> int:
+        return 0
 
 
 def _timed(fn: Any) -> tuple[httpx.Response, float]:
