@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from prefixcache.cache.config import DEFAULTS
+from prefixcache.commands import kv_events as kv
 
 _UNITS = {
     "": 1,
@@ -212,36 +213,11 @@ def serve(
         ),
     ] = None,
     disk_cache_size: Annotated[str, typer.Option(help="Disk tier byte budget, e.g. 8GiB.")] = "8GiB",
-    kv_events_endpoint: Annotated[
-        str | None,
-        typer.Option(
-            "--kv-events-endpoint",
-            help="Publish KV cache events (BlockStored, BlockRemoved, AllBlocksCleared) in vLLM's "
-            "format on a ZeroMQ PUB socket bound here, e.g. tcp://127.0.0.1:5557.",
-        ),
-    ] = None,
-    kv_events_replay_endpoint: Annotated[
-        str | None,
-        typer.Option(
-            "--kv-events-replay-endpoint",
-            help="Also bind a ROUTER socket here that replays buffered event batches from a "
-            "sequence number (vLLM's replay protocol), e.g. tcp://127.0.0.1:5558.",
-        ),
-    ] = None,
-    kv_events_topic: Annotated[
-        str, typer.Option("--kv-events-topic", help="Topic frame of every KV event message.")
-    ] = "",
-    kv_events_buffer: Annotated[
-        int, typer.Option("--kv-events-buffer", min=1, help="Event batches kept for replay.")
-    ] = 10_000,
-    kv_events_hash_format: Annotated[
-        str,
-        typer.Option(
-            "--kv-events-hash-format",
-            help="Block hashes on the wire: int (low 64 bits of the key, vLLM's default) or bytes "
-            "(the whole 32-byte key).",
-        ),
-    ] = "int",
+    kv_events_endpoint: kv.Endpoint = None,
+    kv_events_replay_endpoint: kv.ReplayEndpoint = None,
+    kv_events_topic: kv.Topic = "",
+    kv_events_buffer: kv.Buffer = 10_000,
+    kv_events_hash_format: kv.HashFormatOption = "int",
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
 ) -> None:
     """Serve the engine over HTTP: OpenAI (/v1/chat/completions, /v1/completions) and Anthropic
@@ -283,7 +259,7 @@ def serve(
             "--trace-keys-only writes no prompt content: drop --trace-text", param_hint="--trace-keys-only"
         )
     # Bound before the model loads: a taken port or a bad address fails at once.
-    publisher = _kv_publisher(
+    publisher = kv.open_publisher(
         kv_events_endpoint,
         kv_events_replay_endpoint,
         kv_events_topic,
@@ -338,7 +314,7 @@ def serve(
     if engine.cache is not None and engine.cache.tiers:
         register_prometheus(engine.cache, app.state.prefixcache.metrics.registry)
     if publisher is not None:
-        _attach_kv_events(app, engine, publisher)
+        kv.attach(app, engine, publisher)
     tiers = ", ".join(t.name for t in engine.cache.tiers) if engine.cache is not None else ""
     typer.echo(f"prefixcache: cache tiers below memory: {tiers or 'none'}")
     typer.echo(
@@ -357,49 +333,6 @@ def serve(
         engine.close()
     if not server.started:
         raise typer.Exit(3)  # uvicorn's startup failure (the port in use, ...) is logged above
-
-
-def _kv_publisher(endpoint: str | None, replay: str | None, topic: str, buffer: int, hash_format: str) -> Any:
-    """The bound KV event publisher, or None without ``--kv-events-endpoint`` (typer errors that
-    say what to fix)."""
-    from prefixcache.kvevents.publisher import KVEventPublisher, PublisherConfig
-    from prefixcache.kvevents.wire import HashFormat
-
-    if endpoint is None:
-        if replay is not None:
-            raise typer.BadParameter(
-                "a replay endpoint needs --kv-events-endpoint too", param_hint="--kv-events-replay-endpoint"
-            )
-        return None
-    if hash_format not in ("int", "bytes"):
-        raise typer.BadParameter(f"'{hash_format}' is not int or bytes", param_hint="--kv-events-hash-format")
-    try:
-        return KVEventPublisher(
-            PublisherConfig(endpoint, replay, topic, buffer, hash_format=HashFormat(hash_format))
-        )
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--kv-events-endpoint") from e
-
-
-def _attach_kv_events(app: Any, engine: Any, publisher: Any) -> None:
-    """Publish the engine cache's events (``medium`` from the engine's device)."""
-    from prefixcache.kvevents.wire import MEDIUM_CPU, MEDIUM_GPU
-    from prefixcache.server.kv_blocks import enable_kv_events
-
-    device = getattr(getattr(engine, "runner", None), "device", "cpu")
-    publisher.config.medium = MEDIUM_GPU if getattr(device, "type", str(device)) == "cuda" else MEDIUM_CPU
-    try:
-        enable_kv_events(app, publisher)
-    except ValueError as e:
-        publisher.close()
-        engine.close()
-        raise typer.BadParameter(str(e), param_hint="--kv-events-endpoint") from e
-    config = publisher.config
-    replay_note = f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
-    typer.echo(
-        f"prefixcache: KV events on {publisher.endpoint}{replay_note} "
-        f"({config.hash_format.value} hashes, {config.medium})"
-    )
 
 
 def _secrets(
