@@ -124,3 +124,33 @@ def test_a_restarted_publisher_is_followed_from_its_new_start() -> None:
     finally:
         feed.close()
         pub.close()
+
+
+def test_events_dropped_on_a_full_queue_leave_a_gap_every_subscriber_sees() -> None:
+    from prefixcache.router.kv_index import FeedSpec, KVIndex
+
+    cache = PrefixCache(block_size=4)
+    pub = KVEventPublisher(PublisherConfig("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", max_queue=2))
+    index = KVIndex({"http://r": FeedSpec(pub.endpoint, pub.replay_endpoint)}, chunk_chars=256)
+    try:
+        pub.attach(cache, start=False)  # the queue holds AllBlocksCleared; nothing drains it yet
+        ns = cache.namespace("fp", "t", b"salt")
+        tokens = list(range(12))  # three blocks: the first fits in the queue, two are dropped
+        cache.replay(ns, cache.block_keys(tokens, ns), pack_tokens(tokens), nbytes=1)
+        assert pub.stats.dropped_events == 2
+        index.start()
+        pub.start()
+        until(lambda: index.snapshot()["http://r"]["last_seq"] == 0, "the batch before the drops")
+        assert (
+            index.snapshot()["http://r"] | {"synced": True, "blocks": 1, "lost": 0}
+            == index.snapshot()["http://r"]
+        )
+        publish(cache, pub, 1, first=20)  # the next event: numbered after a gap of two
+        until(lambda: index.snapshot()["http://r"]["last_seq"] == 3, "the batch after the gap")
+        row = index.snapshot()["http://r"]
+        assert row["batches"] == 2 and row["lost"] == 1 and row["gaps"] == 1
+        assert not row["synced"]  # its view misses the two dropped blocks: the record decides again
+        assert pub.stats.stored_blocks == 2 and pub.stats.dropped_events == 2
+    finally:
+        index.close()
+        pub.close()

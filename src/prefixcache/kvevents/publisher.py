@@ -16,10 +16,10 @@ What is published, from the store's listener (:meth:`BlockStore.add_listener`):
 
 The listener runs under the cache's lock, so it only appends the block's key, parent and packed
 tokens to a bounded queue (never blocking: when the queue is full the event is dropped and
-counted, and the next batch's sequence number skips one so that every subscriber sees a gap that
-no replay can fill). A publisher thread coalesces what is queued into one batch, encodes it and
-sends it on a PUB socket (which drops, never blocks, for a subscriber past its high-water mark),
-keeping the last ``buffer_steps`` batches for the replay socket.
+counted, and the sequence numbers skip one where it would have gone, so that every subscriber sees
+a gap that no replay can fill, at the next batch). A publisher thread coalesces what is queued
+into one batch, encodes it and sends it on a PUB socket (which drops, never blocks, for a
+subscriber past its high-water mark), keeping the last ``buffer_steps`` batches for replay.
 
 Hashes: a block's key is the chained SHA-256 of :mod:`prefixcache.cache.keys` under the tenant's
 namespace; on the wire it is its low 64 bits (``int``, vLLM's default) or the whole key
@@ -30,6 +30,7 @@ tenant's salt, which stays in the server.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -94,8 +95,9 @@ def check_endpoint(endpoint: str, flag: str) -> None:
 
 class KVEventPublisher:
     """One PUB socket (and optionally one ROUTER replay socket), bound at construction, fed by
-    :meth:`listener` and drained by a daemon thread. Thread-safe: ``listener`` may be called from
-    any thread; the sockets are only used by the publisher thread once it runs."""
+    :meth:`listener` and drained by a daemon thread (started by :meth:`attach` or :meth:`start`).
+    Thread-safe: ``listener`` may be called from any thread; the sockets are only used by the
+    publisher thread once it runs."""
 
     def __init__(self, config: PublisherConfig, *, context: zmq.Context | None = None) -> None:
         check_endpoint(config.endpoint, "--kv-events-endpoint")
@@ -104,12 +106,12 @@ class KVEventPublisher:
         self.config = config
         self.stats = PublisherStats()
         self._ctx = context or zmq.Context.instance()
-        self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue(maxsize=config.max_queue)
+        self._queue: queue.Queue[tuple[int, tuple[Any, ...]]] = queue.Queue(maxsize=config.max_queue)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode()
         self._seq = 0
-        self._skip = 0  # events dropped since the last batch: the next seq jumps
-        self._lock = threading.Lock()  # the drop count, shared with the listener
+        self._puts = itertools.count()  # each queued event's index
+        self._drops: deque[int] = deque()  # indices of events dropped on a full queue
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
         try:
@@ -128,15 +130,24 @@ class KVEventPublisher:
             self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay is not None else None
         )
         self._running = True
+        self._started = False
         self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
-        self._thread.start()
 
     # ------------------------------------------------------------------ the cache side
-    def attach(self, cache: Any) -> None:
+    def attach(self, cache: Any, *, start: bool = True) -> None:
         """Announce an empty view (``AllBlocksCleared``), then publish every insert and removal
-        of ``cache`` (a :class:`~prefixcache.cache.PrefixCache`). Attach before traffic."""
+        of ``cache`` (a :class:`~prefixcache.cache.PrefixCache`). Attach before traffic.
+        ``start``: start publishing now (else :meth:`start` does; events queue meanwhile)."""
         self._put(("clear",))
         cache.store.add_listener(self.listener)
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the publisher thread (once)."""
+        if not self._started:
+            self._started = True
+            self._thread.start()
 
     def listener(self, event: str, block: Block) -> None:
         """The store's listener: O(1), never blocks (see the module docstring)."""
@@ -146,12 +157,12 @@ class KVEventPublisher:
             self._put(("remove", block.key))
 
     def _put(self, item: tuple[Any, ...]) -> None:
+        index = next(self._puts)  # (atomic under the GIL)
         try:
-            self._queue.put_nowait(item)
+            self._queue.put_nowait((index, item))
         except queue.Full:
-            with self._lock:
-                self._skip += 1
-                self.stats.dropped_events += 1
+            self._drops.append(index)  # the gap goes where the event would have been
+            self.stats.dropped_events += 1
 
     # ------------------------------------------------------------------ the publisher thread
     def _run(self) -> None:
@@ -171,9 +182,18 @@ class KVEventPublisher:
             with contextlib.suppress(queue.Empty):
                 while len(items) < 4096:
                     items.append(self._queue.get_nowait())
-            events = self._events([i for i in items if i is not None])
-            if events:
-                self._send(pack.encode(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)))
+            run: list[tuple[Any, ...]] = []
+            for index, item in items:
+                skipped = 0
+                while self._drops and self._drops[0] < index:  # events were dropped before this one
+                    self._drops.popleft()
+                    skipped += 1
+                if skipped:
+                    self._publish(pack, run)
+                    run = []
+                    self._seq += skipped  # a gap in the numbers that no replay can fill
+                run.append(item)
+            self._publish(pack, run)
         with contextlib.suppress(zmq.ZMQError):
             while self._replay is not None and self._replay.poll(0):
                 self._serve_replay()
@@ -227,12 +247,14 @@ class KVEventPublisher:
                 self.stats.cleared += 1
         return events
 
+    def _publish(self, pack: Any, items: list[tuple[Any, ...]]) -> None:
+        events = self._events(items)
+        if events:
+            self._send(pack.encode(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)))
+
     def _send(self, payload: bytes) -> None:
-        with self._lock:
-            self._seq += self._skip  # dropped events: leave a gap subscribers cannot miss
-            self._skip = 0
-            seq = self._seq
-            self._seq += 1
+        seq = self._seq
+        self._seq += 1
         try:
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         except zmq.Again:  # (a PUB socket drops rather than block; kept for other socket types)
@@ -262,7 +284,8 @@ class KVEventPublisher:
         if not self._running:
             return
         self._running = False
-        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
         self._close_sockets()
 
     def _close_sockets(self) -> None:
