@@ -75,6 +75,16 @@ def route(
     record_ttl: Annotated[
         float, typer.Option(help="Seconds the router remembers where a prefix went.")
     ] = DEFAULTS.default_ttl_s,
+    kv_events: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--kv-events",
+            help="A replica's KV event feed, REPLICA_URL=PUB_ENDPOINT[,REPLAY_ENDPOINT] (the replica's "
+            "serve --kv-events-endpoint / --kv-events-replay-endpoint), e.g. "
+            "http://10.0.0.5:8000=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558. Repeat per replica; "
+            "cache-aware only. Replicas without one are tracked by the approximate record.",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
 ) -> None:
     """Route OpenAI and Anthropic requests across replicas so that requests sharing a prompt
@@ -84,10 +94,18 @@ def route(
     import uvicorn
 
     from prefixcache.router import RouterConfig, create_router_app
+    from prefixcache.router.kv_index import parse_feed
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if keep_warm is not None and not keep_warm.exists():
         raise typer.BadParameter(f"{keep_warm} does not exist", param_hint="--keep-warm")
+    feeds = {}
+    for spec in kv_events or []:
+        try:
+            url, feed = parse_feed(spec)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--kv-events") from e
+        feeds[url] = feed
     config = RouterConfig(
         replicas=replica,
         policy=policy,
@@ -98,9 +116,15 @@ def route(
         load_slack=load_slack,
         record_ttl_s=record_ttl,
         keepwarm_file=str(keep_warm) if keep_warm else None,
+        kv_events=feeds,
     )
-    typer.echo(f"prefixcache router: {policy} over {len(replica)} replicas on http://{host}:{port}")
-    uvicorn.run(create_router_app(config), host=host, port=port, log_level=log_level.lower())
+    try:
+        app = create_router_app(config)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--kv-events") from e
+    events = f", KV events from {len(feeds)}" if feeds else ""
+    typer.echo(f"prefixcache router: {policy} over {len(replica)} replicas{events} on http://{host}:{port}")
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -172,6 +196,14 @@ def cluster(
         float, typer.Option(min=1.0, help="Default cache TTL in seconds.")
     ] = DEFAULTS.default_ttl_s,
     ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for each replica to load.")] = 300.0,
+    no_kv_events: Annotated[
+        bool,
+        typer.Option(
+            "--no-kv-events",
+            help="Do not wire the replicas' KV events to the router (with cache-aware, they are on "
+            "by default: loopback PUB and replay sockets per replica).",
+        ),
+    ] = False,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:
     """Try scale-out on one machine: redis-server on a free port (temp dir, no persistence), N
@@ -180,6 +212,7 @@ def cluster(
     import uvicorn
 
     from prefixcache.router import RouterConfig, create_router_app
+    from prefixcache.router.kv_index import FeedSpec
 
     procs: list[subprocess.Popen[bytes]] = []
     tmp = tempfile.mkdtemp(prefix="prefixcache-cluster-")
@@ -215,6 +248,8 @@ def cluster(
             )
             redis_url = f"redis://127.0.0.1:{rport}/0"
         urls: list[str] = []
+        events = policy == "cache-aware" and not no_kv_events
+        feeds: dict[str, FeedSpec] = {}
         for i in range(replicas):
             rp = free_port()
             cmd = [
@@ -243,16 +278,23 @@ def cluster(
                 cmd += ["--disk-cache", str(disk_cache / f"replica-{i}")]
             if api_keys:
                 cmd += ["--api-keys", str(api_keys)]
+            if events:
+                pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+                cmd += ["--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay]
+                feeds[f"http://127.0.0.1:{rp}"] = FeedSpec(pub, replay)
             procs.append(subprocess.Popen(cmd, env=env))
             urls.append(f"http://127.0.0.1:{rp}")
         for url, proc in zip(urls, procs[-replicas:], strict=True):
             wait_ready(url, proc, ready_timeout)
         typer.echo(
             f"prefixcache cluster: {replicas} replicas {urls}, redis {redis_url if not no_redis else 'off'}; "
-            f"router ({policy}) on http://{host}:{port}. Ctrl-C stops all."
+            f"router ({policy}{', KV events' if events else ''}) on http://{host}:{port}. Ctrl-C stops all."
         )
         config = RouterConfig(
-            replicas=urls, policy=policy, keepwarm_file=str(keep_warm) if keep_warm else None
+            replicas=urls,
+            policy=policy,
+            keepwarm_file=str(keep_warm) if keep_warm else None,
+            kv_events=feeds,
         )
         uvicorn.run(create_router_app(config), host=host, port=port, log_level=log_level.lower())
     except KeyboardInterrupt:

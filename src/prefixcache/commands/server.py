@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from prefixcache.cache.config import DEFAULTS
+from prefixcache.commands import kv_events as kv
 
 _UNITS = {
     "": 1,
@@ -212,6 +213,11 @@ def serve(
         ),
     ] = None,
     disk_cache_size: Annotated[str, typer.Option(help="Disk tier byte budget, e.g. 8GiB.")] = "8GiB",
+    kv_events_endpoint: kv.Endpoint = None,
+    kv_events_replay_endpoint: kv.ReplayEndpoint = None,
+    kv_events_topic: kv.Topic = "",
+    kv_events_buffer: kv.Buffer = 10_000,
+    kv_events_hash_format: kv.HashFormatOption = "int",
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
 ) -> None:
     """Serve the engine over HTTP: OpenAI (/v1/chat/completions, /v1/completions) and Anthropic
@@ -252,6 +258,14 @@ def serve(
         raise typer.BadParameter(
             "--trace-keys-only writes no prompt content: drop --trace-text", param_hint="--trace-keys-only"
         )
+    # Bound before the model loads: a taken port or a bad address fails at once.
+    publisher = kv.open_publisher(
+        kv_events_endpoint,
+        kv_events_replay_endpoint,
+        kv_events_topic,
+        kv_events_buffer,
+        kv_events_hash_format,
+    )
     body_limit = parse_bytes(max_body_bytes) if max_body_bytes else None
     capacity_bytes = parse_bytes(capacity)
     try:
@@ -268,6 +282,8 @@ def serve(
             threads=threads,
         )
     except ValueError as e:  # a missing model file, a bad chunk size or dtype: say which
+        if publisher is not None:
+            publisher.close()
         raise typer.BadParameter(str(e)) from e
     if engine.cache is not None:
         attach_tiers(
@@ -297,6 +313,8 @@ def serve(
     )
     if engine.cache is not None and engine.cache.tiers:
         register_prometheus(engine.cache, app.state.prefixcache.metrics.registry)
+    if publisher is not None:
+        kv.attach(app, engine, publisher)
     tiers = ", ".join(t.name for t in engine.cache.tiers) if engine.cache is not None else ""
     typer.echo(f"prefixcache: cache tiers below memory: {tiers or 'none'}")
     typer.echo(
@@ -310,6 +328,8 @@ def serve(
     except KeyboardInterrupt:
         pass
     finally:
+        if publisher is not None:
+            publisher.close()
         engine.close()
     if not server.started:
         raise typer.Exit(3)  # uvicorn's startup failure (the port in use, ...) is logged above

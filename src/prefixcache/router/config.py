@@ -3,10 +3,11 @@ read them without importing the app."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from prefixcache.cache.config import DEFAULTS
+from prefixcache.router.kv_index import FeedSpec
 from prefixcache.router.policies import Policy
 
 
@@ -26,3 +27,5 @@ class RouterConfig:
     load_slack: int = 4
     record_ttl_s: float = DEFAULTS.default_ttl_s
     keepwarm_file: str | None = None
+    #: replica url -> where it publishes KV events (cache-aware policy only)
+    kv_events: Mapping[str, FeedSpec] = field(default_factory=dict)

@@ -26,7 +26,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from prefixcache.router.affinity import PrefixKey, prefix_key
+from prefixcache.router.affinity import PrefixKey, prefix_key, render_prompt
 from prefixcache.router.config import RouterConfig
 from prefixcache.router.policies import Replica, Router
 
@@ -42,7 +42,17 @@ _DROP_REQUEST = {
     "accept-encoding",
     "upgrade",
 }
-_DROP_RESPONSE = {"content-length", "connection", "keep-alive", "transfer-encoding", "content-encoding"}
+_DROP_RESPONSE = {
+    "content-length",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-encoding",
+    "x-prefixcache-blocks",  # the replica's answer to the router alone
+}
+#: The router asks a replica for the prompt's block hashes, which it answers in BLOCKS.
+WANT_BLOCKS = "x-prefixcache-want-blocks"
+BLOCKS = "x-prefixcache-blocks"
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +119,11 @@ def _error(status: int, message: str, anthropic: bool) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
+def rendered_chars(body: dict[str, Any]) -> int:
+    """Length of the whole routing rendering of ``body`` (the chunks cover its start)."""
+    return len(render_prompt(body, 1 << 62))
+
+
 class Proxy:
     """Routes and relays one request at a time; shares one httpx client."""
 
@@ -136,6 +151,9 @@ class Proxy:
         key = self.key_of(body, request.headers)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
         headers["accept-encoding"] = "identity"
+        kv_index = self.router.kv_index
+        if kv_index is not None:  # ask for the prompt's block hashes (router/kv_index.py)
+            headers[WANT_BLOCKS] = "1"
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         anthropic = request.url.path.startswith("/v1/messages")
         errors: list[str] = []
@@ -149,6 +167,9 @@ class Proxy:
             except httpx.TransportError as exc:
                 self._down(replica, key, exc, errors)
                 continue
+            blocks = resp.headers.get(BLOCKS)
+            if kv_index is not None and blocks and resp.status_code == 200:
+                kv_index.learn(key.chunks, rendered_chars(body), blocks)
             if "text/event-stream" in resp.headers.get("content-type", ""):
                 return StreamingResponse(
                     self._relay(resp, replica),
