@@ -19,9 +19,11 @@ from typing import Any
 
 from prefixcache.cache.clock import Clock, monotonic
 from prefixcache.cache.config import DEFAULTS
+from prefixcache.cache.ghosts import GhostRecord, RecentPrompts
 from prefixcache.cache.keys import BlockHash, Hasher, Namespace, block_keys, pack_tokens, sha256_hasher
 from prefixcache.cache.pins import PinnedPrefixes
 from prefixcache.cache.policy import TtlPlan, TtlPolicy
+from prefixcache.cache.reasons import CacheReason, Continuation, classify
 from prefixcache.cache.request import CommitResult, Match
 from prefixcache.cache.stats import CacheStats, Outcome, TenantCounters
 from prefixcache.cache.store import Block, BlockStore, PayloadFn, Run, Segment
@@ -43,20 +45,38 @@ class PrefixCache:
         default_ttl_s: float = DEFAULTS.default_ttl_s,
         clock: Clock | None = None,
         hasher: Hasher | None = None,
+        reasons_bytes: int = 0,
     ) -> None:
+        """``reasons_bytes``: memory for explaining misses (the ghost record of removed blocks and
+        each tenant's recent prompts), taken out of ``capacity_bytes``; 0 keeps neither (a miss
+        is then told apart only as ``diverged`` inside a live run, ``new_prefix`` or the rest)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1; got {block_size}")
+        if reasons_bytes < 0 or (reasons_bytes and reasons_bytes >= capacity_bytes):
+            raise ValueError(
+                f"reasons_bytes ({reasons_bytes}) must be >= 0 and below capacity_bytes ({capacity_bytes})"
+            )
         self.block_size = block_size
         self.clock = clock or monotonic
         self.hasher = hasher or sha256_hasher
         self.policy = TtlPolicy(default_ttl_s=default_ttl_s)
-        self.store = BlockStore(capacity_bytes, pinned_capacity_bytes, clock=self.clock)
+        self.store = BlockStore(capacity_bytes - reasons_bytes, pinned_capacity_bytes, clock=self.clock)
+        self.reasons_bytes = reasons_bytes
+        # Half the reasons' budget remembers removed blocks, half the tenants' recent prompts.
+        self.ghosts: GhostRecord | None = None
+        self.recent: RecentPrompts | None = None
+        if reasons_bytes:
+            self.ghosts = GhostRecord(reasons_bytes // 2, self.clock)
+            self.recent = RecentPrompts(reasons_bytes - reasons_bytes // 2)
+            self.store.add_listener(self.ghosts.on_store_event)
         self._tier_stack = TierStack(self.store)
         self.tiers: list[Tier] = self._tier_stack.tiers  # in lookup order; add with add_tier
         self._lock = threading.RLock()
         # Traffic counters per tenant; the totals are their sum (one count per request, not two).
         self._tenants: dict[str, TenantCounters] = {}
         self._pins = PinnedPrefixes(self.store)
+        # What the last _begin's walk found: (blocks found, its segments, blocks it may read).
+        self._last_walk: tuple[int, list[Segment], int] = (0, [], 0)
         #: Set by an engine with a KV pool: turns a payload promoted from a tier into the
         #: engine's own kind (a pool block). None keeps tier payloads as they come.
         self.adopt: Callable[[Any], Any] | None = None
@@ -97,6 +117,7 @@ class PrefixCache:
         prompt_tokens = len(packed) >> 2
         with self._lock:
             usable, outcome, held, _ = self._begin(ns, keys, packed, prompt_tokens, align, ttls)
+            reason = self._explain(ns, keys, packed, prompt_tokens, align, usable)
             return Match(
                 namespace=ns,
                 prompt_tokens=prompt_tokens,
@@ -106,6 +127,7 @@ class PrefixCache:
                 block_size=self.block_size,
                 outcome=Outcome(outcome),
                 cached_blocks=usable,
+                reason=reason,
                 _cache=self,
                 _held=held,
                 _depth=usable,
@@ -251,12 +273,14 @@ class PrefixCache:
         store = self.store
         store.sweep()
         found, segments = store.lookup(keys, packed, max_blocks)
+        self._last_walk = (found, segments, max_blocks)
         promoted = 0
         if found < max_blocks and self.tiers:
             promoted = self._tier_stack.promote(
                 keys, packed, 4 * block_size, found, max_blocks, ns.root, ns.tenant, ttls, self.adopt
             )
             found += promoted
+            self._last_walk = (found, segments, max_blocks)
         usable = (found * block_size // align) * align // block_size
         held = None
         outcome = "miss"
@@ -274,6 +298,37 @@ class PrefixCache:
             counters = self._tenants[ns.tenant] = TenantCounters()
         counters.count(prompt_tokens, usable * block_size, outcome)
         return usable, outcome, held, counters
+
+    def _explain(
+        self, ns: Namespace, keys: list[BlockHash], packed: bytes, prompt_tokens: int, align: int, usable: int
+    ) -> CacheReason:
+        """Why the read :meth:`_begin` just did ended where it did (see :mod:`~prefixcache.cache.reasons`);
+        then remember the prompt among the namespace's recent ones. Caller holds the lock."""
+        found, segments, max_blocks = self._last_walk
+        continuation: Continuation | None = None
+        if segments and found < max_blocks:
+            run, offset, count = segments[-1]
+            if run.keys and run.depth + offset + count == found and offset + count < len(run.keys):
+                rest = len(run.keys) - offset - count  # the walk stopped inside a live run
+                continuation = (run.packed[(offset + count) * run.step :], rest)
+        reason = classify(
+            keys=keys,
+            packed=packed,
+            block_size=self.block_size,
+            align=align,
+            found=found,
+            usable=usable,
+            max_blocks=max_blocks,
+            namespace=ns.root,
+            now=self.clock(),
+            continuation=continuation,
+            ghosts=self.ghosts,
+            recent=self.recent,
+            tier_unavailable=bool(self.tiers) and self._tier_stack.unavailable,
+        )
+        if self.recent is not None and keys:
+            self.recent.add(ns.root, packed)
+        return reason
 
     def _written(
         self, counters: TenantCounters, keys: list[BlockHash], reached: int, ranges: list[tuple[int, int]]

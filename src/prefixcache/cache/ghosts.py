@@ -1,0 +1,126 @@
+"""What the cache remembers to explain a miss, in a fixed byte budget: recently removed blocks
+(*ghosts*: which key left, why and when) and each namespace's recent prompts.
+
+Both records are bounded by bytes (oldest entries go first) and both are keyed by namespace, so an
+explanation looks only at the caller's own cache. :class:`GhostRecord` is fed by the store's
+listener (``BlockStore.add_listener``): every removal, with its reason ("ttl", "capacity",
+"flush"), costs one dictionary entry. :class:`RecentPrompts` is fed by ``PrefixCache.match`` and
+holds references to the packed prompts the cache already built (no copy).
+
+The budget is taken out of the cache's byte budget by :class:`~prefixcache.cache.manager.PrefixCache`
+(``reasons_bytes``), so the memory that explains misses is counted like the blocks themselves.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from prefixcache.cache.blocks import Block
+from prefixcache.cache.clock import Clock
+from prefixcache.cache.keys import BlockHash
+
+__all__ = ["GHOST_ENTRY_BYTES", "PROMPT_ENTRY_BYTES", "Ghost", "GhostRecord", "RecentPrompts"]
+
+#: What one ghost costs, measured with tracemalloc (key bytes, the Ghost, its two floats and the
+#: ordered dict's entry come to about 300 bytes; tests/cache/test_reasons.py holds the record to it).
+GHOST_ENTRY_BYTES = 320
+#: A recent prompt's cost besides its packed tokens (the ordered dicts' entries and the tuple key).
+PROMPT_ENTRY_BYTES = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Ghost:
+    """A removed block: why ("ttl", "capacity", "flush"), when, when it was due to expire, and
+    its namespace root (a lookup checks it: only the caller's own ghosts explain its miss)."""
+
+    reason: str
+    removed_at: float
+    expires_at: float
+    namespace: bytes
+
+
+class GhostRecord:
+    """The last ``max_bytes // GHOST_ENTRY_BYTES`` blocks removed from the store, by key.
+
+    Not thread-safe: the cache's lock covers it (the store calls the listener under it)."""
+
+    def __init__(self, max_bytes: int, clock: Clock) -> None:
+        self.max_entries = max(int(max_bytes), 0) // GHOST_ENTRY_BYTES
+        self.clock = clock
+        self._ghosts: OrderedDict[BlockHash, Ghost] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._ghosts)
+
+    @property
+    def nbytes(self) -> int:
+        """The record's estimated size now (at most ``max_entries * GHOST_ENTRY_BYTES``)."""
+        return len(self._ghosts) * GHOST_ENTRY_BYTES
+
+    def on_store_event(self, event: str, block: Block) -> None:
+        """The store's listener: remember every removed block (inserts are ignored: a key stored
+        again is found live before its ghost is ever consulted)."""
+        if event == "evict" and self.max_entries:
+            self.add(block.key, Ghost(block.evicted_reason or "capacity", self.clock(), block.expires_at, block.namespace))
+
+    def add(self, key: BlockHash, ghost: Ghost) -> None:
+        ghosts = self._ghosts
+        ghosts[key] = ghost
+        ghosts.move_to_end(key)
+        if len(ghosts) > self.max_entries:
+            ghosts.popitem(last=False)
+
+    def get(self, key: BlockHash, namespace: bytes) -> Ghost | None:
+        """The ghost of ``key`` if it belongs to ``namespace``, else None."""
+        ghost = self._ghosts.get(key)
+        return ghost if ghost is not None and ghost.namespace == namespace else None
+
+
+class RecentPrompts:
+    """The last ``per_namespace`` distinct prompts of each namespace (packed tokens), at most
+    ``max_bytes`` in all (the oldest prompt of any namespace goes first). Not thread-safe."""
+
+    def __init__(self, max_bytes: int, per_namespace: int = 8) -> None:
+        self.max_bytes = max(int(max_bytes), 0)
+        self.per_namespace = per_namespace
+        self.nbytes = 0
+        self._all: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()  # (namespace, packed), oldest first
+        self._by_namespace: dict[bytes, OrderedDict[bytes, None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def add(self, namespace: bytes, packed: bytes) -> None:
+        """Remember ``packed`` (a reference: bytes are immutable) as the namespace's newest prompt."""
+        cost = len(packed) + PROMPT_ENTRY_BYTES
+        if cost > self.max_bytes:
+            return
+        entry = (namespace, packed)
+        prompts = self._by_namespace.get(namespace)
+        if prompts is None:
+            prompts = self._by_namespace[namespace] = OrderedDict()
+        if packed in prompts:
+            prompts.move_to_end(packed)
+            self._all.move_to_end(entry)
+            return
+        prompts[packed] = None
+        self._all[entry] = None
+        self.nbytes += cost
+        if len(prompts) > self.per_namespace:
+            self._forget(namespace, next(iter(prompts)))
+        while self.nbytes > self.max_bytes:
+            self._forget(*next(iter(self._all)))
+
+    def _forget(self, namespace: bytes, packed: bytes) -> None:
+        del self._all[(namespace, packed)]
+        prompts = self._by_namespace[namespace]
+        del prompts[packed]
+        if not prompts:
+            del self._by_namespace[namespace]
+        self.nbytes -= len(packed) + PROMPT_ENTRY_BYTES
+
+    def of(self, namespace: bytes) -> list[bytes]:
+        """The namespace's recent prompts, newest first (only the caller's namespace is ever read)."""
+        prompts = self._by_namespace.get(namespace)
+        return list(reversed(prompts)) if prompts else []
