@@ -46,7 +46,9 @@ def test_budget_is_taken_out_of_capacity() -> None:
 def test_below_minimum_and_full_hit() -> None:
     cache, _ = make()
     assert run(cache, [1, 2, 3]).reason.reason is Reason.BELOW_MINIMUM  # no full block
-    assert run(cache, [1, 2, 3, 4]).reason.reason is Reason.BELOW_MINIMUM  # the one block holds the last token
+    assert (
+        run(cache, [1, 2, 3, 4]).reason.reason is Reason.BELOW_MINIMUM
+    )  # the one block holds the last token
     prompt = list(range(1, 14))  # 3 full blocks, all readable
     first = run(cache, prompt).reason
     assert (first.reason, first.cache_missed_tokens) == (Reason.NEW_PREFIX, 0)

@@ -62,7 +62,8 @@ class GhostRecord:
         """The store's listener: remember every removed block (inserts are ignored: a key stored
         again is found live before its ghost is ever consulted)."""
         if event == "evict" and self.max_entries:
-            self.add(block.key, Ghost(block.evicted_reason or "capacity", self.clock(), block.expires_at, block.namespace))
+            reason = block.evicted_reason or "capacity"
+            self.add(block.key, Ghost(reason, self.clock(), block.expires_at, block.namespace))
 
     def add(self, key: BlockHash, ghost: Ghost) -> None:
         ghosts = self._ghosts

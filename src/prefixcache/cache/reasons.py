@@ -132,7 +132,8 @@ def classify(
                 continue
             index = _first_difference(ours, other[n * step : (n + 1) * step])
             if index is not None and n * block_size + index > best_index:
-                best_index, best_other, best_blocks = n * block_size + index, other[n * step :], len(other) // step
+                best_index, best_other = n * block_size + index, other[n * step :]
+                best_blocks = len(other) // step
     if best_index < 0:
         return CacheReason(Reason.NEW_PREFIX)
     t = best_index

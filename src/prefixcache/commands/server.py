@@ -105,6 +105,14 @@ def serve(
     capacity: Annotated[
         str, typer.Option(help="Byte budget of the KV cache, e.g. 2GiB or 512MB.")
     ] = f"{DEFAULTS.capacity_bytes >> 30}GiB",
+    reasons_bytes: Annotated[
+        str,
+        typer.Option(
+            help="Memory, out of --capacity, for explaining cache misses (recently removed blocks and "
+            "each tenant's recent prompts; at most an eighth of --capacity). 0 turns the record off: "
+            "expired, evicted and flushed blocks then read as new_prefix.",
+        ),
+    ] = f"{DEFAULTS.reasons_bytes >> 20}MiB",
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per cache block.")] = DEFAULTS.block_size,
     prefill_chunk: Annotated[
         int | None,
@@ -220,6 +228,7 @@ def serve(
             runner=runner,
             dtype=dtype,
             capacity_bytes=capacity_bytes,
+            reasons_bytes=min(parse_bytes(reasons_bytes), capacity_bytes // 8),
             default_ttl_s=ttl,
             max_queue=max_queue,
             max_batch=max_batch,

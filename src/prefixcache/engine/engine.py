@@ -108,6 +108,7 @@ class Engine:
         max_queue: int = 64,
         max_batch: int = 16,
         kv_reserve_tokens: int | None = None,
+        reasons_bytes: int | None = None,
     ) -> None:
         """``model``: a .gguf path, an HF folder, a loaded :class:`ModelRunner` (shared weights),
         or None (embedded SmolLM2). ``runner``: ``auto`` (the own Llama runner where it can
@@ -117,7 +118,8 @@ class Engine:
         created from the capacity/TTL/clock arguments. ``max_batch``: decode rows per step, a
         request with ``n`` choices taking ``n`` (own runner); on both runners also the largest
         ``n``. ``kv_reserve_tokens``: KV pool room for running requests beyond the cache's budget
-        (default 4x the context)."""
+        (default 4x the context). ``reasons_bytes``: memory for explaining misses, taken from
+        ``capacity_bytes`` (default: ``DEFAULTS.reasons_bytes``, at most an eighth of it; 0: none)."""
         if isinstance(model, ModelRunner):
             base = model
         else:
@@ -146,6 +148,9 @@ class Engine:
                 pinned_capacity_bytes=pinned_capacity_bytes,
                 default_ttl_s=default_ttl_s,
                 clock=self.clock,
+                reasons_bytes=min(DEFAULTS.reasons_bytes, capacity_bytes // 8)
+                if reasons_bytes is None
+                else reasons_bytes,
             )
         self.fingerprint = self.runner.fingerprint(block_size, chunk)
         self.pool = None

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Header, Request
 
 from prefixcache.server.auth import Authenticator, Tenant
 from prefixcache.server.bridge import EngineBridge, Finished
+from prefixcache.server.diagnostics import DiagnosticsRecord
 from prefixcache.server.errors import APIError
 from prefixcache.server.metrics import Metrics
 from prefixcache.server.snapshots import SnapshotReader
@@ -29,6 +30,7 @@ class ServerState:
     trace: TraceWriter | None
     model_name: str
     snapshots: SnapshotReader  # cache reads off the event loop (/metrics, GET /v1/cache)
+    diagnostics: DiagnosticsRecord = field(default_factory=DiagnosticsRecord)  # Anthropic's, by answer id
 
     def check_model(self, model: str) -> None:
         """404 in the route's shape unless ``model`` is the one this server serves."""
