@@ -6,7 +6,6 @@ from __future__ import annotations
 import tracemalloc
 
 from prefixcache.cache import FakeClock, PrefixCache
-from prefixcache.cache.blocks import Block
 from prefixcache.cache.ghosts import GHOST_ENTRY_BYTES, GhostRecord, RecentPrompts
 from prefixcache.cache.reasons import CONTEXT_TOKENS, Reason
 
@@ -163,10 +162,6 @@ def test_without_a_reasons_budget_only_live_facts() -> None:
     assert run(cache, prompt).reason.reason is Reason.NEW_PREFIX  # no ghost record to remember it
 
 
-def _block(key: bytes) -> Block:
-    return Block(key, None, b"", None, 0, b"ns", "t", 0, 1.0, 1.0, 0.0, evicted_reason="capacity")
-
-
 def test_ghost_record_stays_within_its_bytes() -> None:
     budget = 64 * GHOST_ENTRY_BYTES
     ghosts = GhostRecord(budget, FakeClock())
@@ -174,7 +169,9 @@ def test_ghost_record_stays_within_its_bytes() -> None:
     try:
         base, _ = tracemalloc.get_traced_memory()
         for i in range(10_000):
-            ghosts.on_store_event("evict", _block(i.to_bytes(32, "big")))
+            ghosts.on_removal(
+                [i.to_bytes(32, "big")], b"ns", "capacity", 1.0
+            )  # one Ghost each: the worst case
         held, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -203,3 +200,9 @@ def test_ghosts_through_a_busy_cache_stay_bounded() -> None:
         clock.advance(1)
     assert cache.ghosts is not None and len(cache.ghosts) == cache.ghosts.max_entries
     assert cache.ghosts.nbytes + cache.recent.nbytes <= REASONS  # type: ignore[union-attr]
+
+
+def test_explain_off_gives_no_reason() -> None:
+    cache = PrefixCache(block_size=B, capacity_bytes=100 * NB, explain=False)
+    m = run(cache, list(range(1, 22)))
+    assert m.reason is None and m.usage.cache_reason is None

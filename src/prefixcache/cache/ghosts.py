@@ -3,9 +3,9 @@
 
 Both records are bounded by bytes (oldest entries go first) and both are keyed by namespace, so an
 explanation looks only at the caller's own cache. :class:`GhostRecord` is fed by the store's
-listener (``BlockStore.add_listener``): every removal, with its reason ("ttl", "capacity",
-"flush"), costs one dictionary entry. :class:`RecentPrompts` is fed by ``PrefixCache.match`` and
-holds references to the packed prompts the cache already built (no copy).
+removal listener (``BlockStore.add_removal_listener``): every removed block, with its reason
+("ttl", "capacity", "flush"), costs one dictionary entry. :class:`RecentPrompts` is fed by
+``PrefixCache.match`` and holds references to the packed prompts the cache already built (no copy).
 
 The budget is taken out of the cache's byte budget by :class:`~prefixcache.cache.manager.PrefixCache`
 (``reasons_bytes``), so the memory that explains misses is counted like the blocks themselves.
@@ -14,9 +14,8 @@ The budget is taken out of the cache's byte budget by :class:`~prefixcache.cache
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from typing import NamedTuple
 
-from prefixcache.cache.blocks import Block
 from prefixcache.cache.clock import Clock
 from prefixcache.cache.keys import BlockHash
 
@@ -29,8 +28,7 @@ GHOST_ENTRY_BYTES = 320
 PROMPT_ENTRY_BYTES = 256
 
 
-@dataclass(frozen=True, slots=True)
-class Ghost:
+class Ghost(NamedTuple):
     """A removed block: why ("ttl", "capacity", "flush"), when, when it was due to expire, and
     its namespace root (a lookup checks it: only the caller's own ghosts explain its miss)."""
 
@@ -58,18 +56,17 @@ class GhostRecord:
         """The record's estimated size now (at most ``max_entries * GHOST_ENTRY_BYTES``)."""
         return len(self._ghosts) * GHOST_ENTRY_BYTES
 
-    def on_store_event(self, event: str, block: Block) -> None:
-        """The store's listener: remember every removed block (inserts are ignored: a key stored
-        again is found live before its ghost is ever consulted)."""
-        if event == "evict" and self.max_entries:
-            reason = block.evicted_reason or "capacity"
-            self.add(block.key, Ghost(reason, self.clock(), block.expires_at, block.namespace))
-
-    def add(self, key: BlockHash, ghost: Ghost) -> None:
+    def on_removal(self, keys: list[BlockHash], namespace: bytes, reason: str, expires_at: float) -> None:
+        """The store's removal listener: remember the blocks removed together, under one
+        :class:`Ghost` (a key stored again is found live before its ghost is ever consulted)."""
+        if not self.max_entries:
+            return
+        ghost = Ghost(reason, self.clock(), expires_at, namespace)
         ghosts = self._ghosts
-        ghosts[key] = ghost
-        ghosts.move_to_end(key)
-        if len(ghosts) > self.max_entries:
+        for key in keys:
+            ghosts[key] = ghost
+            ghosts.move_to_end(key)
+        while len(ghosts) > self.max_entries:
             ghosts.popitem(last=False)
 
     def get(self, key: BlockHash, namespace: bytes) -> Ghost | None:

@@ -46,10 +46,12 @@ class PrefixCache:
         clock: Clock | None = None,
         hasher: Hasher | None = None,
         reasons_bytes: int = 0,
+        explain: bool = True,
     ) -> None:
         """``reasons_bytes``: memory for explaining misses (the ghost record of removed blocks and
         each tenant's recent prompts), taken out of ``capacity_bytes``; 0 keeps neither (a miss
-        is then told apart only as ``diverged`` inside a live run, ``new_prefix`` or the rest)."""
+        is then told apart only as ``diverged`` inside a live run, ``new_prefix`` or the rest).
+        ``explain`` False: no reason at all (``Match.reason`` None; a benchmark's baseline)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1; got {block_size}")
         if reasons_bytes < 0 or (reasons_bytes and reasons_bytes >= capacity_bytes):
@@ -62,13 +64,14 @@ class PrefixCache:
         self.policy = TtlPolicy(default_ttl_s=default_ttl_s)
         self.store = BlockStore(capacity_bytes - reasons_bytes, pinned_capacity_bytes, clock=self.clock)
         self.reasons_bytes = reasons_bytes
+        self.explain = explain
         # Half the reasons' budget remembers removed blocks, half the tenants' recent prompts.
         self.ghosts: GhostRecord | None = None
         self.recent: RecentPrompts | None = None
         if reasons_bytes:
             self.ghosts = GhostRecord(reasons_bytes // 2, self.clock)
             self.recent = RecentPrompts(reasons_bytes - reasons_bytes // 2)
-            self.store.add_listener(self.ghosts.on_store_event)
+            self.store.add_removal_listener(self.ghosts.on_removal)
         self._tier_stack = TierStack(self.store)
         self.tiers: list[Tier] = self._tier_stack.tiers  # in lookup order; add with add_tier
         self._lock = threading.RLock()
@@ -117,7 +120,7 @@ class PrefixCache:
         prompt_tokens = len(packed) >> 2
         with self._lock:
             usable, outcome, held, _ = self._begin(ns, keys, packed, prompt_tokens, align, ttls)
-            reason = self._explain(ns, keys, packed, prompt_tokens, align, usable)
+            reason = self._explain(ns, keys, packed, prompt_tokens, align, usable) if self.explain else None
             return Match(
                 namespace=ns,
                 prompt_tokens=prompt_tokens,

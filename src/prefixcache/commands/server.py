@@ -113,6 +113,13 @@ def serve(
             "expired, evicted and flushed blocks then read as new_prefix.",
         ),
     ] = f"{DEFAULTS.reasons_bytes >> 20}MiB",
+    miss_reasons: Annotated[
+        bool,
+        typer.Option(
+            help="Tell every answer why its cache read ended where it did (the prefixcache object, "
+            "Anthropic's diagnostics, the miss metrics). --no-miss-reasons: a benchmark's baseline.",
+        ),
+    ] = True,
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per cache block.")] = DEFAULTS.block_size,
     prefill_chunk: Annotated[
         int | None,
@@ -229,6 +236,7 @@ def serve(
             dtype=dtype,
             capacity_bytes=capacity_bytes,
             reasons_bytes=min(parse_bytes(reasons_bytes), capacity_bytes // 8),
+            miss_reasons=miss_reasons,
             default_ttl_s=ttl,
             max_queue=max_queue,
             max_batch=max_batch,
