@@ -206,3 +206,14 @@ def test_explain_off_gives_no_reason() -> None:
     cache = PrefixCache(block_size=B, capacity_bytes=100 * NB, explain=False)
     m = run(cache, list(range(1, 22)))
     assert m.reason is None and m.usage.cache_reason is None
+
+
+def test_diverged_inside_a_live_run_needs_no_record() -> None:
+    cache = PrefixCache(block_size=B, capacity_bytes=100 * NB)  # no ghosts, no recent prompts
+    prompt = list(range(100, 141))
+    run(cache, prompt)
+    changed = list(prompt)
+    changed[22] = 7
+    m = run(cache, changed)
+    assert (m.reason.reason, m.reason.token_index, m.reason.cache_missed_tokens) == (Reason.DIVERGED, 22, 20)
+    assert m.reason.cached_after == tuple(prompt[22 : 22 + CONTEXT_TOKENS])

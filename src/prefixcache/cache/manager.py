@@ -310,10 +310,12 @@ class PrefixCache:
         found, segments, max_blocks = self._last_walk
         continuation: Continuation | None = None
         if segments and found < max_blocks:
-            run, offset, count = segments[-1]
-            if run.keys and run.depth + offset + count == found and offset + count < len(run.keys):
-                rest = len(run.keys) - offset - count  # the walk stopped inside a live run
-                continuation = (run.packed[(offset + count) * run.step :], rest)
+            # The run the walk ended in. Holding the hit may have split it since: a split keeps a
+            # run's tail, so this object still holds the walk's deepest blocks and what follows.
+            run = segments[-1][0]
+            if run.keys and run.depth <= found < run.depth + len(run.keys):  # stopped inside it
+                at = found - run.depth
+                continuation = (run.packed[at * run.step :], len(run.keys) - at)
         reason = classify(
             keys=keys,
             packed=packed,
