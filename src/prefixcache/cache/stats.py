@@ -29,7 +29,7 @@ class Usage:
     cached_tokens: int = 0
     cache_write_tokens: int = 0
     completion_tokens: int = 0
-    cache_reason: CacheReason | None = None
+    cache_reason: CacheReason | None = field(default=None, compare=False)  # (equality: the counts)
 
     @property
     def uncached_unwritten_tokens(self) -> int:
