@@ -23,7 +23,7 @@ from prefixcache.cache.ghosts import GhostRecord, RecentPrompts
 from prefixcache.cache.keys import BlockHash, Hasher, Namespace, block_keys, pack_tokens, sha256_hasher
 from prefixcache.cache.pins import PinnedPrefixes
 from prefixcache.cache.policy import TtlPlan, TtlPolicy
-from prefixcache.cache.reasons import CacheReason, Continuation, classify
+from prefixcache.cache.reasons import CacheReason, classify, continuation_of
 from prefixcache.cache.request import CommitResult, Match
 from prefixcache.cache.stats import CacheStats, Outcome, TenantCounters
 from prefixcache.cache.store import Block, BlockStore, PayloadFn, Run, Segment
@@ -31,6 +31,9 @@ from prefixcache.cache.tiers.base import Tier
 from prefixcache.cache.tiers.stack import TierStack
 
 __all__ = ["CommitResult", "Match", "PayloadFn", "PrefixCache", "Tier"]
+
+#: What a match's walk found: (blocks found, memory's segments, blocks the request may read).
+Walk = tuple[int, list[Segment], int]
 
 
 class PrefixCache:
@@ -78,8 +81,6 @@ class PrefixCache:
         # Traffic counters per tenant; the totals are their sum (one count per request, not two).
         self._tenants: dict[str, TenantCounters] = {}
         self._pins = PinnedPrefixes(self.store)
-        # What the last _begin's walk found: (blocks found, its segments, blocks it may read).
-        self._last_walk: tuple[int, list[Segment], int] = (0, [], 0)
         #: Set by an engine with a KV pool: turns a payload promoted from a tier into the
         #: engine's own kind (a pool block). None keeps tier payloads as they come.
         self.adopt: Callable[[Any], Any] | None = None
@@ -119,8 +120,8 @@ class PrefixCache:
         align, keys, packed, ttls = self._prepare(tokens, ns, align_tokens, ttl_s, ttl_plan, keys, packed)
         prompt_tokens = len(packed) >> 2
         with self._lock:
-            usable, outcome, held, _ = self._begin(ns, keys, packed, prompt_tokens, align, ttls)
-            reason = self._explain(ns, keys, packed, prompt_tokens, align, usable) if self.explain else None
+            usable, outcome, held, _, walk = self._begin(ns, keys, packed, prompt_tokens, align, ttls)
+            reason = self._explain(ns, keys, packed, align, usable, walk) if self.explain else None
             return Match(
                 namespace=ns,
                 prompt_tokens=prompt_tokens,
@@ -210,7 +211,7 @@ class PrefixCache:
         stop = len(keys) if upto_tokens is None else min(len(keys), max(upto_tokens, 0) // block_size)
         store = self.store
         with self._lock:
-            usable, _, held, counters = self._begin(ns, keys, packed, len(packed) >> 2, align, ttls)
+            usable, _, held, counters, _ = self._begin(ns, keys, packed, len(packed) >> 2, align, ttls)
             reached, ranges, _, held = store.write_chain(
                 keys, packed, 4 * block_size, usable, stop, held, None, ns.root, ns.tenant, ttls, nbytes
             )
@@ -265,10 +266,11 @@ class PrefixCache:
         prompt_tokens: int,
         align: int,
         ttls: list[float],
-    ) -> tuple[int, str, Run | None, TenantCounters]:
+    ) -> tuple[int, str, Run | None, TenantCounters, Walk]:
         """Match's work, under the lock: expire what is due, find the usable cached prefix (the
         tiers continue it), hold and refresh its deepest block, count the request. Returns
-        (usable blocks, the outcome's value, the run held or None, the tenant's counters)."""
+        (usable blocks, the outcome's value, the run held or None, the tenant's counters, the
+        walk: blocks found, the segments of memory's walk, blocks the request may read)."""
         block_size = self.block_size
         # Cap: at least one token is computed (there must be logits to sample from), and a hit
         # ends on an alignment boundary (the prefill chunk schedule makes that exact).
@@ -276,14 +278,12 @@ class PrefixCache:
         store = self.store
         store.sweep()
         found, segments = store.lookup(keys, packed, max_blocks)
-        self._last_walk = (found, segments, max_blocks)
         promoted = 0
         if found < max_blocks and self.tiers:
             promoted = self._tier_stack.promote(
                 keys, packed, 4 * block_size, found, max_blocks, ns.root, ns.tenant, ttls, self.adopt
             )
             found += promoted
-            self._last_walk = (found, segments, max_blocks)
         usable = (found * block_size // align) * align // block_size
         held = None
         outcome = "miss"
@@ -300,22 +300,15 @@ class PrefixCache:
         if counters is None:
             counters = self._tenants[ns.tenant] = TenantCounters()
         counters.count(prompt_tokens, usable * block_size, outcome)
-        return usable, outcome, held, counters
+        return usable, outcome, held, counters, (found, segments, max_blocks)
 
     def _explain(
-        self, ns: Namespace, keys: list[BlockHash], packed: bytes, prompt_tokens: int, align: int, usable: int
+        self, ns: Namespace, keys: list[BlockHash], packed: bytes, align: int, usable: int, walk: Walk
     ) -> CacheReason:
-        """Why the read :meth:`_begin` just did ended where it did (see :mod:`~prefixcache.cache.reasons`);
-        then remember the prompt among the namespace's recent ones. Caller holds the lock."""
-        found, segments, max_blocks = self._last_walk
-        continuation: Continuation | None = None
-        if segments and found < max_blocks:
-            # The run the walk ended in. Holding the hit may have split it since: a split keeps a
-            # run's tail, so this object still holds the walk's deepest blocks and what follows.
-            run = segments[-1][0]
-            if run.keys and run.depth <= found < run.depth + len(run.keys):  # stopped inside it
-                at = found - run.depth
-                continuation = (run.packed[at * run.step :], len(run.keys) - at)
+        """Why the read :meth:`_begin` did (``walk``) ended where it did (see
+        :mod:`~prefixcache.cache.reasons`); then remember the prompt among the namespace's recent
+        ones. Caller holds the lock."""
+        found, segments, max_blocks = walk
         reason = classify(
             keys=keys,
             packed=packed,
@@ -326,7 +319,7 @@ class PrefixCache:
             max_blocks=max_blocks,
             namespace=ns.root,
             now=self.clock(),
-            continuation=continuation,
+            continuation=continuation_of(segments, found),
             ghosts=self.ghosts,
             recent=self.recent,
             tier_unavailable=bool(self.tiers) and self._tier_stack.unavailable,

@@ -26,10 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from prefixcache.cache.blocks import Segment
 from prefixcache.cache.ghosts import GhostRecord, RecentPrompts
 from prefixcache.cache.keys import BlockHash, unpack_tokens
 
-__all__ = ["CONTEXT_TOKENS", "CacheReason", "Continuation", "Reason", "classify"]
+__all__ = ["CONTEXT_TOKENS", "CacheReason", "Continuation", "Reason", "classify", "continuation_of"]
 
 #: Tokens kept on each side of a divergence (the server decodes them).
 CONTEXT_TOKENS = 8
@@ -70,6 +71,20 @@ class CacheReason:
 
 #: The live run a walk stopped inside: (its packed tokens from block ``n`` on, its blocks from ``n`` on).
 Continuation = tuple[bytes, int]
+
+
+def continuation_of(segments: list[Segment], found: int) -> Continuation | None:
+    """The live run a walk of ``found`` blocks stopped inside, from block ``found`` on, or None
+    (the walk ended at a run's last block, or found nothing). ``segments``: the walk's. Holding
+    the hit may have split the last run since; a split keeps a run's tail, so that object still
+    holds the walk's deepest blocks and what follows them."""
+    if not segments:
+        return None
+    run = segments[-1][0]
+    if run.keys and run.depth <= found < run.depth + len(run.keys):
+        at = found - run.depth
+        return run.packed[at * run.step :], len(run.keys) - at
+    return None
 
 
 def classify(
