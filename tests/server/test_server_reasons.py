@@ -272,3 +272,14 @@ def test_diagnostics_and_reasons_stay_within_the_tenant(serve, make_engine, cloc
     late = ask(gamma, SYSTEM, turn, None)
     assert late.model_extra["prefixcache"]["reason"] == "new_prefix"
     assert ask(alpha, SYSTEM, turn, None).model_extra["prefixcache"]["reason"] == "expired"
+
+
+def test_bad_diagnostics_are_a_400_that_names_the_field(serve, make_engine, clock):
+    server = serve(make_engine(clock=clock), model_name=MODEL)
+    base = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    for bad in ({"previous_message_id": 123}, "msg_1", {"previous_message_id": "m" * 201}):
+        r = httpx.post(server.url + "/v1/messages", json={**base, "diagnostics": bad})
+        assert r.status_code == 400, r.text
+        body = r.json()
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        assert "diagnostics" in body["error"]["message"]
