@@ -216,6 +216,10 @@ def test_anthropic_diagnostics_parsed_by_the_sdk(serve, make_engine, clock):
     fifth = ask(client, edited, changed_turn, fourth.id, tools=[tool])
     assert fifth.diagnostics.cache_miss_reason.type == "tools_changed"
 
+    # Same model, system, tools and messages, another tool_choice: no structural answer.
+    sixth = ask(client, edited, changed_turn, fifth.id, tools=[tool], tool_choice={"type": "any"})
+    assert sixth.diagnostics.cache_miss_reason.type == "unavailable"
+
     lost = ask(client, edited, changed_turn, "msg_never_sent")
     assert lost.diagnostics.cache_miss_reason.type == "previous_message_not_found"
 
