@@ -185,12 +185,15 @@ def test_ghost_record_stays_within_its_bytes() -> None:
 def test_recent_prompts_stay_within_their_bytes() -> None:
     recent = RecentPrompts(4000, per_namespace=3)
     for i in range(200):
-        recent.add(bytes([i % 7]) * 8, bytes([i % 251]) * 400)
+        recent.add(bytes([i % 7]) * 8, bytes([i % 251]) * 32, bytes([i % 251]) * 400)
         assert recent.nbytes <= 4000
     assert len(recent) == 6  # 656 bytes each: six fit
     for i in range(5):
-        recent.add(b"ns", bytes([i]) * 40)
+        recent.add(b"ns", bytes([i]) * 32, bytes([i]) * 40)
     assert recent.of(b"ns") == [bytes([4]) * 40, bytes([3]) * 40, bytes([2]) * 40]
+    recent.add(b"ns", bytes([3]) * 32, bytes([3]) * 44)  # same full blocks, a longer tail: replaced
+    assert recent.of(b"ns") == [bytes([3]) * 44, bytes([4]) * 40, bytes([2]) * 40]
+    assert (recent.nbytes, len(recent)) == (4 * 656 + 2 * 296 + 300, 7)  # 4 large prompts, 3 small
 
 
 def test_ghosts_through_a_busy_cache_stay_bounded() -> None:

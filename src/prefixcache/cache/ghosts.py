@@ -77,43 +77,52 @@ class GhostRecord:
 
 class RecentPrompts:
     """The last ``per_namespace`` distinct prompts of each namespace (packed tokens), at most
-    ``max_bytes`` in all (the oldest prompt of any namespace goes first). Not thread-safe."""
+    ``max_bytes`` in all (the oldest prompt of any namespace goes first). A prompt is known by
+    the key of its last full block (the chain names every full block before it: no hashing of
+    the prompt), so prompts that differ only after it count as one, the newest kept. Not
+    thread-safe."""
 
     def __init__(self, max_bytes: int, per_namespace: int = 8) -> None:
         self.max_bytes = max(int(max_bytes), 0)
         self.per_namespace = per_namespace
         self.nbytes = 0
-        self._all: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()  # (namespace, packed), oldest first
-        self._by_namespace: dict[bytes, OrderedDict[bytes, None]] = {}
+        # (namespace, last key) -> packed, oldest first; and each namespace's last keys
+        self._all: OrderedDict[tuple[bytes, BlockHash], bytes] = OrderedDict()
+        self._by_namespace: dict[bytes, OrderedDict[BlockHash, None]] = {}
 
     def __len__(self) -> int:
         return len(self._all)
 
-    def add(self, namespace: bytes, packed: bytes) -> None:
-        """Remember ``packed`` (a reference: bytes are immutable) as the namespace's newest prompt."""
+    def add(self, namespace: bytes, last_key: BlockHash, packed: bytes) -> None:
+        """Remember ``packed`` (a reference: bytes are immutable), whose last full block has the
+        key ``last_key``, as the namespace's newest prompt."""
         cost = len(packed) + PROMPT_ENTRY_BYTES
         if cost > self.max_bytes:
             return
-        entry = (namespace, packed)
+        entry = (namespace, last_key)
         prompts = self._by_namespace.get(namespace)
         if prompts is None:
             prompts = self._by_namespace[namespace] = OrderedDict()
-        if packed in prompts:
-            prompts.move_to_end(packed)
+        previous = self._all.get(entry)
+        if previous is not None:
+            prompts.move_to_end(last_key)
             self._all.move_to_end(entry)
-            return
-        prompts[packed] = None
-        self._all[entry] = None
-        self.nbytes += cost
-        if len(prompts) > self.per_namespace:
-            self._forget(namespace, next(iter(prompts)))
+            self._all[entry] = packed
+            self.nbytes += len(packed) - len(previous)
+        else:
+            prompts[last_key] = None
+            self._all[entry] = packed
+            self.nbytes += cost
+            if len(prompts) > self.per_namespace:
+                self._forget((namespace, next(iter(prompts))))
         while self.nbytes > self.max_bytes:
-            self._forget(*next(iter(self._all)))
+            self._forget(next(iter(self._all)))
 
-    def _forget(self, namespace: bytes, packed: bytes) -> None:
-        del self._all[(namespace, packed)]
+    def _forget(self, entry: tuple[bytes, BlockHash]) -> None:
+        namespace, last_key = entry
+        packed = self._all.pop(entry)
         prompts = self._by_namespace[namespace]
-        del prompts[packed]
+        del prompts[last_key]
         if not prompts:
             del self._by_namespace[namespace]
         self.nbytes -= len(packed) + PROMPT_ENTRY_BYTES
@@ -121,4 +130,6 @@ class RecentPrompts:
     def of(self, namespace: bytes) -> list[bytes]:
         """The namespace's recent prompts, newest first (only the caller's namespace is ever read)."""
         prompts = self._by_namespace.get(namespace)
-        return list(reversed(prompts)) if prompts else []
+        if not prompts:
+            return []
+        return [self._all[(namespace, key)] for key in reversed(prompts)]

@@ -325,7 +325,7 @@ class PrefixCache:
             tier_unavailable=bool(self.tiers) and self._tier_stack.unavailable,
         )
         if self.recent is not None and keys:
-            self.recent.add(ns.root, packed)
+            self.recent.add(ns.root, keys[-1], packed)
         return reason
 
     def _written(
