@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 from server_helpers import wait_until
 
+from prefixcache.cache.tiers.base import TierStats
 from prefixcache.server.routes_ops import STALE_HEADER
 
 MODEL = "test-model"
@@ -35,6 +36,9 @@ class StallingTier:
 
     def put(self, block: Any) -> None:
         pass
+
+    def stats(self) -> TierStats:
+        return TierStats(self.name)
 
 
 def _timed(fn: Any) -> tuple[httpx.Response, float]:
