@@ -29,7 +29,9 @@ class StallingTier:
     def __init__(self) -> None:
         self.reading = threading.Event()
 
-    def get_many(self, keys: Sequence[bytes], tokens: Sequence[bytes]) -> list[tuple[Any, int]]:
+    def get_many(
+        self, keys: Sequence[bytes], tokens: Sequence[bytes], namespace: bytes, layout: Any = None
+    ) -> list[tuple[Any, int]]:
         self.reading.set()
         time.sleep(STALL_S)
         return []
@@ -39,6 +41,9 @@ class StallingTier:
 
     def stats(self) -> TierStats:
         return TierStats(self.name)
+
+    def remove_namespace(self, namespace: bytes) -> int:
+        return 0
 
 
 def _timed(fn: Any) -> tuple[httpx.Response, float]:

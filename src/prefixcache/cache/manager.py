@@ -28,6 +28,7 @@ from prefixcache.cache.request import CommitResult, Match
 from prefixcache.cache.stats import CacheStats, Outcome, TenantCounters
 from prefixcache.cache.store import Block, BlockStore, PayloadFn, Run, Segment
 from prefixcache.cache.tiers.base import Tier
+from prefixcache.cache.tiers.codec import BlockLayout
 from prefixcache.cache.tiers.stack import TierStack
 
 __all__ = ["CommitResult", "Match", "PayloadFn", "PrefixCache", "Tier"]
@@ -357,6 +358,14 @@ class PrefixCache:
         with self._lock:
             return self._pins.unpin(keys, ns.root) * self.block_size
 
+    def limit_tenant_pins(self, share: float) -> None:
+        """Let one tenant pin at most ``share`` (0 < share <= 1) of the pinned budget: beyond,
+        :meth:`pin` raises :class:`~prefixcache.cache.pins.TenantPinBudgetExceeded`."""
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"the tenant pin share must be in (0, 1]; got {share}")
+        with self._lock:
+            self._pins.tenant_share = share
+
     def pinned_prefixes(self) -> int:
         with self._lock:
             return len(self._pins)
@@ -367,9 +376,21 @@ class PrefixCache:
             return [block for block in self.store if block.pin_count > 0]
 
     def flush(self, ns: Namespace) -> int:
-        """Remove every unreferenced, unpinned block of this namespace. Returns blocks removed."""
+        """Remove every unreferenced, unpinned block of this namespace from memory. Returns
+        blocks removed. :meth:`remove_tier_entries` does the same in the tiers below."""
         with self._lock:
             return self.store.remove_where(lambda run: run.namespace == ns.root, reason="flush")
+
+    def remove_tier_entries(self, ns: Namespace) -> dict[str, int]:
+        """Delete this namespace's entries from every tier (disk, Redis): {tier name: entries
+        removed}. Tier I/O runs outside the cache's lock; blocks written after it starts stay."""
+        return self._tier_stack.remove_namespace(ns.root)
+
+    def set_block_layout(self, layout: BlockLayout | None) -> None:
+        """The shape and dtype every payload promoted from a tier must have (an engine sets its
+        KV pool's block layout); an entry of another layout is a counted corrupt miss."""
+        with self._lock:
+            self._tier_stack.layout = layout
 
     def sweep(self) -> int:
         with self._lock:

@@ -72,6 +72,15 @@ def serve(
             help="With two tenants or more, the share of --max-queue one tenant may hold (then 429).",
         ),
     ] = 0.5,
+    tenant_pin_share: Annotated[
+        float,
+        typer.Option(
+            min=0.01,
+            max=1.0,
+            help="With two tenants or more, the share of the pinned (keep-warm) budget one tenant may "
+            "hold (then POST /v1/cache/pin answers 409).",
+        ),
+    ] = 0.5,
     max_body_bytes: Annotated[
         str | None,
         typer.Option(
@@ -99,6 +108,14 @@ def serve(
             "audit and simulate still replay the trace.",
         ),
     ] = False,
+    busting_window: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Requests per endpoint the live cache-busting watch compares (GET /v1/cache/report, "
+            "a log warning and prefixcache_cache_busting_findings_total per finding); 0 turns it off.",
+        ),
+    ] = 32,
     ttl: Annotated[
         float, typer.Option(min=1.0, help="Default cache TTL in seconds (refreshed on every hit).")
     ] = DEFAULTS.default_ttl_s,
@@ -172,9 +189,27 @@ def serve(
         typer.Option(
             "--redis",
             envvar="PREFIXCACHE_REDIS_URL",
-            help="Shared Redis tier, e.g. redis://127.0.0.1:6379/0: replicas share cached blocks.",
+            help="Shared Redis tier, e.g. redis://127.0.0.1:6379/0: replicas share cached blocks. A URL "
+            "with a password belongs in $PREFIXCACHE_REDIS_URL or --redis-url-file (argv is visible to "
+            "every local user).",
         ),
     ] = None,
+    redis_url_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--redis-url-file",
+            envvar="PREFIXCACHE_REDIS_URL_FILE",
+            help="Read the Redis URL (which may hold a password) from this file (its first line's text).",
+        ),
+    ] = None,
+    redis_max_ttl: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            help="Longest expiry of a Redis entry in seconds, whatever TTL a request asks for "
+            "(bounds what one client can keep in the shared Redis).",
+        ),
+    ] = 3600.0,
     redis_sync_writes: Annotated[
         bool,
         typer.Option(
@@ -204,6 +239,7 @@ def serve(
     from prefixcache.engine import Engine
     from prefixcache.server import create_app
     from prefixcache.server.app import DEFAULT_MODEL_NAME
+    from prefixcache.server.auth import resolve_secret
     from prefixcache.server.exposure import RedactSecrets, exposure_refusal, install_redaction, redis_password
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -214,6 +250,12 @@ def serve(
         salt_secret_file,
         salt_on_argv=source is not None and source.name == "COMMANDLINE",
     )
+    redis_source = ctx.get_parameter_source("redis_url")
+    redis_url = _redis_url(
+        redis_url, redis_url_file, on_argv=redis_source is not None and redis_source.name == "COMMANDLINE"
+    )
+    # One secret for the tenant salts and the tier entries' MAC key (random when none is given).
+    secret = resolve_secret(salt_secret)
     # No secret reaches a log: the tiers log their Redis URL, exceptions may quote a header.
     secrets = [*(keys or {}), salt_secret or "", redis_password(redis_url) or ""]
     redactor = install_redaction(RedactSecrets(secrets))
@@ -247,6 +289,8 @@ def serve(
     if engine.cache is not None:
         attach_tiers(
             engine.cache,
+            secret=secret,
+            redis_max_ttl_s=redis_max_ttl,
             disk_dir=disk_cache,
             disk_bytes=parse_bytes(disk_cache_size),
             redis_url=redis_url,
@@ -260,11 +304,13 @@ def serve(
         trace_log=trace_log,
         trace_text=trace_text,
         model_name=name,
-        salt_secret=salt_secret,
+        salt_secret=secret,
         trace_tokenizer="default" if model is None else None,
         trace_keys_only=trace_keys_only,
         max_body_bytes=body_limit,
         tenant_queue_share=tenant_queue_share,
+        tenant_pin_share=tenant_pin_share,
+        busting_window=busting_window,
     )
     if engine.cache is not None and engine.cache.tiers:
         register_prometheus(engine.cache, app.state.prefixcache.metrics.registry)
@@ -320,6 +366,31 @@ def _secrets(
             "use $PREFIXCACHE_SALT_SECRET or --salt-secret-file"
         )
     return keys, salt_secret
+
+
+def _redis_url(redis_url: str | None, redis_url_file: Path | None, *, on_argv: bool) -> str | None:
+    """The Redis URL: ``--redis-url-file``, else ``--redis`` / ``$PREFIXCACHE_REDIS_URL``. A
+    password given on the command line works, with a warning (``ps`` shows argv)."""
+    import logging
+
+    from prefixcache.server.exposure import read_secret_file, redis_password
+
+    if redis_url_file is not None:
+        if redis_url is not None:
+            raise typer.BadParameter(
+                "give the Redis URL once: --redis-url-file or --redis ($PREFIXCACHE_REDIS_URL)",
+                param_hint="--redis-url-file",
+            )
+        try:
+            return read_secret_file(redis_url_file, "Redis URL")
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--redis-url-file") from e
+    if redis_url and on_argv and redis_password(redis_url):
+        logging.getLogger("prefixcache.serve").warning(
+            "--redis with a password on the command line is visible to every local user (ps); "
+            "use $PREFIXCACHE_REDIS_URL or --redis-url-file"
+        )
+    return redis_url
 
 
 def register(app: typer.Typer) -> None:

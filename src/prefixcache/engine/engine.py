@@ -34,6 +34,7 @@ from typing import Any
 
 from prefixcache.cache import CacheStats, FakeClock, PrefixCache
 from prefixcache.cache.config import DEFAULTS
+from prefixcache.cache.tiers.codec import BlockLayout
 from prefixcache.engine.llama import LlamaRunner, unsupported_reason
 from prefixcache.engine.model import ModelRunner, default_dtype
 from prefixcache.engine.prompts import check_prompt_text, encode, max_token_bytes, render_chat
@@ -156,6 +157,8 @@ class Engine:
                 explain=miss_reasons,
             )
         self.fingerprint = self.runner.fingerprint(block_size, chunk)
+        if self.cache is not None:  # a block promoted from a tier must fit the KV layout
+            self.cache.set_block_layout(self.block_layout)
         self.pool = None
         self._worker: BatchWorker | SequentialWorker
         self._max_n = max_batch
@@ -203,6 +206,13 @@ class Engine:
     @property
     def context_len(self) -> int:
         return self.runner.context_len
+
+    @property
+    def block_layout(self) -> BlockLayout:
+        """One cached block's payload: ``[layers, 2, kv_heads, B, head_dim]`` in the KV dtype."""
+        r = self.runner
+        shape = (r.num_layers, 2, r.num_kv_heads, self.block_size, r.head_dim)
+        return BlockLayout(shape=shape, dtype=str(r.dtype).removeprefix("torch."))
 
     @property
     def queue_depth(self) -> int:

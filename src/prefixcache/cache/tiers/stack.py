@@ -4,6 +4,10 @@
   Redis); what they hold, verified, is inserted into the store as if computed.
 * **write-through**: blocks a commit stored go at once to every tier with ``write_through``.
 * **demote**: blocks evicted from memory for capacity go to every tier without it (a spill tier).
+* **remove a namespace**: a tenant's flush reaches every tier (:meth:`TierStack.remove_namespace`).
+
+``layout`` (set by an engine, :meth:`~prefixcache.cache.manager.PrefixCache.set_block_layout`)
+is the payload shape and dtype a promoted block must have: anything else is refused by the tier.
 
 :class:`~prefixcache.cache.manager.PrefixCache` owns one stack and calls it while holding its lock;
 the stack reaches the store through its public methods only.
@@ -18,6 +22,7 @@ from prefixcache.cache.blocks import Block
 from prefixcache.cache.keys import BlockHash
 from prefixcache.cache.store import BlockStore
 from prefixcache.cache.tiers.base import Tier
+from prefixcache.cache.tiers.codec import BlockLayout
 
 
 class TierStack:
@@ -29,6 +34,7 @@ class TierStack:
         self.promoted_blocks = 0  # blocks brought up from the tiers (``CacheStats.tier_hits``)
         #: Whether a tier failed (or was skipped by its breaker) during the last :meth:`promote`.
         self.unavailable = False
+        self.layout: BlockLayout | None = None  # what a promoted payload must be (None: unchecked)
 
     def add(self, tier: Tier) -> None:
         """Add ``tier`` below the others. The first write-back tier starts the store's eviction feed."""
@@ -60,7 +66,7 @@ class TierStack:
             first = at
             tokens = [packed[index * step : (index + 1) * step] for index in range(first, stop)]
             before = tier.stats()
-            got = tier.get_many(keys[first:stop], tokens)
+            got = tier.get_many(keys[first:stop], tokens, namespace, self.layout)
             after = tier.stats()
             if after.errors + after.skipped > before.errors + before.skipped:
                 self.unavailable = True
@@ -96,6 +102,11 @@ class TierStack:
         for tier in targets:
             for block in blocks:
                 tier.put(block)
+
+    def remove_namespace(self, namespace: bytes) -> dict[str, int]:
+        """Delete namespace ``namespace``'s entries from every tier: {tier name: entries removed}.
+        Tier I/O: call it without holding the cache's lock."""
+        return {tier.name: tier.remove_namespace(namespace) for tier in list(self.tiers)}
 
     def _demote(self, event: str, block: Block) -> None:
         """The store's listener: a block evicted for capacity goes down to the write-back tiers."""
