@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 from server_helpers import wait_until
 
+from prefixcache.cache.tiers.base import TierStats
 from prefixcache.server.routes_ops import STALE_HEADER
 
 MODEL = "test-model"
@@ -37,6 +38,9 @@ class StallingTier:
 
     def put(self, block: Any) -> None:
         pass
+
+    def stats(self) -> TierStats:
+        return TierStats(self.name)
 
     def remove_namespace(self, namespace: bytes) -> int:
         return 0

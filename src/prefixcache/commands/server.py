@@ -123,6 +123,21 @@ def serve(
     capacity: Annotated[
         str, typer.Option(help="Byte budget of the KV cache, e.g. 2GiB or 512MB.")
     ] = f"{DEFAULTS.capacity_bytes >> 30}GiB",
+    reasons_bytes: Annotated[
+        str,
+        typer.Option(
+            help="Memory, out of --capacity, for explaining cache misses (recently removed blocks and "
+            "each tenant's recent prompts; at most an eighth of --capacity). 0 turns the record off: "
+            "expired, evicted and flushed blocks then read as new_prefix.",
+        ),
+    ] = f"{DEFAULTS.reasons_bytes >> 20}MiB",
+    miss_reasons: Annotated[
+        bool,
+        typer.Option(
+            help="Tell every answer why its cache read ended where it did (the prefixcache object, "
+            "Anthropic's diagnostics, the miss metrics). --no-miss-reasons: a benchmark's baseline.",
+        ),
+    ] = True,
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per cache block.")] = DEFAULTS.block_size,
     prefill_chunk: Annotated[
         int | None,
@@ -276,6 +291,8 @@ def serve(
             runner=runner,
             dtype=dtype,
             capacity_bytes=capacity_bytes,
+            reasons_bytes=min(parse_bytes(reasons_bytes), capacity_bytes // 8),
+            miss_reasons=miss_reasons,
             default_ttl_s=ttl,
             max_queue=max_queue,
             max_batch=max_batch,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Header, Request
@@ -11,6 +11,7 @@ from fastapi import Header, Request
 from prefixcache.server.auth import Authenticator, Tenant
 from prefixcache.server.bridge import EngineBridge, Finished
 from prefixcache.server.busting import BustingWatch
+from prefixcache.server.diagnostics import DiagnosticsRecord
 from prefixcache.server.errors import APIError
 from prefixcache.server.metrics import Metrics
 from prefixcache.server.snapshots import SnapshotReader
@@ -30,6 +31,7 @@ class ServerState:
     trace: TraceWriter | None
     model_name: str
     snapshots: SnapshotReader  # cache reads off the event loop (/metrics, GET /v1/cache)
+    diagnostics: DiagnosticsRecord = field(default_factory=DiagnosticsRecord)  # Anthropic's, by answer id
     busting: BustingWatch | None = None  # live cache-busting detection (GET /v1/cache/report)
 
     def check_model(self, model: str) -> None:

@@ -32,6 +32,8 @@ class TierStack:
         self.store = store
         self.tiers: list[Tier] = []
         self.promoted_blocks = 0  # blocks brought up from the tiers (``CacheStats.tier_hits``)
+        #: Whether a tier failed (or was skipped by its breaker) during the last :meth:`promote`.
+        self.unavailable = False
         self.layout: BlockLayout | None = None  # what a promoted payload must be (None: unchecked)
 
     def add(self, tier: Tier) -> None:
@@ -55,14 +57,20 @@ class TierStack:
         """Bring blocks ``start..stop-1`` of the chain ``keys`` up from the tiers into the store, as
         far as the tiers hold them in a row (block ``start - 1`` must be stored). Each is queued as
         a leaf. ``adopt`` turns a tier's payload into the engine's own kind (None keeps it).
-        Returns how many came up."""
+        Returns how many came up; sets :attr:`unavailable`."""
         at = start
+        self.unavailable = False
         for tier in self.tiers:
             if at >= stop:
                 break
             first = at
             tokens = [packed[index * step : (index + 1) * step] for index in range(first, stop)]
-            for payload, nbytes in tier.get_many(keys[first:stop], tokens, namespace, self.layout):
+            before = tier.stats()
+            got = tier.get_many(keys[first:stop], tokens, namespace, self.layout)
+            after = tier.stats()
+            if after.errors + after.skipped > before.errors + before.skipped:
+                self.unavailable = True
+            for payload, nbytes in got:
                 if adopt is not None:
                     payload = adopt(payload)
                 inserted, _, _ = self.store.insert_chain(
