@@ -88,6 +88,16 @@ def route(
     max_body_bytes: Annotated[
         str, typer.Option(help="Largest request body (413 beyond, before it is read), e.g. 8MiB.")
     ] = "8MiB",
+    kv_events: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--kv-events",
+            help="A replica's KV event feed, REPLICA_URL=PUB_ENDPOINT[,REPLAY_ENDPOINT] (the replica's "
+            "serve --kv-events-endpoint / --kv-events-replay-endpoint), e.g. "
+            "http://10.0.0.5:8000=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558. Repeat per replica; "
+            "cache-aware only. Replicas without one are tracked by the approximate record.",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
 ) -> None:
     """Route OpenAI and Anthropic requests across replicas so that requests sharing a prompt
@@ -97,10 +107,18 @@ def route(
     import uvicorn
 
     from prefixcache.router import RouterConfig, create_router_app
+    from prefixcache.router.kv_index import parse_feed
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if keep_warm is not None and not keep_warm.exists():
         raise typer.BadParameter(f"{keep_warm} does not exist", param_hint="--keep-warm")
+    feeds = {}
+    for spec in kv_events or []:
+        try:
+            url, feed = parse_feed(spec)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--kv-events") from e
+        feeds[url] = feed
     config = RouterConfig(
         replicas=replica,
         policy=policy,
@@ -113,11 +131,17 @@ def route(
         keepwarm_file=str(keep_warm) if keep_warm else None,
         read_timeout_s=read_timeout,
         max_body_bytes=parse_bytes(max_body_bytes),
+        kv_events=feeds,
     )
-    typer.echo(f"prefixcache router: {policy} over {len(replica)} replicas on http://{host}:{port}")
+    try:
+        app = create_router_app(config)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--kv-events") from e
+    events = f", KV events from {len(feeds)}" if feeds else ""
+    typer.echo(f"prefixcache router: {policy} over {len(replica)} replicas{events} on http://{host}:{port}")
     sigterm_as_interrupt()
     with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.run(create_router_app(config), host=host, port=port, log_level=log_level.lower())
+        uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -212,6 +236,14 @@ def cluster(
         float, typer.Option(min=1.0, help="Default cache TTL in seconds.")
     ] = DEFAULTS.default_ttl_s,
     ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for each replica to load.")] = 300.0,
+    no_kv_events: Annotated[
+        bool,
+        typer.Option(
+            "--no-kv-events",
+            help="Do not wire the replicas' KV events to the router (with cache-aware, they are on "
+            "by default: loopback PUB and replay sockets per replica).",
+        ),
+    ] = False,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:
     """Try scale-out on one machine: redis-server on a free port (temp dir, no persistence), N
@@ -220,6 +252,7 @@ def cluster(
     import uvicorn
 
     from prefixcache.router import RouterConfig, create_router_app
+    from prefixcache.router.kv_index import FeedSpec
 
     start_own_redis = not no_redis and redis_url is None
     password = redis_password_from(redis_password_file) if start_own_redis else ""
@@ -251,11 +284,14 @@ def cluster(
             )
         else:
             redis_line = "off" if no_redis or redis_url is None else redacted_url(redis_url)
+        env.pop("PREFIXCACHE_REDIS_URL_FILE", None)  # the replicas get the one URL below, or none
         if redis_url and not no_redis:  # the URL may hold a password: the environment, not argv
             env["PREFIXCACHE_REDIS_URL"] = redis_url
         else:
             env.pop("PREFIXCACHE_REDIS_URL", None)
         urls: list[str] = []
+        events = policy == "cache-aware" and not no_kv_events
+        feeds: dict[str, FeedSpec] = {}
         for i in range(replicas):
             rp = free_port()
             cmd = [
@@ -282,16 +318,23 @@ def cluster(
                 cmd += ["--disk-cache", str(disk_cache / f"replica-{i}")]
             if api_keys:
                 cmd += ["--api-keys", str(api_keys)]
+            if events:
+                pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+                cmd += ["--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay]
+                feeds[f"http://127.0.0.1:{rp}"] = FeedSpec(pub, replay)
             procs.append(subprocess.Popen(cmd, env=env))
             urls.append(f"http://127.0.0.1:{rp}")
         for url, proc in zip(urls, procs[-replicas:], strict=True):
             wait_ready(url, proc, ready_timeout)
         typer.echo(
             f"prefixcache cluster: {replicas} replicas {urls}, redis {redis_line}; "
-            f"router ({policy}) on http://{host}:{port}. Ctrl-C stops all."
+            f"router ({policy}{', KV events' if events else ''}) on http://{host}:{port}. Ctrl-C stops all."
         )
         config = RouterConfig(
-            replicas=urls, policy=policy, keepwarm_file=str(keep_warm) if keep_warm else None
+            replicas=urls,
+            policy=policy,
+            keepwarm_file=str(keep_warm) if keep_warm else None,
+            kv_events=feeds,
         )
         uvicorn.run(create_router_app(config), host=host, port=port, log_level=log_level.lower())
     except KeyboardInterrupt:

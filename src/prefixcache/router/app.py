@@ -5,7 +5,7 @@
     POST /v1/cache/pin, DELETE /v1/cache/pin: sent to every healthy replica (keep-warm)
     GET  /health                 200 while at least one replica is healthy, else 503
     GET  /metrics                Prometheus: per-replica routing, in-flight, hit rate, fail-overs
-    GET  /router/replicas        the same as JSON
+    GET  /router/replicas        the same as JSON (and the KV event feeds' state, with --kv-events)
 
 Every body is bounded first: over ``max_body_bytes`` is a 413 before it is read
 (:class:`~prefixcache.limits.BodyLimit`), in the error shape of the API called.
@@ -31,7 +31,8 @@ from fastapi.responses import JSONResponse, Response
 from prefixcache.limits import BodyLimit, RejectedBody
 from prefixcache.router.config import RouterConfig
 from prefixcache.router.keepwarm import KeepWarm
-from prefixcache.router.policies import Router
+from prefixcache.router.kv_index import KVIndex
+from prefixcache.router.policies import Policy, Router
 from prefixcache.router.proxy import Proxy, error_response
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,8 @@ def render_metrics(router: Router) -> bytes:
             )
             rec.add_metric([], len(router.record))
             fams.append(rec)
+            if router.kv_index is not None:
+                fams.extend(kv_metrics(router.kv_index))
             return fams
 
     registry = CollectorRegistry(auto_describe=False)
@@ -120,12 +123,14 @@ def render_metrics(router: Router) -> bytes:
 
 def create_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """The router app. ``transport`` lets tests route to in-process apps."""
+    kv_index = _kv_index(config)
     router = Router(
         config.replicas,
         config.policy,
         load_factor=config.load_factor,
         load_slack=config.load_slack,
         record_ttl_s=config.record_ttl_s,
+        kv_index=kv_index,
     )
     state: dict[str, Any] = {}
 
@@ -136,6 +141,8 @@ def create_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspo
         async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
             proxy = Proxy(router, config, client)
             state["proxy"] = proxy
+            if kv_index is not None:
+                kv_index.start()
             tasks = [asyncio.create_task(_health_loop(proxy, config.health_interval_s))]
             keepwarm = KeepWarm.load(config.keepwarm_file) if config.keepwarm_file else None
             if keepwarm is not None:
@@ -149,6 +156,8 @@ def create_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspo
                 for t in tasks:
                     with contextlib.suppress(asyncio.CancelledError):
                         await t
+                if kv_index is not None:
+                    kv_index.close()
 
     app = FastAPI(title="prefixcache router", version="0.1.0", lifespan=lifespan)
     app.state.router = router
@@ -170,7 +179,11 @@ def create_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspo
 
     @app.get("/router/replicas")
     async def replicas() -> Any:
-        return {"policy": router.policy.value, "replicas": router.snapshot(), "failovers": router.failovers}
+        body = {"policy": router.policy.value, "replicas": router.snapshot(), "failovers": router.failovers}
+        if kv_index is not None:
+            body["kv_events"] = kv_index.snapshot()
+            body["kv_anchors"] = len(kv_index.anchors)
+        return body
 
     @app.api_route("/v1/cache/pin", methods=["POST", "DELETE"])
     async def pin(request: Request) -> Response:
@@ -187,6 +200,53 @@ def _refuse(path: str, rejection: RejectedBody) -> JSONResponse:
     return error_response(
         rejection.status_code, str(rejection.detail), path, rejection.code or "invalid_request"
     )
+
+
+def _kv_index(config: RouterConfig) -> KVIndex | None:
+    """The KV event index of a cache-aware router with ``kv_events``; ValueError naming a feed
+    whose replica is not one of ``replicas``, or events under another policy."""
+    if not config.kv_events:
+        return None
+    if Policy(config.policy) is not Policy.CACHE_AWARE:
+        raise ValueError(f"--kv-events needs --policy cache-aware (not {Policy(config.policy).value})")
+    urls = {u.rstrip("/") for u in config.replicas}
+    feeds = {url.rstrip("/"): spec for url, spec in config.kv_events.items()}
+    unknown = sorted(set(feeds) - urls)
+    if unknown:
+        raise ValueError(f"--kv-events names {unknown[0]}, which is not a --replica; give its exact URL")
+    return KVIndex(feeds, config.chunk_chars)
+
+
+def kv_metrics(kv_index: KVIndex) -> list[Any]:
+    """Prometheus families of the router's KV event feeds (per replica)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    snap = kv_index.snapshot()
+    spec = [
+        ("batches", "Event batches applied (live or replayed).", True),
+        ("replayed", "Event batches applied from the replay socket.", True),
+        ("gaps", "Jumps in the live sequence numbers.", True),
+        ("lost", "Sequence ranges no replay could fill.", True),
+        ("blocks", "Blocks the replica holds by its events.", False),
+        ("synced", "1 while the router's view of the replica is complete.", False),
+    ]
+    fams: list[Any] = []
+    for name, doc, counter in spec:
+        metric = f"prefixcache_router_kv_events_{name}"
+        fam: Any = (
+            CounterMetricFamily(metric, doc, labels=["replica"])
+            if counter
+            else GaugeMetricFamily(metric, doc, labels=["replica"])
+        )
+        for url, row in snap.items():
+            fam.add_metric([url], float(row[name]))
+        fams.append(fam)
+    anchors = GaugeMetricFamily(
+        "prefixcache_router_kv_anchors", "Routing chunks tied to a block hash (learned from replicas)."
+    )
+    anchors.add_metric([], len(kv_index.anchors))
+    fams.append(anchors)
+    return fams
 
 
 async def _health_loop(proxy: Proxy, interval_s: float) -> None:

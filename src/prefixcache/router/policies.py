@@ -15,7 +15,10 @@ since queueing behind a hot replica costs more than one prefill.
   hashes -> replica, LRU-bounded, forgotten after ``ttl_s`` like the replicas' own TTL); the
   replica holding the longest recorded prefix wins; with no record, rendezvous hashing as above.
   The record is updated with every routed request (the replica that computes a prefix holds
-  it afterwards) and drops a replica's chunks when a request to it fails to connect.
+  it afterwards) and drops a replica's chunks when a request to it fails to connect. With the
+  replicas' KV events (``route --kv-events``), a precise view of what each replica holds
+  overrides the record, and a prefix nobody holds goes least-loaded (see
+  :mod:`~prefixcache.router.kv_index`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from enum import StrEnum
 
 from prefixcache.cache.config import DEFAULTS
 from prefixcache.router.affinity import PrefixKey
+from prefixcache.router.kv_index import KVIndex
 
 
 class Policy(StrEnum):
@@ -94,6 +98,13 @@ class PrefixRecord:
                 best = (entry[0], i + 1)
         return best
 
+    def entry(self, chunk: str) -> tuple[str, float] | None:
+        """(replica url, when recorded) of one chunk hash, None if unknown or forgotten."""
+        entry = self._map.get(chunk)
+        if entry is None or self.clock() - entry[1] > self.ttl_s:
+            return None
+        return entry
+
     def record(self, chunks: Sequence[str], url: str) -> None:
         now = self.clock()
         for h in chunks:
@@ -124,6 +135,7 @@ class Router:
         load_slack: int = 4,
         record_ttl_s: float = DEFAULTS.default_ttl_s,
         clock: Callable[[], float] = time.monotonic,
+        kv_index: KVIndex | None = None,
     ) -> None:
         if not urls:
             raise ValueError("the router needs at least one --replica URL")
@@ -132,6 +144,7 @@ class Router:
         self.load_factor = load_factor
         self.load_slack = load_slack
         self.record = PrefixRecord(ttl_s=record_ttl_s, clock=clock)
+        self.kv_index = kv_index  # replicas' KV events (cache-aware only), or None
         self._rr = itertools.count()
         self._lock = threading.Lock()
         self.load_fallbacks = 0
@@ -163,10 +176,24 @@ class Router:
         hashed = rendezvous(key.affinity, alive)
         if self.policy is Policy.PREFIX_AFFINITY or key.explicit:
             return hashed
+        if self.kv_index is not None and self.kv_index.publishes([r.url for r in alive]):
+            return self._order_by_events(key, alive, hashed)
         url, depth = self.record.longest(key.chunks, {r.url for r in alive})
         if url is None or depth == 0:
             return hashed
         holder = next(r for r in alive if r.url == url)
+        return [holder, *(r for r in hashed if r is not holder)]
+
+    def _order_by_events(self, key: PrefixKey, alive: list[Replica], hashed: list[Replica]) -> list[Replica]:
+        """The replica holding the deepest prefix by the KV events (the record where a replica
+        publishes nothing: :mod:`~prefixcache.router.kv_index`) first; with none holding any,
+        the least-loaded first."""
+        assert self.kv_index is not None
+        depths = {r.url: self.kv_index.depth(r.url, key.chunks, self.record.entry) for r in alive}
+        best = max(depths.values())
+        if best == 0:
+            return sorted(alive, key=lambda r: (r.in_flight, r.routed))
+        holder = next(r for r in hashed if depths[r.url] == best)
         return [holder, *(r for r in hashed if r is not holder)]
 
     # ------------------------------------------------------------------ bookkeeping

@@ -47,7 +47,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from prefixcache.limits import RejectedBody, parse_json_body
-from prefixcache.router.affinity import PrefixKey, prefix_key
+from prefixcache.router.affinity import PrefixKey, prefix_key, render_prompt
 from prefixcache.router.config import RouterConfig
 from prefixcache.router.policies import Replica, Router
 from prefixcache.router.streams import EventCutter, SSEUsage, error_body, stream_error_event, usage_from
@@ -71,7 +71,17 @@ _DROP_REQUEST = {
     "accept-encoding",
     "upgrade",
 }
-_DROP_RESPONSE = {"content-length", "connection", "keep-alive", "transfer-encoding", "content-encoding"}
+_DROP_RESPONSE = {
+    "content-length",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-encoding",
+    "x-prefixcache-blocks",  # the replica's answer to the router alone
+}
+#: The router asks a replica for the prompt's block hashes, which it answers in BLOCKS.
+WANT_BLOCKS = "x-prefixcache-want-blocks"
+BLOCKS = "x-prefixcache-blocks"
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +197,11 @@ class _RelayResponse(StreamingResponse):
             await self.relay.close()
 
 
+def rendered_chars(body: dict[str, Any]) -> int:
+    """Length of the whole routing rendering of ``body`` (the chunks cover its start)."""
+    return len(render_prompt(body, 1 << 62))
+
+
 class Proxy:
     """Routes and relays one request at a time; shares one httpx client."""
 
@@ -220,6 +235,8 @@ class Proxy:
         key = self.key_of(body, request.headers)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
         headers["accept-encoding"] = "identity"
+        if self.router.kv_index is not None:  # ask for the prompt's block hashes (router/kv_index.py)
+            headers[WANT_BLOCKS] = "1"
         target = path + (f"?{request.url.query}" if request.url.query else "")
         errors: list[str] = []
         for attempt, replica in enumerate(self.router.candidates(key)[:MAX_ATTEMPTS]):
@@ -227,7 +244,7 @@ class Proxy:
                 self.router.failed_over()
             self.router.started(replica, key)
             try:
-                return await self._attempt(request.method, replica, target, raw, headers)
+                return await self._attempt(request.method, replica, target, raw, headers, key, body)
             except _Lost as lost:
                 msg = f"{replica.url}: {type(lost.exc).__name__}: {lost.exc}"
                 errors.append(msg)
@@ -252,7 +269,14 @@ class Proxy:
         )
 
     async def _attempt(
-        self, method: str, replica: Replica, target: str, raw: bytes, headers: dict[str, str]
+        self,
+        method: str,
+        replica: Replica,
+        target: str,
+        raw: bytes,
+        headers: dict[str, str],
+        key: PrefixKey,
+        body: dict[str, Any],
     ) -> Response:
         """One attempt at ``replica``; raises :class:`_Lost` while nothing went to the client."""
         upstream = self.client.build_request(method, replica.url + target, content=raw, headers=headers)
@@ -260,6 +284,10 @@ class Proxy:
             resp = await self.client.send(upstream, stream=True)
         except httpx.TransportError as exc:
             raise _Lost(exc) from exc
+        blocks = resp.headers.get(BLOCKS)
+        kv_index = self.router.kv_index
+        if kv_index is not None and blocks and resp.status_code == 200:
+            kv_index.learn(key.chunks, rendered_chars(body), blocks)
         if "text/event-stream" in resp.headers.get("content-type", ""):
             chunks = resp.aiter_raw()
             try:  # the first chunk before any header goes out: until then, a retry is safe
