@@ -11,7 +11,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,15 @@ from typing import Annotated
 import typer
 
 from prefixcache.cache.config import DEFAULTS
+from prefixcache.commands.lifecycle import sigterm_as_interrupt
+from prefixcache.commands.redis_process import (
+    check_redis_policy,
+    free_port,
+    redacted_url,
+    redis_password_from,
+    start_redis,
+)
+from prefixcache.commands.server import parse_bytes
 
 POLICIES = ("prefix-affinity", "cache-aware", "round-robin", "least-loaded")
 
@@ -30,12 +38,6 @@ def _check_policy(value: str) -> str:
     if value not in POLICIES:
         raise typer.BadParameter(f"'{value}' is not a policy; use one of: {', '.join(POLICIES)}")
     return value
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def route(
@@ -75,6 +77,17 @@ def route(
     record_ttl: Annotated[
         float, typer.Option(help="Seconds the router remembers where a prefix went.")
     ] = DEFAULTS.default_ttl_s,
+    read_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Seconds a replica may stay silent (before its answer or between stream chunks) before "
+            "the request fails with 504; a slow replica is not marked down and the request not retried.",
+        ),
+    ] = 600.0,
+    max_body_bytes: Annotated[
+        str, typer.Option(help="Largest request body (413 beyond, before it is read), e.g. 8MiB.")
+    ] = "8MiB",
     kv_events: Annotated[
         list[str] | None,
         typer.Option(
@@ -116,6 +129,8 @@ def route(
         load_slack=load_slack,
         record_ttl_s=record_ttl,
         keepwarm_file=str(keep_warm) if keep_warm else None,
+        read_timeout_s=read_timeout,
+        max_body_bytes=parse_bytes(max_body_bytes),
         kv_events=feeds,
     )
     try:
@@ -124,7 +139,9 @@ def route(
         raise typer.BadParameter(str(e), param_hint="--kv-events") from e
     events = f", KV events from {len(feeds)}" if feeds else ""
     typer.echo(f"prefixcache router: {policy} over {len(replica)} replicas{events} on http://{host}:{port}")
-    uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
+    sigterm_as_interrupt()
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -179,6 +196,29 @@ def cluster(
     redis_sync_writes: Annotated[
         bool, typer.Option("--redis-sync-writes", help="Replicas write blocks to Redis synchronously.")
     ] = False,
+    redis_maxmemory: Annotated[
+        str,
+        typer.Option(
+            help="Memory cap of the redis-server the cluster starts (its maxmemory), e.g. 1GiB; beyond "
+            "it Redis evicts by --redis-maxmemory-policy. Not applied to a --redis URL.",
+        ),
+    ] = "1GiB",
+    redis_maxmemory_policy: Annotated[
+        str,
+        typer.Option(
+            callback=check_redis_policy,
+            help="What the started redis-server evicts at --redis-maxmemory: allkeys-lru (default: every "
+            "entry is a recomputable cache block), allkeys-lfu, volatile-lru, ..., or noeviction.",
+        ),
+    ] = "allkeys-lru",
+    redis_password_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--redis-password-file",
+            help="The started redis-server's password (first line of the file). Default: a random one. "
+            "Replicas get it in their environment, never on a command line or in a log.",
+        ),
+    ] = None,
     disk_cache: Annotated[
         Path | None, typer.Option("--disk-cache", help="Give each replica a disk tier under DIR/replica-<i>.")
     ] = None,
@@ -214,39 +254,41 @@ def cluster(
     from prefixcache.router import RouterConfig, create_router_app
     from prefixcache.router.kv_index import FeedSpec
 
+    start_own_redis = not no_redis and redis_url is None
+    password = redis_password_from(redis_password_file) if start_own_redis else ""
+    maxmemory = parse_bytes(redis_maxmemory)
+    sigterm_as_interrupt()  # SIGTERM stops the children too (the finally below)
     procs: list[subprocess.Popen[bytes]] = []
     tmp = tempfile.mkdtemp(prefix="prefixcache-cluster-")
     env = dict(os.environ)
     env.setdefault("PREFIXCACHE_SALT_SECRET", secrets.token_hex(32))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // replicas)))
     try:
-        if not no_redis and redis_url is None:
+        if start_own_redis:
             binary = shutil.which("redis-server")
             if binary is None:
                 raise typer.BadParameter(
                     "redis-server not found: install it (apt-get install redis-server), "
                     "pass --redis URL, or --no-redis"
                 )
-            rport = free_port()
-            procs.append(
-                subprocess.Popen(
-                    [
-                        binary,
-                        "--port",
-                        str(rport),
-                        "--bind",
-                        "127.0.0.1",
-                        "--save",
-                        "",
-                        "--appendonly",
-                        "no",
-                        "--dir",
-                        tmp,
-                    ],
-                    stdout=subprocess.DEVNULL,
-                )
+            proc, redis_url = start_redis(
+                binary,
+                tmp,
+                maxmemory=maxmemory,
+                policy=redis_maxmemory_policy,
+                password=password,
             )
-            redis_url = f"redis://127.0.0.1:{rport}/0"
+            procs.append(proc)
+            redis_line = (
+                f"{redacted_url(redis_url)} (started: maxmemory {redis_maxmemory}, {redis_maxmemory_policy})"
+            )
+        else:
+            redis_line = "off" if no_redis or redis_url is None else redacted_url(redis_url)
+        env.pop("PREFIXCACHE_REDIS_URL_FILE", None)  # the replicas get the one URL below, or none
+        if redis_url and not no_redis:  # the URL may hold a password: the environment, not argv
+            env["PREFIXCACHE_REDIS_URL"] = redis_url
+        else:
+            env.pop("PREFIXCACHE_REDIS_URL", None)
         urls: list[str] = []
         events = policy == "cache-aware" and not no_kv_events
         feeds: dict[str, FeedSpec] = {}
@@ -270,10 +312,8 @@ def cluster(
                 cmd.insert(4, model)
             if dtype:
                 cmd += ["--dtype", dtype]
-            if redis_url and not no_redis:
-                cmd += ["--redis", redis_url]
-                if redis_sync_writes:
-                    cmd.append("--redis-sync-writes")
+            if redis_url and not no_redis and redis_sync_writes:
+                cmd.append("--redis-sync-writes")
             if disk_cache:
                 cmd += ["--disk-cache", str(disk_cache / f"replica-{i}")]
             if api_keys:
@@ -287,7 +327,7 @@ def cluster(
         for url, proc in zip(urls, procs[-replicas:], strict=True):
             wait_ready(url, proc, ready_timeout)
         typer.echo(
-            f"prefixcache cluster: {replicas} replicas {urls}, redis {redis_url if not no_redis else 'off'}; "
+            f"prefixcache cluster: {replicas} replicas {urls}, redis {redis_line}; "
             f"router ({policy}{', KV events' if events else ''}) on http://{host}:{port}. Ctrl-C stops all."
         )
         config = RouterConfig(

@@ -241,7 +241,8 @@ def serve(
 
     import uvicorn
 
-    from prefixcache.cache.tiers import attach_tiers, register_prometheus
+    from prefixcache.cache.tiers import attach_tiers, flush_tiers, register_prometheus
+    from prefixcache.commands.lifecycle import sigterm_as_interrupt
     from prefixcache.engine import Engine
     from prefixcache.server import create_app
     from prefixcache.server.app import DEFAULT_MODEL_NAME
@@ -340,6 +341,7 @@ def serve(
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower())  # uvicorn's handlers
     install_redaction(redactor)
     server = uvicorn.Server(config)
+    sigterm_as_interrupt()
     try:
         server.run()
     except KeyboardInterrupt:
@@ -348,6 +350,8 @@ def serve(
         if publisher is not None:
             publisher.close()
         engine.close()
+        if engine.cache is not None and engine.cache.tiers:  # what a restart will find warm
+            flush_tiers(engine.cache)
     if not server.started:
         raise typer.Exit(3)  # uvicorn's startup failure (the port in use, ...) is logged above
 

@@ -7,6 +7,9 @@
     GET  /metrics                Prometheus: per-replica routing, in-flight, hit rate, fail-overs
     GET  /router/replicas        the same as JSON (and the KV event feeds' state, with --kv-events)
 
+Every body is bounded first: over ``max_body_bytes`` is a 413 before it is read
+(:class:`~prefixcache.limits.BodyLimit`), in the error shape of the API called.
+
 The app wires the parts together: a :class:`~prefixcache.router.policies.Router` (replica state
 and policy), a :class:`~prefixcache.router.proxy.Proxy` (relaying, fail-over: its contract is in
 :mod:`~prefixcache.router.proxy`), the health loop, and keep-warm
@@ -25,11 +28,12 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from prefixcache.limits import BodyLimit, RejectedBody
 from prefixcache.router.config import RouterConfig
 from prefixcache.router.keepwarm import KeepWarm
 from prefixcache.router.kv_index import KVIndex
 from prefixcache.router.policies import Policy, Router
-from prefixcache.router.proxy import Proxy
+from prefixcache.router.proxy import Proxy, error_response
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +56,24 @@ def render_metrics(router: Router) -> bytes:
                     "Requests that failed at the replica after nothing could be retried.",
                     True,
                 ),
-                ("connect_failures", "connect_failures", "Requests that never reached the replica.", True),
+                (
+                    "connect_failures",
+                    "connect_failures",
+                    "Requests lost to a refused, reset or closed connection (replica marked down).",
+                    True,
+                ),
+                (
+                    "timeouts",
+                    "timeouts",
+                    "Requests the replica sent nothing for within the read timeout (not marked down).",
+                    True,
+                ),
+                (
+                    "broken_streams",
+                    "broken_streams",
+                    "Streams cut after bytes went to the client (ended with an error event, not retried).",
+                    True,
+                ),
                 ("prompt_tokens", "prompt_tokens", "Prompt tokens the replica reported.", True),
                 ("cached_tokens", "cached_tokens", "Prompt tokens the replica served from cache.", True),
                 ("in_flight", "in_flight", "Requests in flight at the replica.", False),
@@ -76,7 +97,9 @@ def render_metrics(router: Router) -> bytes:
             )
             g.add_metric([], total_c / total_p if total_p else 0.0)
             fams.append(g)
-            fo = CounterMetricFamily("prefixcache_router_failovers", "Requests moved to another replica.")
+            fo = CounterMetricFamily(
+                "prefixcache_router_failovers", "Requests retried on another replica (at most once each)."
+            )
             fo.add_metric([], router.failovers)
             fams.append(fo)
             lf = CounterMetricFamily(
@@ -138,6 +161,11 @@ def create_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspo
 
     app = FastAPI(title="prefixcache router", version="0.1.0", lifespan=lifespan)
     app.state.router = router
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, refuse=_refuse)
+
+    @app.exception_handler(RejectedBody)
+    async def rejected(request: Request, exc: RejectedBody) -> Response:  # a chunked body over the limit
+        return _refuse(request.url.path, exc)
 
     @app.get("/health")
     async def health() -> Response:
@@ -166,6 +194,12 @@ def create_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspo
         return await state["proxy"].handle(request)
 
     return app
+
+
+def _refuse(path: str, rejection: RejectedBody) -> JSONResponse:
+    return error_response(
+        rejection.status_code, str(rejection.detail), path, rejection.code or "invalid_request"
+    )
 
 
 def _kv_index(config: RouterConfig) -> KVIndex | None:

@@ -54,7 +54,9 @@ class Replica:
     routed: int = 0  # requests sent here (attempts included)
     completed: int = 0
     failed: int = 0  # upstream errors after which nothing could be retried
-    connect_failures: int = 0
+    connect_failures: int = 0  # requests lost to a refused, reset or closed connection (marked down)
+    timeouts: int = 0  # requests the replica was too slow for (read timeout; not marked down)
+    broken_streams: int = 0  # streams cut after bytes went to the client
     prompt_tokens: int = 0
     cached_tokens: int = 0
     last_error: str = ""
@@ -212,14 +214,41 @@ class Router:
                 replica.last_error = error[:300]
 
     def connect_failed(self, replica: Replica, key: PrefixKey, error: str) -> None:
-        """A request never reached ``replica``: mark it down until a health check passes."""
+        """A request was lost at ``replica``'s connection (refused, reset, closed before the answer
+        was complete): mark it down until a health check passes, and forget its prefixes."""
         with self._lock:
             replica.in_flight = max(0, replica.in_flight - 1)
             replica.connect_failures += 1
             replica.healthy = False
             replica.last_error = error[:300]
-            self.failovers += 1
             self.record.forget(key.chunks, replica.url)
+
+    def failed_over(self) -> None:
+        """A request is being retried on another replica (at most once per request)."""
+        with self._lock:
+            self.failovers += 1
+
+    def timed_out(self, replica: Replica, error: str) -> None:
+        """``replica`` sent nothing within the read timeout: a failed request, but the replica
+        stays in rotation (slow is not down; the health check judges liveness)."""
+        with self._lock:
+            replica.in_flight = max(0, replica.in_flight - 1)
+            replica.failed += 1
+            replica.timeouts += 1
+            replica.last_error = error[:300]
+
+    def stream_broken(self, replica: Replica, error: str, *, down: bool) -> None:
+        """A stream from ``replica`` broke after bytes went to the client (not retried). ``down``:
+        the connection was lost (marked down); a read timeout leaves the replica up."""
+        with self._lock:
+            replica.in_flight = max(0, replica.in_flight - 1)
+            replica.failed += 1
+            replica.broken_streams += 1
+            replica.last_error = error[:300]
+            if down:
+                replica.healthy = False
+            else:
+                replica.timeouts += 1
 
     def usage(self, replica: Replica, prompt_tokens: int, cached_tokens: int) -> None:
         with self._lock:
@@ -246,6 +275,8 @@ class Router:
                     "completed": r.completed,
                     "failed": r.failed,
                     "connect_failures": r.connect_failures,
+                    "timeouts": r.timeouts,
+                    "broken_streams": r.broken_streams,
                     "prompt_tokens": r.prompt_tokens,
                     "cached_tokens": r.cached_tokens,
                     "hit_rate": round(r.hit_rate, 4),
