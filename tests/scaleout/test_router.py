@@ -9,6 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixcache.router import Policy, Router, RouterConfig, create_router_app, prefix_key, usage_from
 from prefixcache.router.proxy import SSEUsage
@@ -313,3 +315,30 @@ def test_route_command_rejects_an_unknown_policy() -> None:
 
     res = CliRunner().invoke(app, ["route", "--replica", "http://x", "--policy", "fastest"])
     assert res.exit_code != 0 and "is not a policy" in res.output
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=10,
+)
+_FIELDS = [
+    "model",
+    "messages",
+    "system",
+    "tools",
+    "instructions",
+    "input",
+    "prompt",
+    "metadata",
+    "prompt_cache_key",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=4))
+def test_prefix_key_never_raises_on_any_json_body(body: dict) -> None:
+    """The routing key is computed before the replica validates the body: any JSON object must
+    give a key (the replica's 400 then says what is wrong), never an exception (a 500)."""
+    key = prefix_key(body, "cred")
+    assert key.chunks and key.affinity

@@ -96,6 +96,16 @@ class ReplicaReply:
         return {"url": self.url, "status": self.status, "body": self.body}
 
 
+def _reply_message(reply: ReplicaReply) -> str:
+    """The message of a replica's error body, whichever API shape it has."""
+    body = reply.body
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        message = body["error"].get("message")
+        if isinstance(message, str) and message:
+            return message
+    return f"the replica answered HTTP {reply.status}"
+
+
 def error_response(status: int, message: str, path: str, code: str) -> JSONResponse:
     """A router error in the shape of the API ``path`` belongs to."""
     return JSONResponse(error_body(status, message, path, code), status_code=status)
@@ -318,14 +328,29 @@ class Proxy:
         return headers
 
     async def broadcast(self, request: Request) -> Response:
-        """Send the request to every healthy replica; 200 if any accepted it (keep-warm pins)."""
+        """Send the request to every healthy replica (keep-warm pins): 200 if any accepted it.
+        Else the replicas' own 4xx when every one that answered refused the request (the body is
+        wrong, not the fleet: its message says what to fix), 503 when no replica is healthy, and
+        502 when the replicas failed. Every refusal is an error in the API's shape, with each
+        replica's reply under ``replicas``."""
         raw = await request.body()
+        path = request.url.path
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
-        replies = await self.send_to_healthy(request.method, request.url.path, raw, headers)
-        ok = any(200 <= reply.status < 300 for reply in replies)
+        replies = await self.send_to_healthy(request.method, path, raw, headers)
+        listed = [reply.as_dict() for reply in replies]
+        if any(200 <= reply.status < 300 for reply in replies):
+            return JSONResponse({"replicas": listed}, status_code=200)
+        if not replies:
+            status, message, code = 503, "no healthy replica to send the request to", "no_healthy_replica"
+        elif all(400 <= reply.status < 500 for reply in replies):
+            status, message, code = replies[0].status, _reply_message(replies[0]), "replica_refused"
+        else:
+            status, code = 502, "replicas_failed"
+            message = "no replica accepted the request: " + "; ".join(
+                f"{reply.url}: {reply.status or 'unreachable'}" for reply in replies
+            )
         return JSONResponse(
-            {"replicas": [reply.as_dict() for reply in replies]},
-            status_code=200 if ok else 502,
+            {**error_body(status, message, path, code), "replicas": listed}, status_code=status
         )
 
     async def send_to_healthy(
