@@ -1,6 +1,7 @@
 """Routing policies across replicas: measured hit rate and TTFT beside the simulator's prediction.
 
     python benchmarks/bench_cluster.py [--replicas 3] [--tenants 4] [--per-tenant 6] [--shared-tier]
+                                       [--capacity 24MB --kv-events]
 
 Starts N real replicas (``prefixcache replica``, the embedded SmolLM2, no shared tier unless
 ``--shared-tier``), then for each policy runs the router in-process and replays one multi-tenant
@@ -13,6 +14,11 @@ Measured: hit rate = cached / prompt tokens (from the responses' usage), mean TT
 send to the first content chunk). Predicted: the same requests, with their measured send times,
 written as a trace and replayed by ``prefixcache.analysis.simulate`` with the same replica count
 and routing. Writes ``benchmarks/results/cluster.md`` (and ``cluster.json``).
+
+``--kv-events`` starts the replicas with KV events (``serve --kv-events-endpoint``) and adds a
+``cache-aware + KV events`` row right after ``cache-aware``: the same trace through a router that
+follows the replicas' events, in the same run; with a tight ``--capacity`` (per-replica memory
+budget) replicas evict, which the plain record does not see.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import Any
 import httpx
 
 from prefixcache.commands.cluster import free_port, wait_ready
+from prefixcache.commands.server import parse_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = [
@@ -133,14 +140,17 @@ def build_requests(args: argparse.Namespace, tag: str) -> list[dict[str, Any]]:
     return reqs
 
 
+EVENTS = "cache-aware + KV events"
+
+
 class RouterThread:
-    def __init__(self, urls: list[str], policy: str) -> None:
+    def __init__(self, urls: list[str], policy: str, feeds: dict[str, Any] | None = None) -> None:
         import uvicorn
 
         from prefixcache.router import RouterConfig, create_router_app
 
         self.port = free_port()
-        app = create_router_app(RouterConfig(replicas=urls, policy=policy))
+        app = create_router_app(RouterConfig(replicas=urls, policy=policy, kv_events=feeds or {}))
         self.server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         )
@@ -202,7 +212,14 @@ def fit_line(xs: list[int], ys: list[float]) -> tuple[float, float] | None:
     return max(0.0, my - slope * mx), 1.0 / slope
 
 
-def simulate(run: Run, replicas: int, align: int, tmp: Path, fit: tuple[float, float] | None) -> str:
+def simulate(
+    run: Run,
+    replicas: int,
+    align: int,
+    tmp: Path,
+    fit: tuple[float, float] | None,
+    capacity: int | None = None,
+) -> str:
     """The simulator's prediction for exactly the requests sent (same send times). Returns a note."""
     try:
         from prefixcache.analysis.costs import cost_model
@@ -222,6 +239,7 @@ def simulate(run: Run, replicas: int, align: int, tmp: Path, fit: tuple[float, f
     trace = load_trace(path, tokenizer="default")
     # A shared tier makes every replica see every prefix: predicted as one replica.
     cfg = SimConfig(
+        capacity_bytes=capacity or SimConfig.capacity_bytes,
         replicas=1 if run.shared_tier else replicas,
         routing=run.routing,
         block_size=16,
@@ -247,7 +265,12 @@ def start_replicas(
     logs: Path,
     chunk: int,
     extra: list[str] | None = None,
+    feeds: dict[str, Any] | None = None,
 ) -> tuple[list[str], list[subprocess.Popen[bytes]]]:
+    """Start ``n`` replicas; with ``feeds`` (a dict to fill), each publishes KV events on loopback
+    and ``feeds[url]`` says where."""
+    from prefixcache.router.kv_index import FeedSpec
+
     urls, procs = [], []
     for i in range(n):
         port = free_port()
@@ -266,7 +289,12 @@ def start_replicas(
             str(chunk),
         ]
         if redis_url:
-            cmd += ["--redis", redis_url, *(extra or [])]
+            cmd += ["--redis", redis_url]
+        cmd += extra or []
+        if feeds is not None:
+            pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+            cmd += ["--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay]
+            feeds[f"http://127.0.0.1:{port}"] = FeedSpec(pub, replay)
         log = open(logs / f"replica-{i}.log", "wb")  # noqa: SIM115 - lives as long as the process
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
         urls.append(f"http://127.0.0.1:{port}")
@@ -300,6 +328,14 @@ def main() -> None:
     )
     ap.add_argument("--align", type=int, default=128, help="the replicas' prefill chunk (hit granularity)")
     ap.add_argument("--model-name", default=None, help="model id to send (default: from GET /v1/models)")
+    ap.add_argument(
+        "--capacity", default=None, help="per-replica memory KV budget, e.g. 24MB (tight: evicts)"
+    )
+    ap.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="replicas publish KV events; adds a cache-aware row whose router follows them",
+    )
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/cluster.md")
     args = ap.parse_args()
@@ -318,16 +354,24 @@ def main() -> None:
     procs: list[subprocess.Popen[bytes]] = []
     t_start = time.time()
     try:
-        urls, procs = start_replicas(args.replicas, keys_file, env, None, tmp, args.align)
+        feeds: dict[str, Any] | None = {} if args.kv_events else None
+        budget = ["--capacity", args.capacity] if args.capacity else []
+        urls, procs = start_replicas(args.replicas, keys_file, env, None, tmp, args.align, budget, feeds)
         model = (
             args.model_name
             or httpx.get(urls[0] + "/v1/models", headers={"authorization": "Bearer key-tenant-a"}).json()[
                 "data"
             ][0]["id"]
         )
-        plan = [(p, urls) for p in args.policies.split(",")]
-        for policy, rurls in plan:
-            runs.append(run_policy(policy, rurls, model, args))
+        policies = args.policies.split(",")
+        if args.kv_events and EVENTS not in policies:  # right after the plain cache-aware row
+            at = policies.index("cache-aware") + 1 if "cache-aware" in policies else len(policies)
+            policies.insert(at, EVENTS)
+        for policy in policies:
+            if policy == EVENTS:
+                runs.append(run_policy("cache-aware", urls, model, args, label=EVENTS, feeds=feeds))
+            else:
+                runs.append(run_policy(policy, urls, model, args))
         if args.shared_tier:
             binary = shutil.which("redis-server")
             if binary is None:
@@ -343,6 +387,7 @@ def main() -> None:
                 time.sleep(0.5)
                 for mode in args.shared_tier_modes.split(","):
                     extra = ["--redis-sync-writes"] if mode == "sync" else []
+                    extra += budget
                     more_urls, more = start_replicas(
                         args.replicas, keys_file, env, f"redis://127.0.0.1:{rport}/0", tmp, args.align, extra
                     )
@@ -359,7 +404,8 @@ def main() -> None:
     xs = [u for r in runs for u in r.uncached_tokens]
     ys = [t for r in runs for t in r.ttft_s]
     fit = fit_line(xs, ys)
-    notes = {simulate(r, args.replicas, args.align, tmp, fit) for r in runs}
+    capacity = parse_bytes(args.capacity) if args.capacity else None
+    notes = {simulate(r, args.replicas, args.align, tmp, fit, capacity) for r in runs}
     if fit:
         notes.add(
             f"calibrated: TTFT = {fit[0] * 1000:.0f} ms + uncached tokens / {fit[1]:.0f} tok/s "
@@ -370,12 +416,17 @@ def main() -> None:
 
 
 def run_policy(
-    policy: str, urls: list[str], model: str, args: argparse.Namespace, label: str | None = None
+    policy: str,
+    urls: list[str],
+    model: str,
+    args: argparse.Namespace,
+    label: str | None = None,
+    feeds: dict[str, Any] | None = None,
 ) -> Run:
-    run = Run(policy=label or policy, routing=policy, shared_tier=label is not None)
+    run = Run(policy=label or policy, routing=policy, shared_tier=label is not None and feeds is None)
     reqs = build_requests(args, tag=f"{run.policy}-{args.seed}")
     t0 = time.perf_counter()
-    with RouterThread(urls, policy) as base, httpx.Client(base_url=base, timeout=600) as client:
+    with RouterThread(urls, policy, feeds) as base, httpx.Client(base_url=base, timeout=600) as client:
         for req in reqs:
             ts = time.perf_counter() - t0
             try:
@@ -409,6 +460,8 @@ def write_report(runs: list[Run], args: argparse.Namespace, elapsed: float, note
     cmd = (
         f"python benchmarks/bench_cluster.py --replicas {args.replicas} --tenants {args.tenants} "
         f"--per-tenant {args.per_tenant} --system-words {args.system_words} --align {args.align}"
+        + (f" --capacity {args.capacity}" if args.capacity else "")
+        + (" --kv-events" if args.kv_events else "")
         + (f" --shared-tier --shared-tier-modes {args.shared_tier_modes}" if args.shared_tier else "")
     )
     lines = [
@@ -450,6 +503,16 @@ def write_report(runs: list[Run], args: argparse.Namespace, elapsed: float, note
         "diverge. Measured TTFT on a shared, loaded CPU is dominated by contention; compare rows with each "
         "other, not with the default cost model.",
     ]
+    if args.kv_events:
+        lines += [
+            "",
+            f"The `{EVENTS}` row routes the same trace (fresh prefixes) over the same replicas with a "
+            "router that follows their KV events (BlockStored / BlockRemoved): a prefix a replica evicted "
+            "no longer attracts requests to it, and a prefix nobody holds goes to the least-loaded "
+            "replica. Its prediction is the simulator's plain cache-aware routing (the simulator has no "
+            "events). "
+            + (f"Per-replica memory budget: {args.capacity}." if args.capacity else "Default budget."),
+        ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     rows = []

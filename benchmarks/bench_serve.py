@@ -17,6 +17,9 @@ with the default random ``--tag``, repeated invocations against a running server
 other's caches; inside a level, chats that share a system prompt do. One warm-up request per server,
 with a system prompt of its own, precedes the timed runs.
 
+The cost of the per-request miss reasons: ``--serve "on=" --serve "off=--no-miss-reasons"
+--ratio-to off`` runs the same workload with and without them (TTFT p50 ratio).
+
 Targets run one after another (never two servers at once). ``--serve`` and ``--vllm`` start the
 server themselves, wait for ``GET /health``, run every level, then stop it (SIGTERM, then SIGKILL
 after 20 s). Writes ``serve.md``, ``serve.json`` and ``serve.png`` under ``--out-dir``.

@@ -37,7 +37,9 @@ class Tier(Protocol):
     #: True: every committed block is written at once (shared tiers); False: on eviction only.
     write_through: bool
 
-    def get_many(self, keys: Sequence[BlockHash], tokens: Sequence[bytes]) -> list[tuple[Any, int]]:
+    def get_many(
+        self, keys: Sequence[BlockHash], tokens: Sequence[bytes], namespace: bytes, layout: Any = None
+    ) -> list[tuple[Any, int]]:
         """Payloads of the leading run of ``keys`` held and verified by this tier (may be empty)."""
         ...
 
@@ -410,7 +412,7 @@ class PrefixCache:
                 break
             base = i
             tokens = [packed[j * step : (j + 1) * step] for j in range(base, stop)]
-            for payload, nbytes in tier.get_many(keys[base:stop], tokens):
+            for payload, nbytes in tier.get_many(keys[base:stop], tokens, ns.root):
                 parent = keys[i - 1] if i else None
                 block = self.store.insert(
                     keys[i], parent, tokens[i - base], payload, nbytes,

@@ -5,12 +5,13 @@ tests/conftest.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,15 +148,21 @@ class FakeReplica:
 
 @pytest.fixture
 def fake_replicas() -> Iterator[Callable[..., list[FakeReplica]]]:
-    """``start(n, delay_s=0.0)`` -> n fake replica processes, up and healthy; killed at teardown."""
+    """``start(n, delay_s=0.0, modes=(), port=None)`` -> n fake replica processes, up and healthy;
+    killed at teardown. ``modes[i]``: replica i's MODE (see fake_replica.py); ``port``: the first
+    replica's port (to restart a killed one where the router expects it)."""
     started: list[FakeReplica] = []
 
-    def start(n: int, delay_s: float = 0.0) -> list[FakeReplica]:
+    def start(
+        n: int, delay_s: float | Sequence[float] = 0.0, modes: Sequence[str] = (), port: int | None = None
+    ) -> list[FakeReplica]:
         out = []
         for i in range(n):
-            port = free_port()
-            proc = subprocess.Popen([sys.executable, str(FAKE_REPLICA), str(port), f"r{i}", str(delay_s)])
-            out.append(FakeReplica(f"r{i}", port, proc))
+            p = port if port is not None and i == 0 else free_port()
+            delay = delay_s[i] if isinstance(delay_s, Sequence) else delay_s
+            mode = modes[i] if i < len(modes) else ""
+            cmd = [sys.executable, str(FAKE_REPLICA), str(p), f"r{i}", str(delay), mode]
+            out.append(FakeReplica(f"r{i}", p, subprocess.Popen(cmd)))
         started.extend(out)
         for r in out:
             wait_http(r.url + "/health")
@@ -195,3 +202,24 @@ class ServerThread:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def stop_process_tree(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    """Cleanup after a failed test: SIGTERM ``proc`` (a clean stop stops its children too), then
+    kill whatever of it and its descendants is still running."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    for child in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()

@@ -1,9 +1,13 @@
 """A stand-in replica for router tests: OpenAI/Anthropic shapes, a toy prefix cache, no model.
 
-Run: ``python fake_replica.py PORT NAME [DELAY_S]``. It answers /health, /v1/chat/completions
+Run: ``python fake_replica.py PORT NAME [DELAY_S] [MODE]``. It answers /health, /v1/chat/completions
 (streamed or not), /v1/messages, /v1/cache/pin and /stats (what it served). Its "cache" counts a
 prompt's characters in 64-char blocks already seen by this replica, so a router that keeps a
 prefix on one replica shows hits and one that scatters it does not.
+
+``MODE`` makes streamed chat answers hang, so that a test can kill the process at a known point:
+``hold-before-body`` sends the headers and no event; ``hold-mid-stream`` sends the first event
+and nothing more. A request is in ``/stats`` before its answer starts.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 BLOCK = 64
 
 
-def make_app(name: str, delay_s: float = 0.0) -> FastAPI:
+def make_app(name: str, delay_s: float = 0.0, mode: str = "") -> FastAPI:
     app = FastAPI()
     seen: set[str] = set()
     served: list[dict[str, Any]] = []
@@ -64,7 +68,11 @@ def make_app(name: str, delay_s: float = 0.0) -> FastAPI:
         if body.get("stream"):
 
             async def events() -> Any:
-                for word in ("hello", " world"):
+                if mode == "hold-before-body":
+                    await asyncio.Event().wait()  # until the process is killed
+                for i, word in enumerate(("hello", " world")):
+                    if i == 1 and mode == "hold-mid-stream":
+                        await asyncio.Event().wait()
                     chunk = {
                         "object": "chat.completion.chunk",
                         "choices": [{"index": 0, "delta": {"content": word}}],
@@ -135,4 +143,5 @@ if __name__ == "__main__":
 
     port, name = int(sys.argv[1]), sys.argv[2]
     delay = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
-    uvicorn.run(make_app(name, delay), host="127.0.0.1", port=port, log_level="warning")
+    mode = sys.argv[4] if len(sys.argv) > 4 else ""
+    uvicorn.run(make_app(name, delay, mode), host="127.0.0.1", port=port, log_level="warning")

@@ -104,3 +104,80 @@ def test_keep_warm_policy_pins_the_prefix_on_every_real_replica(tiny_runner, red
     finally:
         ea.close()
         eb.close()
+
+
+@pytest.mark.model
+@pytest.mark.redis
+def test_cluster_command_up_answers_through_the_router_and_stops_on_sigterm(
+    tmp_path, redis_server_bin
+) -> None:  # noqa: ANN001
+    """``prefixcache cluster`` as a user runs it: its Redis is capped and password-protected (the
+    password in no log and no command line), the openai client is answered through the router,
+    and SIGTERM stops the router, the replica and Redis (exit status 0, no process left)."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import openai
+    import psutil
+    import redis
+
+    import prefixcache
+
+    from .conftest import free_port, stop_process_tree, wait_http
+
+    password = "cluster-test-password-0123456789"
+    (tmp_path / "pw").write_text(password + "\n")
+    port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(prefixcache.__file__).resolve().parents[1]),
+        "OMP_NUM_THREADS": "1",
+    }
+    log = tmp_path / "cluster.log"
+    cmd = [sys.executable, "-m", "prefixcache", "cluster", "--replicas", "1", "--port", str(port)]
+    cmd += ["--redis-maxmemory", "256MiB", "--redis-password-file", str(tmp_path / "pw")]
+    cmd += ["--log-level", "info"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health", timeout_s=300)
+        except RuntimeError:
+            raise AssertionError(log.read_text()[-3000:]) from None
+        children = psutil.Process(proc.pid).children(recursive=True)
+        names = sorted(c.name() for c in children)
+        assert len(children) == 2 and "redis-server" in names, names  # the replica and Redis
+        for c in children:
+            assert password not in " ".join(c.cmdline())
+        match = re.search(
+            r"redis redis://:\*\*\*@127\.0\.0\.1:(\d+)/0 \(started: maxmemory 256MiB, allkeys-lru\)",
+            log.read_text(),
+        )
+        assert match, log.read_text()[-3000:]
+        with redis.Redis(port=int(match.group(1)), password=password) as r:
+            assert r.config_get("maxmemory") == {"maxmemory": str(256 << 20)}
+            assert r.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
+
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
+            first = client.chat.completions.create(
+                model="smollm2-135m-instruct", max_tokens=6, temperature=0, messages=messages
+            )
+            second = client.chat.completions.create(
+                model="smollm2-135m-instruct", max_tokens=6, temperature=0, messages=messages
+            )
+            assert first.choices[0].message.content and second.choices == first.choices
+            assert (
+                second.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // 16 * 16
+            )
+            assert r.dbsize() > 0  # the replica wrote its blocks to the password-protected Redis
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+        assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
+        assert password not in log.read_text()
+    finally:
+        stop_process_tree(proc)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixcache.router import Policy, Router, RouterConfig, create_router_app, prefix_key, usage_from
 from prefixcache.router.proxy import SSEUsage
@@ -288,6 +290,8 @@ def test_route_command_serves_and_stops(fake_replicas) -> None:  # noqa: ANN001
         str(port),
         "--log-level",
         "warning",
+        "--max-body-bytes",
+        "2KiB",
     ]
     for r in reps:
         cmd += ["--replica", r.url]
@@ -296,9 +300,12 @@ def test_route_command_serves_and_stops(fake_replicas) -> None:  # noqa: ANN001
         wait_http(f"http://127.0.0.1:{port}/health")
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat("A", 0), timeout=30)
         assert r.status_code == 200 and r.headers["x-prefixcache-replica"] in {x.url for x in reps}
+        big = {"model": "m", "messages": [{"role": "user", "content": "x" * 2048}]}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=big, timeout=30)
+        assert r.status_code == 413 and "limit of 2048 bytes" in r.json()["error"]["message"]
     finally:
         proc.terminate()
-        assert proc.wait(20) in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown
+        assert proc.wait(20) == 0  # a clean stop: uvicorn's re-raised SIGTERM ends as Ctrl-C does
 
 
 def test_route_command_rejects_an_unknown_policy() -> None:
@@ -308,3 +315,30 @@ def test_route_command_rejects_an_unknown_policy() -> None:
 
     res = CliRunner().invoke(app, ["route", "--replica", "http://x", "--policy", "fastest"])
     assert res.exit_code != 0 and "is not a policy" in res.output
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=10,
+)
+_FIELDS = [
+    "model",
+    "messages",
+    "system",
+    "tools",
+    "instructions",
+    "input",
+    "prompt",
+    "metadata",
+    "prompt_cache_key",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=4))
+def test_prefix_key_never_raises_on_any_json_body(body: dict) -> None:
+    """The routing key is computed before the replica validates the body: any JSON object must
+    give a key (the replica's 400 then says what is wrong), never an exception (a 500)."""
+    key = prefix_key(body, "cred")
+    assert key.chunks and key.affinity

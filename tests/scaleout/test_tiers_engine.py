@@ -89,7 +89,8 @@ def test_corrupt_entries_in_each_tier_are_not_served(
     ids = prompt(4)
     assert_exact(a, off_engine, ids)
     flush_tiers(a.cache)
-    keys = a.cache.block_keys(ids, a.cache.namespace(a.fingerprint))
+    ns = a.cache.namespace(a.fingerprint)
+    keys = a.cache.block_keys(ids, ns)
     a.close()
     # Disk: block 1 damaged -> block 0 from disk; the rest continues from Redis (verified there).
     path = da.path_of(keys[1])
@@ -98,9 +99,9 @@ def test_corrupt_entries_in_each_tier_are_not_served(
     path.write_bytes(bytes(raw))
     # Redis: block 4 damaged -> the run stops at 4; blocks 4 and 5 are recomputed.
     c = redis.Redis.from_url(redis_url)
-    val = bytearray(c.get(ra.redis_key(keys[4])))
+    val = bytearray(c.get(ra.redis_key(keys[4], ns.root)))
     val[300] ^= 0x01
-    c.set(ra.redis_key(keys[4]), bytes(val))
+    c.set(ra.redis_key(keys[4], ns.root), bytes(val))
     b, (db, rb) = engine_with(tiny_runner, disk_dir=tmp_path / "a", redis_url=redis_url)
     try:
         r = assert_exact(b, off_engine, ids)

@@ -16,15 +16,27 @@ KEYS = {"sk-alpha": "alpha", "sk-beta": "beta", "sk-ops": "ops"}
 
 
 def chat(url: str, system: str, user: str, key: str | None = None) -> dict:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return answer(url, messages, key)["usage"]
+
+
+def answer(url: str, messages: list[dict], key: str | None = None) -> dict:
+    """A chat completion's whole body (its ``usage`` and its ``prefixcache`` object)."""
     headers = {"authorization": f"Bearer {key}"} if key else {}
-    body = {
-        "model": MODEL,
-        "max_tokens": 2,
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-    }
+    body = {"model": MODEL, "max_tokens": 2, "messages": messages}
     r = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
     assert r.status_code == 200, r.text
-    return r.json()["usage"]
+    return r.json()
+
+
+def missed_by_reason(answers: list[dict]) -> dict[str, int]:
+    """The answers' ``cache_missed_tokens`` summed by reason (reasons that cost tokens only)."""
+    out: dict[str, int] = {}
+    for a in answers:
+        pc = a["prefixcache"]
+        if pc["cache_missed_tokens"]:
+            out[pc["reason"]] = out.get(pc["reason"], 0) + pc["cache_missed_tokens"]
+    return out
 
 
 def dashboard(url: str, key: str | None = None) -> httpx.Response:
@@ -150,7 +162,7 @@ def test_dashboard_json_counts_the_traffic_and_names_the_prefix(serve, make_engi
     assert top["tokens_saved"] == 2 * cached[1] and top["hits"] == 2 and top["prefix_tokens"] == cached[1]
     assert "Alpha's handbook" in top["preview"]
     assert d["cache"]["blocks"] == state.bridge.cache.stats().blocks > 0
-    assert d["tiers"] == [] and d["miss_reasons"] == {} and d["busting"] == []
+    assert d["tiers"] == [] and d["busting"] == []
     # Every interval's tokens add up to the totals (the series sampled them all).
     server.state.dashboard.sample()
     series = dashboard(server.url).json()["series"]
@@ -185,6 +197,56 @@ def test_dashboard_json_scopes_prefixes_to_the_callers_tenant(serve, make_engine
     assert httpx.get(server.url + "/dashboard/router.py").status_code == 404
 
 
+STAMPED_BODY = (
+    "You are the support assistant of a small bicycle shop. Answer in one short sentence. "
+    "Opening hours are nine to six on weekdays and ten to four on Saturdays; closed on Sundays. "
+) * 3
+STAMPS = [f"2026-12-01T07:{m:02d}:{s:02d}Z" for m, s in ((12, 5), (13, 41), (15, 2), (18, 30))]
+
+
+def test_miss_reason_and_busting_panels(serve, make_engine, browse) -> None:
+    """A timestamp at the top of alpha's system prompt: alpha's busting panel shows the live
+    watch's finding, beta's shows none; a flush of beta's cache shows as ``flushed`` tokens."""
+    server = serve(make_engine(), model_name=MODEL, api_keys=KEYS, salt_secret="x")
+    answers = []
+    for i, stamp in enumerate(STAMPS):
+        system = "Current time:\n" + stamp + "\n" + STAMPED_BODY
+        answers.append(
+            answer(
+                server.url,
+                [{"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}],
+                "sk-alpha",
+            )
+        )
+    clean = [{"role": "system", "content": STAMPED_BODY}, {"role": "user", "content": "Open on Sunday?"}]
+    answers.append(answer(server.url, clean, "sk-beta"))
+    assert (
+        httpx.delete(server.url + "/v1/cache", headers={"authorization": "Bearer sk-beta"}).status_code == 200
+    )
+    answers.append(answer(server.url, clean, "sk-beta"))
+    assert answers[-1]["prefixcache"]["reason"] == "flushed"
+    server.state.busting.wait_idle()
+
+    alpha = dashboard(server.url, "sk-alpha").json()
+    beta = dashboard(server.url, "sk-beta").json()
+    expected = missed_by_reason(answers)
+    assert expected["flushed"] == answers[-1]["prefixcache"]["cache_missed_tokens"] > 0
+    assert alpha["miss_reasons"] == beta["miss_reasons"] == expected  # server-wide, as /metrics
+    report = httpx.get(server.url + "/v1/cache/report", headers={"authorization": "Bearer sk-alpha"}).json()
+    [row] = report["endpoints"]
+    assert alpha["busting"] == [{"endpoint": "/v1/chat/completions", **f} for f in row["busting"]]
+    assert [f["kind"] for f in alpha["busting"]] == ["timestamp"] and beta["busting"] == []
+
+    dom = browse(server.url + "/dashboard#key=sk-alpha")
+    [finding] = dom.rows("busting")
+    assert finding[:2] == ["/v1/chat/completions", "timestamp"]
+    assert finding[2] == str(alpha["busting"][0]["start_token"]) and finding[4] == "100.0%"
+    assert set(finding[5].split(" · ")) <= set(STAMPS)
+    bars = dom.by_id("miss-reasons")[0]
+    assert "flushed" in bars and str(expected["flushed"]) in bars and "no data yet" not in bars
+    assert browse(server.url + "/dashboard#key=sk-beta").rows("busting") == [["no data yet"]]
+
+
 # ---------------------------------------------------------------------------- the page, in Chromium
 def test_dashboard_page_shows_live_numbers_in_chromium(serve, make_engine, browse) -> None:
     server = serve(make_engine(), model_name=MODEL, api_keys=KEYS, salt_secret="x", dashboard_interval_s=0.05)
@@ -201,8 +263,7 @@ def test_dashboard_page_shows_live_numbers_in_chromium(serve, make_engine, brows
     assert dom.by_id("tenant")[0] == "tenant alpha"
     (row,) = dom.rows("top-prefixes")
     assert row[1] == "alpha" and row[2] == str(first["cached_tokens"]) and "Alpha's handbook" in row[5]
-    assert "no data yet" in dom.by_id("miss-reasons")[0]
-    assert dom.rows("busting") == [["no data yet"]]
+    assert dom.rows("busting") == [["no data yet"]]  # nothing busts the cache here
 
     for i in range(2, 5):
         chat(server.url, SYSTEM_A, f"q{i}", "sk-alpha")

@@ -14,55 +14,27 @@ The inputs of issue 11 are named regression tests at the end.
 
 from __future__ import annotations
 
-import logging
-import os
-import secrets
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 import schemathesis
+from fuzz_checks import FUZZ, RERUN, SCHEMA_FUZZ, SEED, ErrorLog, check_answer, collecting_errors
 from fuzz_strategies import BODIES, BODILESS, RAW_BODIES, encode
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import given, seed
 from hypothesis import strategies as st
 from server_helpers import RunningServer
 
 from prefixcache.server import create_app
 
 MODEL = "test-model"
-EXAMPLES = int(os.environ.get("PREFIXCACHE_FUZZ_EXAMPLES", "30"))
-SEED = int(os.environ.get("PREFIXCACHE_FUZZ_SEED") or secrets.randbelow(1 << 32))
-RERUN = f"(fuzz seed {SEED}: rerun with PREFIXCACHE_FUZZ_SEED={SEED})"
-settings.register_profile(
-    "server-fuzz",
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=False,
-    print_blob=True,
-    suppress_health_check=list(HealthCheck),
-)
-FUZZ = settings.get_profile("server-fuzz")
-#: Schemathesis covers the schema's shapes; the edge cases come from the strategies: a third.
-SCHEMA_FUZZ = settings(FUZZ, max_examples=max(1, EXAMPLES // 3))
-
 schema = schemathesis.openapi.from_dict(create_app(None, model_name=MODEL).openapi())
 schema.config.generation.update(
     modes=[schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE],
     deterministic=False,
     database="none",
 )
-
-
-class _ErrorLog(logging.Handler):
-    """Collects ERROR records: an exception past the handlers is logged, whatever the status."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
 
 
 @pytest.fixture(scope="module")
@@ -85,31 +57,9 @@ def live(tiny_runner: Any) -> Iterator[RunningServer]:
 
 
 @pytest.fixture(scope="module")
-def error_log(live: RunningServer) -> Iterator[_ErrorLog]:
-    handler = _ErrorLog()
-    loggers = [logging.getLogger(name) for name in ("prefixcache", "uvicorn.error")]
-    for lg in loggers:
-        lg.addHandler(handler)
-    yield handler
-    for lg in loggers:
-        lg.removeHandler(handler)
-
-
-def check_answer(method: str, path: str, r: httpx.Response, error_log: _ErrorLog) -> None:
-    """A 2xx, or a 4xx in the route's error shape with a message; nothing logged as an error."""
-    where = f"{method} {path} -> {r.status_code}: {r.text[:500]} {RERUN}"
-    assert r.status_code < 500, where
-    if r.status_code >= 400:
-        body = r.json()
-        if path.startswith("/v1/messages"):
-            assert body["type"] == "error" and body["error"]["message"], where
-        else:
-            assert body["error"]["message"], where
-    elif "text/event-stream" in str(r.headers.get("content-type", "")):  # a list in schemathesis
-        assert '"server_error"' not in r.text and '"api_error"' not in r.text, where  # no failure mid-stream
-    logged = [f"{rec.name}: {rec.getMessage()}" for rec in error_log.records]
-    error_log.records.clear()
-    assert not logged, f"{where}\nlogged: {logged}"
+def error_log(live: RunningServer) -> Iterator[ErrorLog]:
+    with collecting_errors("prefixcache", "uvicorn.error") as handler:
+        yield handler
 
 
 CONTENT_TYPES = st.sampled_from(

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 from server_helpers import wait_until
 
+from prefixcache.cache.tiers.base import TierStats
 from prefixcache.server.routes_ops import STALE_HEADER
 
 MODEL = "test-model"
@@ -28,13 +29,21 @@ class StallingTier:
     def __init__(self) -> None:
         self.reading = threading.Event()
 
-    def get_many(self, keys: Sequence[bytes], tokens: Sequence[bytes]) -> list[tuple[Any, int]]:
+    def get_many(
+        self, keys: Sequence[bytes], tokens: Sequence[bytes], namespace: bytes, layout: Any = None
+    ) -> list[tuple[Any, int]]:
         self.reading.set()
         time.sleep(STALL_S)
         return []
 
     def put(self, block: Any) -> None:
         pass
+
+    def stats(self) -> TierStats:
+        return TierStats(self.name)
+
+    def remove_namespace(self, namespace: bytes) -> int:
+        return 0
 
 
 def _timed(fn: Any) -> tuple[httpx.Response, float]:

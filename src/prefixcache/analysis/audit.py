@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache.analysis.audit_findings import endpoint_rows
+from prefixcache.analysis.audit_findings import NO_TEXT_FINDINGS, endpoint_rows, has_token_text
 from prefixcache.analysis.audit_scan import scan
 from prefixcache.analysis.config import AuditConfig, SimConfig
 from prefixcache.analysis.feed import TraceFeed, TraceUnsorted, can_stream, stream
@@ -68,6 +68,7 @@ class AuditResult:
     hit_rate: float = 0.0
     achievable_hit_rate: float = 0.0
     notes: list[str] = field(default_factory=list)
+    unavailable: list[str] = field(default_factory=list)  # findings this trace cannot give, and why
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -79,6 +80,7 @@ class AuditResult:
             "achieved_source": self.achieved_source,
             "endpoints": self.endpoints,
             "notes": self.notes,
+            **({"unavailable_findings": self.unavailable} if self.unavailable else {}),
         }
 
 
@@ -229,6 +231,7 @@ def _audit(
         achieved_source=source,
         hit_rate=float(achieved.sum() / prompt_tokens) if prompt_tokens else 0.0,
         achievable_hit_rate=float(found.achievable.sum() / prompt_tokens) if prompt_tokens else 0.0,
+        unavailable=[] if has_token_text(trace) else list(NO_TEXT_FINDINGS),
     )
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from prefixcache.analysis.audit_scan import PrefixVersion, ScanResult
 from prefixcache.analysis.config import AuditConfig
 from prefixcache.analysis.costs import Pricing, pricing_profile
-from prefixcache.analysis.spans import Pair, find_busting
+from prefixcache.analysis.spans import Finding, Pair, find_busting
 from prefixcache.analysis.trace import Trace, load_tokenizer
 
 
@@ -131,7 +131,10 @@ def _busting(
     tokenizer: Callable[[], Any],
 ) -> list[dict[str, Any]]:
     """Busting spans from a sample of (request, its most similar earlier request) pairs, spread
-    over time, with what moving each below the shared content would save."""
+    over time, with what moving each below the shared content would save. None without token
+    text (a trace of block hashes: its stand-in tokens would decode as noise)."""
+    if not has_token_text(trace):
+        return []
     reference = scan.reference
     candidates = requests[reference[requests] >= 0]
     if len(candidates):
@@ -150,7 +153,30 @@ def _busting(
         for i in picked
     ]
     findings = find_busting(pairs, tokenizer, min_shared=cfg.min_shared_tokens)
-    rows = [f.as_dict(len(requests), len(pairs)) for f in findings]
+    return busting_rows(findings, len(requests), len(pairs), pricing)
+
+
+def has_token_text(trace: Trace) -> bool:
+    """Whether the trace's prompts are real tokens (not block hashes: an imported hash_ids trace
+    or a keys-only trace log says ``"token_text": false`` in its header)."""
+    return trace.header.get("token_text", True) is not False
+
+
+#: What the audit cannot find in a trace without token text, and why (its ``unavailable_findings``).
+NO_TEXT_FINDINGS = (
+    "busting spans: no token text to locate and classify a variable span (timestamp, uuid, ...)",
+    "divergence at token precision: only whole blocks can be compared, so 'divergence' is in "
+    "multiples of the block size",
+)
+
+
+def busting_rows(
+    findings: list[Finding], requests: int, sampled: int, pricing: Pricing
+) -> list[dict[str, Any]]:
+    """The busting list's rows (the audit's ``busting`` and the server's ``GET /v1/cache/report``):
+    each finding over ``sampled`` pairs of an endpoint's ``requests``, with what moving the span
+    below the shared content would save under ``pricing``."""
+    rows = [f.as_dict(requests, sampled) for f in findings]
     usd_per_token = pricing.input_per_mtok / 1e6
     for row in rows:
         # (tokens x multiplier difference) x price, in this order: the output's floats depend on it

@@ -205,3 +205,13 @@ def parse_duration(text: str) -> float:
     if s and s[-1] in mult:
         return float(s[:-1]) * mult[s[-1]]
     return float(s)
+
+
+def break_even_reuse(write_mult: float, read_mult: float) -> float:
+    """p* = (w - 1) / (w - r): the share of cacheable prompt tokens that must be read from the
+    cache (rather than written to it) for caching to cost no more than sending them uncached,
+    with writes at ``w`` and reads at ``r`` times the base input price (docs/ops.md derives it).
+    0.0 without a write surcharge (``w <= 1``): caching then never costs more."""
+    if write_mult <= 1.0:
+        return 0.0
+    return (write_mult - 1.0) / (write_mult - read_mult)

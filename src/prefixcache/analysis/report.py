@@ -15,6 +15,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from prefixcache.analysis.report_checks import print_checks, ttft_text
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -50,6 +52,8 @@ def print_audit(res: AuditResult, console: Console) -> None:
         f"hit rate [bold]{_pct(res.hit_rate)}[/bold] of an achievable {_pct(res.achievable_hit_rate)} "
         f"[dim](achieved from {res.achieved_source})[/dim]"
     )
+    for missing in res.unavailable:
+        console.print(f"[yellow]not available from this trace:[/yellow] {missing}")
     t = Table(title="Endpoints", title_justify="left")
     for col in (
         "endpoint",
@@ -281,8 +285,7 @@ def print_sim(res: SimResult, console: Console) -> None:
         f"{d['prompt_tokens']:,} / {d['cached_tokens']:,} / {d['prefilled_tokens']:,}",
     )
     t.add_row("prefill time", f"{d['prefill_s']:,.0f} s at {c.cost.prefill_tps:g} tok/s ({c.cost.source})")
-    tt = d["ttft_s"]
-    t.add_row("estimated TTFT", f"mean {tt['mean']:.2f} s, p50 {tt['p50']:.2f} s, p95 {tt['p95']:.2f} s")
+    t.add_row("estimated TTFT", ttft_text(res))
     if c.keep_warm:
         t.add_row(
             "keep-warm refreshes", f"{res.keep_warm_refreshes:,} ({d['keep_warm_read_tokens']:,} tokens read)"
@@ -296,8 +299,8 @@ def print_sim(res: SimResult, console: Console) -> None:
             e["endpoint"],
             f"{e['requests']:,}",
             _pct(e["hit_rate"]),
-            f"{e['ttft_s']['p50']:.2f} s",
-            f"{e['ttft_s']['p95']:.2f} s",
+            f"{e['ttft_s']['p50']:.2f} s" + ("" if e["ttft_s"]["meaningful"] else " (saturated)"),
+            f"{e['ttft_s']['p95']:.2f} s" + ("" if e["ttft_s"]["meaningful"] else " (saturated)"),
         )
     console.print(et)
     if c.replicas > 1:
@@ -339,6 +342,7 @@ def print_sim(res: SimResult, console: Console) -> None:
         )
         ct.add_row(x.profile, *(f"${v:,.2f}" for v in dollars), _pct(x.saving))
     console.print(ct)
+    print_checks(res, console)
 
 
 def print_sweep(name: str, labels: list[str], results: list[SimResult], console: Console) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from prefixcache.analysis.costs import CostBreakdown, TokenTotals, price, pricin
 from prefixcache.analysis.feed import TraceFeed, TraceUnsorted, can_stream, stream
 from prefixcache.analysis.keychains import paused_gc
 from prefixcache.analysis.replay_loop import replay_requests
+from prefixcache.analysis.sim_checks import break_even_rows, load_rows
 from prefixcache.analysis.trace import Trace, load_trace
 from prefixcache.cache import PrefixCache
 
@@ -68,6 +69,8 @@ class SimResult:
     replicas: list[dict[str, Any]]
     keep_warm_refreshes: int
     costs: list[CostBreakdown]
+    load: dict[str, Any] = field(default_factory=dict)  # replica load summary (sim_checks.load_rows)
+    break_even: list[dict[str, Any]] = field(default_factory=list)  # per pricing profile
 
     @property
     def hit_rate(self) -> float:
@@ -101,12 +104,14 @@ class SimResult:
             "cache_write_tokens": t.written + t.written_long,
             "output_tokens": t.output,
             "prefill_s": self.prefill_s,
-            "ttft_s": _pcts(self.ttft_s),
+            "ttft_s": {**_pcts(self.ttft_s), "meaningful": not self.load.get("saturated", False)},
+            "load": self.load,
             "keep_warm_refreshes": self.keep_warm_refreshes,
             "keep_warm_read_tokens": t.keep_warm_reads,
             "endpoints": self.endpoints,
             "replicas": self.replicas,
             "costs": [x.as_dict() for x in self.costs],
+            "break_even": self.break_even,
         }
 
 
@@ -194,11 +199,28 @@ def _simulate(feed: TraceFeed, cfg: SimConfig, progress: Callable[[int], None] |
     totals.output = int(trace.output_tokens.sum())
     cached, written, replica, ttft = outcome.cached, outcome.written, outcome.replica, outcome.ttft_s
     totals.cached = int(cached.sum())
-    endpoints = _per_endpoint(trace, cached, ttft)
-    replicas = [_replica_row(trace, r, cache, replica == r, cached) for r, cache in enumerate(outcome.caches)]
+    load_by_replica, load = load_rows(trace, replica, cached, cfg.replicas, cfg.cost.prefill_tps)
+    saturated = np.array([row["saturated"] for row in load_by_replica], dtype=bool)
+    endpoints = _per_endpoint(trace, cached, written, ttft, saturated[replica])
+    replicas = [
+        {**_replica_row(trace, r, cache, replica == r, cached), **load_by_replica[r]}
+        for r, cache in enumerate(outcome.caches)
+    ]
     costs = [price(totals, pricing_profile(p, gpu_hour=cfg.gpu_hour), cfg.cost) for p in cfg.pricing]
+    even = break_even_rows(trace, cached, written, cfg.pricing, cfg.ttl_s, cfg.gpu_hour)
     return SimResult(
-        cfg, totals, cached, written, replica, ttft, endpoints, replicas, outcome.keep_warm_refreshes, costs
+        cfg,
+        totals,
+        cached,
+        written,
+        replica,
+        ttft,
+        endpoints,
+        replicas,
+        outcome.keep_warm_refreshes,
+        costs,
+        load,
+        even,
     )
 
 
@@ -217,7 +239,11 @@ def _replica_row(
     }
 
 
-def _per_endpoint(trace: Trace, cached: np.ndarray, ttft: np.ndarray) -> list[dict[str, Any]]:
+def _per_endpoint(
+    trace: Trace, cached: np.ndarray, written: np.ndarray, ttft: np.ndarray, on_saturated: np.ndarray
+) -> list[dict[str, Any]]:
+    """Per endpoint; its TTFTs are not meaningful when any of its requests went to a saturated
+    replica."""
     rows = []
     for endpoint, name in enumerate(trace.endpoints):
         mine = trace.endpoint == endpoint
@@ -228,8 +254,9 @@ def _per_endpoint(trace: Trace, cached: np.ndarray, ttft: np.ndarray) -> list[di
                 "requests": int(mine.sum()),
                 "prompt_tokens": prompt_tokens,
                 "cached_tokens": int(cached[mine].sum()),
+                "cache_write_tokens": int(written[mine].sum()),
                 "hit_rate": float(cached[mine].sum() / prompt_tokens) if prompt_tokens else 0.0,
-                "ttft_s": _pcts(ttft[mine]),
+                "ttft_s": {**_pcts(ttft[mine]), "meaningful": not bool(on_saturated[mine].any())},
             }
         )
     return rows

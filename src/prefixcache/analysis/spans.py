@@ -9,12 +9,16 @@ first differing token is often inside a value: ``...T22:07:28`` vs ``...T22:07:3
 ``uuid`` > ``timestamp`` (ISO 8601 date-time, or epoch seconds/milliseconds) > ``hex_id`` >
 ``counter`` (integers that increase with time across the examples) > ``other``.
 
-Findings are grouped by (kind, token position of the value's start).
+Findings are grouped by (kind, token position of the value's start). One implementation serves
+both detectors: :class:`BustingDetector` takes pairs one at a time; the audit feeds it an
+endpoint's sampled pairs (:func:`find_busting`), the server each finished request of an endpoint
+over a sliding window (:mod:`prefixcache.server.busting`).
 """
 
 from __future__ import annotations
 
 import re
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,37 +143,102 @@ def _token_at(offs: list[int], ch: int) -> int:
     return lo
 
 
+@dataclass(slots=True)
+class Observation:
+    """What one pair showed: a variable span of ``kind`` over tokens ``[start, start + length)``
+    of the request, above ``shared`` tokens it has in common with its reference again."""
+
+    kind: str
+    start: int
+    length: int
+    shared: int
+    ts: float
+    value: str
+
+
+class BustingDetector:
+    """The busting signature over pairs (request, its most similar earlier request): one
+    implementation, fed a pair at a time. The audit adds an endpoint's sampled pairs and reads
+    :meth:`findings` once (:func:`find_busting`); the server adds each request of an endpoint as
+    it finishes and reads the findings over a sliding ``window`` of the last pairs.
+
+    A pair counts when its request and reference resynchronise after the first difference (a run
+    of ``probe`` equal tokens) and share at least ``min_shared`` tokens from there; its span is
+    classified (:func:`classify`) by decoding a little context with ``tok_loader()``'s tokenizer,
+    loaded on the first pair that needs it. A finding is a (kind, value start) seen in at least
+    ``min_share`` of the pairs in the window (and 2). Memory: ``window`` observations (None:
+    every pair added, the audit's case)."""
+
+    def __init__(
+        self,
+        tok_loader: Any,
+        *,
+        min_shared: int = 64,
+        probe: int = 16,
+        min_share: float = 0.1,
+        window: int | None = None,
+    ) -> None:
+        self.tok_loader = tok_loader
+        self.min_shared = min_shared
+        self.probe = probe
+        self.min_share = min_share
+        self.pairs: deque[Observation | None] = deque(maxlen=window)
+        self._tok: Tokenizer | None = None
+
+    def __len__(self) -> int:
+        """Pairs in the window (those that showed nothing included)."""
+        return len(self.pairs)
+
+    def add(self, p: Pair) -> Observation | None:
+        """Examine one pair and slide the window over it; returns what it showed (None: no span)."""
+        observation = self._observe(p)
+        self.pairs.append(observation)
+        return observation
+
+    def _observe(self, p: Pair) -> Observation | None:
+        rs = resync(p.ref, p.tokens, p.diverge, probe=self.probe)
+        if rs is None:
+            return None
+        _, sb, shared = rs
+        if shared < self.min_shared:
+            return None
+        if self._tok is None:
+            self._tok = self.tok_loader()
+        kind, value, t0, t1 = classify(self._tok, p.tokens, p.diverge, p.diverge + max(sb, 1))
+        return Observation(kind, t0, t1 - t0, shared, p.ts, value)
+
+    def findings(self) -> list[Finding]:
+        """The spans seen often enough in the window, by start token (ties: first seen first)."""
+        groups: dict[tuple[str, int], Finding] = {}
+        for o in self.pairs:
+            if o is None:
+                continue
+            f = groups.get((o.kind, o.start))
+            if f is None:
+                f = groups[(o.kind, o.start)] = Finding(o.kind, o.start, max(o.length, 1))
+            f.length_tokens = max(f.length_tokens, o.length)
+            # The shared run below the span is what the span keeps out of the cache.
+            f.shared_after.append(o.shared)
+            f.examples.append((o.ts, o.value))
+        need = max(2, int(self.min_share * len(self.pairs)))
+        out = [f for f in groups.values() if len(f.shared_after) >= need]
+        for f in out:
+            if f.kind == "counter" and not _increasing(f.examples):
+                f.kind = "other"
+        return sorted(out, key=lambda f: f.start_token)
+
+
 def find_busting(
     pairs: Sequence[Pair], tok_loader: Any, *, min_shared: int = 64, probe: int = 16, min_share: float = 0.1
 ) -> list[Finding]:
-    """Busting spans among ``pairs`` (one endpoint's sample). ``tok_loader()`` gives the
-    tokenizer; it is called only when a candidate needs decoding. A finding must sit above at
-    least ``min_shared`` shared tokens and appear in at least ``min_share`` of the pairs (and 2)."""
-    groups: dict[tuple[str, int], Finding] = {}
-    tok: Tokenizer | None = None
+    """Busting spans among ``pairs`` (one endpoint's sample): a :class:`BustingDetector` fed
+    every pair. ``tok_loader()`` gives the tokenizer; it is called only when a candidate needs
+    decoding. A finding must sit above at least ``min_shared`` shared tokens and appear in at
+    least ``min_share`` of the pairs (and 2)."""
+    detector = BustingDetector(tok_loader, min_shared=min_shared, probe=probe, min_share=min_share)
     for p in pairs:
-        rs = resync(p.ref, p.tokens, p.diverge, probe=probe)
-        if rs is None:
-            continue
-        _, sb, shared = rs
-        if shared < min_shared:
-            continue
-        if tok is None:
-            tok = tok_loader()
-        kind, value, t0, t1 = classify(tok, p.tokens, p.diverge, p.diverge + max(sb, 1))
-        f = groups.get((kind, t0))
-        if f is None:
-            f = groups[(kind, t0)] = Finding(kind, t0, max(t1 - t0, 1))
-        f.length_tokens = max(f.length_tokens, t1 - t0)
-        # The shared run below the span is what the span keeps out of the cache.
-        f.shared_after.append(shared)
-        f.examples.append((p.ts, value))
-    need = max(2, int(min_share * len(pairs)))
-    out = [f for f in groups.values() if len(f.shared_after) >= need]
-    for f in out:
-        if f.kind == "counter" and not _increasing(f.examples):
-            f.kind = "other"
-    return sorted(out, key=lambda f: f.start_token)
+        detector.add(p)
+    return detector.findings()
 
 
 def _increasing(examples: list[tuple[float, str]]) -> bool:

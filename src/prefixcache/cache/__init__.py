@@ -16,6 +16,7 @@ from prefixcache.cache.keys import (
     unpack_tokens,
 )
 from prefixcache.cache.manager import CommitResult, Match, PrefixCache
+from prefixcache.cache.pins import TenantPinBudgetExceeded
 from prefixcache.cache.policy import TTL_CLASSES, TtlPolicy
 from prefixcache.cache.stats import CacheStats, Outcome, RequestUsage, Usage
 from prefixcache.cache.store import Block, BlockStore, CacheFullError, PinBudgetExceeded
@@ -35,6 +36,7 @@ __all__ = [
     "Namespace",
     "Outcome",
     "PinBudgetExceeded",
+    "TenantPinBudgetExceeded",
     "PrefixCache",
     "RequestUsage",
     "Tier",

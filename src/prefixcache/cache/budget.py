@@ -30,6 +30,10 @@ from prefixcache.cache.runs import RunTree
 #: ``fn(event, block)``; events: "insert", "evict" (``block.evicted_reason`` says why).
 Listener = Callable[[str, Block], None]
 
+#: ``fn(keys, namespace, reason, expires_at)``: blocks removed together (one run's last blocks,
+#: in chain order), their namespace root, why ("ttl", "capacity", "flush") and when they were due.
+RemovalListener = Callable[[list[BlockHash], bytes, str, float], None]
+
 #: block index -> (payload, nbytes); called only for blocks actually stored.
 PayloadFn = Callable[[int], tuple[Any, int]]
 
@@ -51,6 +55,7 @@ class BudgetedTree(RunTree):
         self._lru = self._leaves.lru
         self._expiry = self._leaves.expiry
         self._listeners: list[Listener] = []
+        self._removal_listeners: list[RemovalListener] = []
         self.bytes = 0  # unpinned blocks
         self.pinned_bytes = 0
         self.pinned_blocks = 0
@@ -62,6 +67,11 @@ class BudgetedTree(RunTree):
     def add_listener(self, fn: Listener) -> None:
         """Call ``fn(event, block)`` on every insert and removal, under the caller's lock."""
         self._listeners.append(fn)
+
+    def add_removal_listener(self, fn: RemovalListener) -> None:
+        """Call ``fn`` once per removal of blocks (no snapshots: cheap enough for every
+        eviction), under the caller's lock."""
+        self._removal_listeners.append(fn)
 
     # ------------------------------------------------------------------ what enters
     def insert_chain(
@@ -362,6 +372,10 @@ class BudgetedTree(RunTree):
         snapshots = None
         if self._listeners:
             snapshots = [run.block(offset, reason) for offset in range(keep + count - 1, keep - 1, -1)]
+        if self._removal_listeners:
+            dropped, due = run.keys[keep:], run.last_used + run.ttl_s
+            for removed in self._removal_listeners:
+                removed(dropped, run.namespace, reason, due)
         freed = run.unit * count if run.unit else sum(run.sizes[keep:])
         self.bytes -= freed
         self.tenant_blocks[run.tenant] -= count

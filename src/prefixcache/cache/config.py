@@ -18,13 +18,16 @@ class CacheConfig:
     ``block_size``: tokens per block, the unit of reuse (a hit ends on a block boundary).
     ``capacity_bytes``: the evictable cache's budget. ``pinned_capacity_bytes``: a separate
     budget for pinned prefixes, which are never evicted. ``default_ttl_s``: how long an unused
-    block lives; every hit refreshes it (Anthropic's "5m" class).
+    block lives; every hit refreshes it (Anthropic's "5m" class). ``reasons_bytes``: what the
+    server's cache spends, out of ``capacity_bytes``, on explaining misses (removed blocks and
+    recent prompts; a library ``PrefixCache`` and the simulator keep none unless asked).
     """
 
     block_size: int = 16
     capacity_bytes: int = 2 << 30
     pinned_capacity_bytes: int = 256 << 20
     default_ttl_s: float = 300.0
+    reasons_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -19,16 +19,22 @@ from typing import Any
 
 from prefixcache.cache.clock import Clock, monotonic
 from prefixcache.cache.config import DEFAULTS
+from prefixcache.cache.ghosts import GhostRecord, RecentPrompts
 from prefixcache.cache.keys import BlockHash, Hasher, Namespace, block_keys, pack_tokens, sha256_hasher
 from prefixcache.cache.pins import PinnedPrefixes
 from prefixcache.cache.policy import TtlPlan, TtlPolicy
+from prefixcache.cache.reasons import CacheReason, classify, continuation_of
 from prefixcache.cache.request import CommitResult, Match
 from prefixcache.cache.stats import CacheStats, Outcome, TenantCounters
 from prefixcache.cache.store import Block, BlockStore, PayloadFn, Run, Segment
 from prefixcache.cache.tiers.base import Tier
+from prefixcache.cache.tiers.codec import BlockLayout
 from prefixcache.cache.tiers.stack import TierStack
 
 __all__ = ["CommitResult", "Match", "PayloadFn", "PrefixCache", "Tier"]
+
+#: What a match's walk found: (blocks found, memory's segments, blocks the request may read).
+Walk = tuple[int, list[Segment], int]
 
 
 class PrefixCache:
@@ -43,14 +49,33 @@ class PrefixCache:
         default_ttl_s: float = DEFAULTS.default_ttl_s,
         clock: Clock | None = None,
         hasher: Hasher | None = None,
+        reasons_bytes: int = 0,
+        explain: bool = True,
     ) -> None:
+        """``reasons_bytes``: memory for explaining misses (the ghost record of removed blocks and
+        each tenant's recent prompts), taken out of ``capacity_bytes``; 0 keeps neither (a miss
+        is then told apart only as ``diverged`` inside a live run, ``new_prefix`` or the rest).
+        ``explain`` False: no reason at all (``Match.reason`` None; a benchmark's baseline)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1; got {block_size}")
+        if reasons_bytes < 0 or (reasons_bytes and reasons_bytes >= capacity_bytes):
+            raise ValueError(
+                f"reasons_bytes ({reasons_bytes}) must be >= 0 and below capacity_bytes ({capacity_bytes})"
+            )
         self.block_size = block_size
         self.clock = clock or monotonic
         self.hasher = hasher or sha256_hasher
         self.policy = TtlPolicy(default_ttl_s=default_ttl_s)
-        self.store = BlockStore(capacity_bytes, pinned_capacity_bytes, clock=self.clock)
+        self.store = BlockStore(capacity_bytes - reasons_bytes, pinned_capacity_bytes, clock=self.clock)
+        self.reasons_bytes = reasons_bytes
+        self.explain = explain
+        # Half the reasons' budget remembers removed blocks, half the tenants' recent prompts.
+        self.ghosts: GhostRecord | None = None
+        self.recent: RecentPrompts | None = None
+        if reasons_bytes:
+            self.ghosts = GhostRecord(reasons_bytes // 2, self.clock)
+            self.recent = RecentPrompts(reasons_bytes - reasons_bytes // 2)
+            self.store.add_removal_listener(self.ghosts.on_removal)
         self._tier_stack = TierStack(self.store)
         self.tiers: list[Tier] = self._tier_stack.tiers  # in lookup order; add with add_tier
         self._lock = threading.RLock()
@@ -96,7 +121,8 @@ class PrefixCache:
         align, keys, packed, ttls = self._prepare(tokens, ns, align_tokens, ttl_s, ttl_plan, keys, packed)
         prompt_tokens = len(packed) >> 2
         with self._lock:
-            usable, outcome, held, _ = self._begin(ns, keys, packed, prompt_tokens, align, ttls)
+            usable, outcome, held, _, walk = self._begin(ns, keys, packed, prompt_tokens, align, ttls)
+            reason = self._explain(ns, keys, packed, align, usable, walk) if self.explain else None
             return Match(
                 namespace=ns,
                 prompt_tokens=prompt_tokens,
@@ -106,6 +132,7 @@ class PrefixCache:
                 block_size=self.block_size,
                 outcome=Outcome(outcome),
                 cached_blocks=usable,
+                reason=reason,
                 _cache=self,
                 _held=held,
                 _depth=usable,
@@ -185,7 +212,7 @@ class PrefixCache:
         stop = len(keys) if upto_tokens is None else min(len(keys), max(upto_tokens, 0) // block_size)
         store = self.store
         with self._lock:
-            usable, _, held, counters = self._begin(ns, keys, packed, len(packed) >> 2, align, ttls)
+            usable, _, held, counters, _ = self._begin(ns, keys, packed, len(packed) >> 2, align, ttls)
             reached, ranges, _, held = store.write_chain(
                 keys, packed, 4 * block_size, usable, stop, held, None, ns.root, ns.tenant, ttls, nbytes
             )
@@ -240,10 +267,11 @@ class PrefixCache:
         prompt_tokens: int,
         align: int,
         ttls: list[float],
-    ) -> tuple[int, str, Run | None, TenantCounters]:
+    ) -> tuple[int, str, Run | None, TenantCounters, Walk]:
         """Match's work, under the lock: expire what is due, find the usable cached prefix (the
         tiers continue it), hold and refresh its deepest block, count the request. Returns
-        (usable blocks, the outcome's value, the run held or None, the tenant's counters)."""
+        (usable blocks, the outcome's value, the run held or None, the tenant's counters, the
+        walk: blocks found, the segments of memory's walk, blocks the request may read)."""
         block_size = self.block_size
         # Cap: at least one token is computed (there must be logits to sample from), and a hit
         # ends on an alignment boundary (the prefill chunk schedule makes that exact).
@@ -273,7 +301,33 @@ class PrefixCache:
         if counters is None:
             counters = self._tenants[ns.tenant] = TenantCounters()
         counters.count(prompt_tokens, usable * block_size, outcome)
-        return usable, outcome, held, counters
+        return usable, outcome, held, counters, (found, segments, max_blocks)
+
+    def _explain(
+        self, ns: Namespace, keys: list[BlockHash], packed: bytes, align: int, usable: int, walk: Walk
+    ) -> CacheReason:
+        """Why the read :meth:`_begin` did (``walk``) ended where it did (see
+        :mod:`~prefixcache.cache.reasons`); then remember the prompt among the namespace's recent
+        ones. Caller holds the lock."""
+        found, segments, max_blocks = walk
+        reason = classify(
+            keys=keys,
+            packed=packed,
+            block_size=self.block_size,
+            align=align,
+            found=found,
+            usable=usable,
+            max_blocks=max_blocks,
+            namespace=ns.root,
+            now=self.clock(),
+            continuation=continuation_of(segments, found),
+            ghosts=self.ghosts,
+            recent=self.recent,
+            tier_unavailable=bool(self.tiers) and self._tier_stack.unavailable,
+        )
+        if self.recent is not None and keys:
+            self.recent.add(ns.root, keys[-1], packed)
+        return reason
 
     def _written(
         self, counters: TenantCounters, keys: list[BlockHash], reached: int, ranges: list[tuple[int, int]]
@@ -304,6 +358,14 @@ class PrefixCache:
         with self._lock:
             return self._pins.unpin(keys, ns.root) * self.block_size
 
+    def limit_tenant_pins(self, share: float) -> None:
+        """Let one tenant pin at most ``share`` (0 < share <= 1) of the pinned budget: beyond,
+        :meth:`pin` raises :class:`~prefixcache.cache.pins.TenantPinBudgetExceeded`."""
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"the tenant pin share must be in (0, 1]; got {share}")
+        with self._lock:
+            self._pins.tenant_share = share
+
     def pinned_prefixes(self) -> int:
         with self._lock:
             return len(self._pins)
@@ -314,9 +376,21 @@ class PrefixCache:
             return [block for block in self.store if block.pin_count > 0]
 
     def flush(self, ns: Namespace) -> int:
-        """Remove every unreferenced, unpinned block of this namespace. Returns blocks removed."""
+        """Remove every unreferenced, unpinned block of this namespace from memory. Returns
+        blocks removed. :meth:`remove_tier_entries` does the same in the tiers below."""
         with self._lock:
             return self.store.remove_where(lambda run: run.namespace == ns.root, reason="flush")
+
+    def remove_tier_entries(self, ns: Namespace) -> dict[str, int]:
+        """Delete this namespace's entries from every tier (disk, Redis): {tier name: entries
+        removed}. Tier I/O runs outside the cache's lock; blocks written after it starts stay."""
+        return self._tier_stack.remove_namespace(ns.root)
+
+    def set_block_layout(self, layout: BlockLayout | None) -> None:
+        """The shape and dtype every payload promoted from a tier must have (an engine sets its
+        KV pool's block layout); an entry of another layout is a counted corrupt miss."""
+        with self._lock:
+            self._tier_stack.layout = layout
 
     def sweep(self) -> int:
         with self._lock:

@@ -2,8 +2,10 @@
 
 A pinned prefix is a chain of blocks, each a run of its own (``BlockStore.isolate``), pinned
 root-first and unpinned tail-first; pinned blocks neither expire nor are evicted, and they are
-charged to the store's pinned budget. :class:`~prefixcache.cache.manager.PrefixCache` owns one
-and calls it under its lock; it reaches the store through its public methods only.
+charged to the store's pinned budget. With a ``tenant_share`` below 1, one tenant's pinned
+blocks may take at most that share of the budget (:class:`TenantPinBudgetExceeded` beyond), so
+one tenant cannot keep every other from pinning. :class:`~prefixcache.cache.manager.PrefixCache`
+owns one and calls it under its lock; it reaches the store through its public methods only.
 """
 
 from __future__ import annotations
@@ -12,15 +14,37 @@ from collections.abc import Iterable
 
 from prefixcache.cache.blocks import Run
 from prefixcache.cache.keys import BlockHash
-from prefixcache.cache.store import BlockStore
+from prefixcache.cache.store import BlockStore, PinBudgetExceeded
+
+
+class TenantPinBudgetExceeded(PinBudgetExceeded):
+    """Pinning would take the tenant past its share of the pinned budget."""
+
+    def __init__(self, tenant: str, needed: int, used: int, limit: int, share: float) -> None:
+        self.tenant, self.needed, self.used, self.limit, self.share = tenant, needed, used, limit, share
+        super().__init__(
+            f"tenant {tenant!r} has {used} of its {limit} pinned bytes ({share:g} of the pinned budget) "
+            f"in use and this prefix needs {needed} more"
+        )
 
 
 class PinnedPrefixes:
-    """The prefixes pinned in ``store``, by (namespace root, key of the prefix's last block)."""
+    """The prefixes pinned in ``store``, by (namespace root, key of the prefix's last block).
+    ``tenant_share``: the part of the pinned budget one tenant may hold (1.0: all of it)."""
 
-    def __init__(self, store: BlockStore) -> None:
+    def __init__(self, store: BlockStore, tenant_share: float = 1.0) -> None:
         self.store = store
+        self.tenant_share = tenant_share
         self._chains: dict[tuple[bytes, BlockHash], list[BlockHash]] = {}
+        self._tenant_bytes: dict[str, int] = {}  # pinned bytes per tenant (blocks pinned once or more)
+
+    def tenant_bytes(self, tenant: str) -> int:
+        """Bytes of ``tenant``'s pinned blocks."""
+        return self._tenant_bytes.get(tenant, 0)
+
+    def tenant_limit(self) -> int:
+        """The most pinned bytes one tenant may hold."""
+        return int(self.tenant_share * self.store.pinned_capacity_bytes)
 
     def __len__(self) -> int:
         return len(self._chains)
@@ -38,6 +62,12 @@ class PinnedPrefixes:
         if pin_id in self._chains:
             return found
         runs = [store.isolate(keys, index) for index in range(found)]  # a pinned block is a run of its own
+        new = [run for run in runs if run.pin_count == 0]  # what this pin adds to the tenant's bytes
+        tenant = runs[0].tenant
+        needed = sum(run.nbytes for run in new)
+        used = self.tenant_bytes(tenant)
+        if self.tenant_share < 1.0 and used + needed > self.tenant_limit():
+            raise TenantPinBudgetExceeded(tenant, needed, used, self.tenant_limit(), self.tenant_share)
         done: list[Run] = []
         try:
             for run in runs:
@@ -47,6 +77,7 @@ class PinnedPrefixes:
             for run in reversed(done):  # all or nothing
                 store.unpin(run)
             raise
+        self._tenant_bytes[tenant] = used + needed
         self._chains[pin_id] = keys[:found]
         return found
 
@@ -63,7 +94,10 @@ class PinnedPrefixes:
             for key in reversed(chain):
                 run = self.store.run_of(key)
                 if run is not None:
+                    last, tenant, size = run.pin_count == 1, run.tenant, run.nbytes
                     self.store.unpin(run)
+                    if last:  # its bytes leave the tenant's share
+                        self._tenant_bytes[tenant] -= size
             unpinned = max(unpinned, len(chain))
         return unpinned
 
@@ -73,3 +107,9 @@ class PinnedPrefixes:
             for key in chain:
                 run = self.store.run_of(key)
                 assert run is not None and run.pin_count > 0, "a pinned prefix lost a block"
+        by_tenant: dict[str, int] = {}
+        for block in self.store:
+            if block.pin_count > 0:
+                by_tenant[block.tenant] = by_tenant.get(block.tenant, 0) + block.nbytes
+        held = {tenant: size for tenant, size in self._tenant_bytes.items() if size}
+        assert held == by_tenant, f"pinned bytes per tenant {held} != {by_tenant}"

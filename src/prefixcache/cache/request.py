@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from prefixcache.cache.blocks import Block, Run
 from prefixcache.cache.keys import BlockHash, Namespace
+from prefixcache.cache.reasons import CacheReason
 from prefixcache.cache.stats import Outcome, RequestUsage
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class Match:
     block_size: int = 16
     outcome: Outcome = Outcome.MISS
     cached_blocks: int = 0  # the cached prefix: keys[:cached_blocks]
+    reason: CacheReason | None = None  # why the read ended there (see cache/reasons.py)
     written_keys: list[BlockHash] = field(default_factory=list)  # blocks this request stored
     skipped_blocks: int = 0
     released: bool = False
@@ -62,6 +64,7 @@ class Match:
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_blocks * self.block_size,
             cache_write_tokens=len(self.written_keys) * self.block_size,
+            cache_reason=self.reason,
         )
 
 

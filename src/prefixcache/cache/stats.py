@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
+from prefixcache.cache.reasons import CacheReason
+
 
 class Outcome(StrEnum):
     """How much of a request's cacheable prefix was served from the cache."""
@@ -20,12 +22,14 @@ class Usage:
     server). ``cached_tokens`` were read from the cache (not prefilled); ``cache_write_tokens``
     were prefilled and stored; the rest of ``prompt_tokens`` was prefilled and not stored.
     ``completion_tokens`` were generated (an EOS that ended the generation counts, as in
-    OpenAI's usage); the cache, which sees only prompts, leaves it at 0."""
+    OpenAI's usage); the cache, which sees only prompts, leaves it at 0. ``cache_reason``: why
+    the cache read ended where it did (None where no cache was asked)."""
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cache_write_tokens: int = 0
     completion_tokens: int = 0
+    cache_reason: CacheReason | None = field(default=None, compare=False)  # (equality: the counts)
 
     @property
     def uncached_unwritten_tokens(self) -> int:

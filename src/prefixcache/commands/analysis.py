@@ -15,13 +15,14 @@ import typer
 if TYPE_CHECKING:
     from rich.progress import Progress
 
+    from prefixcache.analysis.costs import CostModel
     from prefixcache.analysis.trace import Trace
 
 log = logging.getLogger(__name__)
 
 trace_app = typer.Typer(
     name="trace",
-    help="Request traces: make synthetic ones (the format is documented in docs/ops.md).",
+    help="Request traces: make synthetic ones, import public and foreign ones (format: docs/ops.md).",
     no_args_is_help=True,
     rich_markup_mode="rich",
 )
@@ -144,7 +145,10 @@ def audit(
             help="Tokenizer for text prompts and span decoding (default: the trace header's, else SmolLM2)."
         ),
     ] = None,
-    block_size: Annotated[int, typer.Option(help="Tokens per cache block.")] = 16,
+    block_size: Annotated[
+        int | None,
+        typer.Option(help="Tokens per cache block (default: the trace header's block_size, else 16)."),
+    ] = None,
     align: Annotated[
         int | None,
         typer.Option(help="Hits end on a multiple of this many tokens (the engine's prefill chunk)."),
@@ -172,7 +176,7 @@ def audit(
     _check_file(trace)
     cfg = AuditConfig(
         ttl_s=parse_duration(ttl),
-        block_size=block_size,
+        block_size=_block_size(trace, block_size),
         align_tokens=align,
         pricing=pricing,
         tokenizer=tokenizer,
@@ -200,7 +204,10 @@ def simulate(
     trace: Annotated[Path, typer.Argument(help="Trace file (JSONL v1).")],
     ttl: Annotated[str, typer.Option(help="Cache TTL: 300, 5m, 1h.")] = "300",
     capacity: Annotated[str, typer.Option(help="Cache bytes per replica: 16GiB, 512MiB, inf.")] = "16GiB",
-    block_size: Annotated[int, typer.Option(help="Tokens per cache block.")] = 16,
+    block_size: Annotated[
+        int | None,
+        typer.Option(help="Tokens per cache block (default: the trace header's block_size, else 16)."),
+    ] = None,
     align: Annotated[
         int | None,
         typer.Option(
@@ -220,14 +227,22 @@ def simulate(
         ),
     ] = None,
     prefill_tps: Annotated[
-        float | None,
-        typer.Option(help="Prefill tokens/s (default: benchmarks/results/calibration.json, else 450)."),
+        str | None,
+        typer.Option(
+            help="Prefill tokens/s per replica, or a hardware profile: smollm2-135m-cpu, "
+            "smollm2-135m-cpu-hf, llama3-8b-h100-est (docs/ops.md says where each figure comes "
+            "from). Default: benchmarks/results/calibration.json, else 450."
+        ),
     ] = None,
     calibration: Annotated[Path, typer.Option(help="Calibration written by `prefixcache bench`.")] = Path(
         "benchmarks/results/calibration.json"
     ),
     kv_bytes_per_token: Annotated[
-        int | None, typer.Option(help="Cache bytes per token (default: SmolLM2 float32, 46,080).")
+        str | None,
+        typer.Option(
+            help="Cache bytes per token, or a model profile: smollm2-135m-cpu, llama3-8b, qwen2.5-7b, "
+            "llama3-70b (default: SmolLM2 float32, 46,080)."
+        ),
     ] = None,
     pricing: Annotated[
         list[str] | None, typer.Option(help="Pricing profile(s), repeatable: anthropic, openai, self-hosted.")
@@ -246,11 +261,9 @@ def simulate(
 
     What-if: another TTL, capacity, block size, replica count and routing policy, or keep-warm.
     """
-    from dataclasses import replace
-
     from rich.console import Console
 
-    from prefixcache.analysis.costs import PROFILES, cost_model, parse_duration, parse_size
+    from prefixcache.analysis.costs import PROFILES, parse_duration, parse_size
     from prefixcache.analysis.report import plot_sweep, print_sim, print_sweep, save_png, to_json
     from prefixcache.analysis.simulate import ROUTINGS, SimConfig, load_keep_warm, parse_sweep, simulate_file
     from prefixcache.analysis.simulate import simulate as run_sim
@@ -267,9 +280,9 @@ def simulate(
     for p in profiles:
         if p not in PROFILES:
             raise typer.BadParameter(f"{p!r}: choose from {', '.join(PROFILES)}", param_hint="--pricing")
-    model = cost_model(prefill_tps, calibration)
-    if kv_bytes_per_token:
-        model = replace(model, kv_bytes_per_token=kv_bytes_per_token)
+    model = _cost_model(prefill_tps, kv_bytes_per_token, calibration)
+    _check_file(trace)
+    block_size = _block_size(trace, block_size)
     cfg = SimConfig(
         ttl_s=parse_duration(ttl),
         capacity_bytes=parse_size(capacity),
@@ -343,8 +356,42 @@ def simulate(
         console.print(f"plot: {plot}", style="dim")
 
 
+def _block_size(trace: Path, given: int | None) -> int:
+    from prefixcache.analysis.importers import block_size_for
+
+    try:
+        return block_size_for(trace, given)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--block-size") from None
+
+
+def _cost_model(prefill_tps: str | None, kv_bytes_per_token: str | None, calibration: Path) -> CostModel:
+    """The simulator's cost model from the two flags (numbers or profile names)."""
+    from dataclasses import replace
+
+    from prefixcache.analysis import hardware
+    from prefixcache.analysis.costs import cost_model
+
+    model = cost_model(None, calibration)
+    if prefill_tps is not None:
+        try:
+            rate, source = hardware.prefill_tps(prefill_tps)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--prefill-tps") from None
+        model = replace(model, prefill_tps=rate, source=source)
+    if kv_bytes_per_token is not None:
+        try:
+            model = replace(model, kv_bytes_per_token=hardware.kv_bytes_per_token(kv_bytes_per_token))
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--kv-bytes-per-token") from None
+    return model
+
+
 def register(app: typer.Typer) -> None:
     """Add this layer's commands to the root app."""
+    from prefixcache.commands import trace_import
+
+    trace_import.register(trace_app)
     app.add_typer(trace_app, name="trace")
     app.command("audit")(audit)
     app.command("simulate")(simulate)

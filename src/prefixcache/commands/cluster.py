@@ -11,7 +11,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,15 @@ from typing import Annotated
 import typer
 
 from prefixcache.cache.config import DEFAULTS
+from prefixcache.commands.lifecycle import sigterm_as_interrupt
+from prefixcache.commands.redis_process import (
+    check_redis_policy,
+    free_port,
+    redacted_url,
+    redis_password_from,
+    start_redis,
+)
+from prefixcache.commands.server import parse_bytes
 
 POLICIES = ("prefix-affinity", "cache-aware", "round-robin", "least-loaded")
 
@@ -30,12 +38,6 @@ def _check_policy(value: str) -> str:
     if value not in POLICIES:
         raise typer.BadParameter(f"'{value}' is not a policy; use one of: {', '.join(POLICIES)}")
     return value
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def route(
@@ -75,6 +77,27 @@ def route(
     record_ttl: Annotated[
         float, typer.Option(help="Seconds the router remembers where a prefix went.")
     ] = DEFAULTS.default_ttl_s,
+    read_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Seconds a replica may stay silent (before its answer or between stream chunks) before "
+            "the request fails with 504; a slow replica is not marked down and the request not retried.",
+        ),
+    ] = 600.0,
+    max_body_bytes: Annotated[
+        str, typer.Option(help="Largest request body (413 beyond, before it is read), e.g. 8MiB.")
+    ] = "8MiB",
+    kv_events: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--kv-events",
+            help="A replica's KV event feed, REPLICA_URL=PUB_ENDPOINT[,REPLAY_ENDPOINT] (the replica's "
+            "serve --kv-events-endpoint / --kv-events-replay-endpoint), e.g. "
+            "http://10.0.0.5:8000=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558. Repeat per replica; "
+            "cache-aware only. Replicas without one are tracked by the approximate record.",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
 ) -> None:
     """Route OpenAI and Anthropic requests across replicas so that requests sharing a prompt
@@ -84,10 +107,18 @@ def route(
     import uvicorn
 
     from prefixcache.router import RouterConfig, create_router_app
+    from prefixcache.router.kv_index import parse_feed
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if keep_warm is not None and not keep_warm.exists():
         raise typer.BadParameter(f"{keep_warm} does not exist", param_hint="--keep-warm")
+    feeds = {}
+    for spec in kv_events or []:
+        try:
+            url, feed = parse_feed(spec)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--kv-events") from e
+        feeds[url] = feed
     config = RouterConfig(
         replicas=replica,
         policy=policy,
@@ -98,9 +129,19 @@ def route(
         load_slack=load_slack,
         record_ttl_s=record_ttl,
         keepwarm_file=str(keep_warm) if keep_warm else None,
+        read_timeout_s=read_timeout,
+        max_body_bytes=parse_bytes(max_body_bytes),
+        kv_events=feeds,
     )
-    typer.echo(f"prefixcache router: {policy} over {len(replica)} replicas on http://{host}:{port}")
-    uvicorn.run(create_router_app(config), host=host, port=port, log_level=log_level.lower())
+    try:
+        app = create_router_app(config)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--kv-events") from e
+    events = f", KV events from {len(feeds)}" if feeds else ""
+    typer.echo(f"prefixcache router: {policy} over {len(replica)} replicas{events} on http://{host}:{port}")
+    sigterm_as_interrupt()
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -155,6 +196,29 @@ def cluster(
     redis_sync_writes: Annotated[
         bool, typer.Option("--redis-sync-writes", help="Replicas write blocks to Redis synchronously.")
     ] = False,
+    redis_maxmemory: Annotated[
+        str,
+        typer.Option(
+            help="Memory cap of the redis-server the cluster starts (its maxmemory), e.g. 1GiB; beyond "
+            "it Redis evicts by --redis-maxmemory-policy. Not applied to a --redis URL.",
+        ),
+    ] = "1GiB",
+    redis_maxmemory_policy: Annotated[
+        str,
+        typer.Option(
+            callback=check_redis_policy,
+            help="What the started redis-server evicts at --redis-maxmemory: allkeys-lru (default: every "
+            "entry is a recomputable cache block), allkeys-lfu, volatile-lru, ..., or noeviction.",
+        ),
+    ] = "allkeys-lru",
+    redis_password_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--redis-password-file",
+            help="The started redis-server's password (first line of the file). Default: a random one. "
+            "Replicas get it in their environment, never on a command line or in a log.",
+        ),
+    ] = None,
     disk_cache: Annotated[
         Path | None, typer.Option("--disk-cache", help="Give each replica a disk tier under DIR/replica-<i>.")
     ] = None,
@@ -172,6 +236,14 @@ def cluster(
         float, typer.Option(min=1.0, help="Default cache TTL in seconds.")
     ] = DEFAULTS.default_ttl_s,
     ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for each replica to load.")] = 300.0,
+    no_kv_events: Annotated[
+        bool,
+        typer.Option(
+            "--no-kv-events",
+            help="Do not wire the replicas' KV events to the router (with cache-aware, they are on "
+            "by default: loopback PUB and replay sockets per replica).",
+        ),
+    ] = False,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:
     """Try scale-out on one machine: redis-server on a free port (temp dir, no persistence), N
@@ -180,41 +252,46 @@ def cluster(
     import uvicorn
 
     from prefixcache.router import RouterConfig, create_router_app
+    from prefixcache.router.kv_index import FeedSpec
 
+    start_own_redis = not no_redis and redis_url is None
+    password = redis_password_from(redis_password_file) if start_own_redis else ""
+    maxmemory = parse_bytes(redis_maxmemory)
+    sigterm_as_interrupt()  # SIGTERM stops the children too (the finally below)
     procs: list[subprocess.Popen[bytes]] = []
     tmp = tempfile.mkdtemp(prefix="prefixcache-cluster-")
     env = dict(os.environ)
     env.setdefault("PREFIXCACHE_SALT_SECRET", secrets.token_hex(32))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // replicas)))
     try:
-        if not no_redis and redis_url is None:
+        if start_own_redis:
             binary = shutil.which("redis-server")
             if binary is None:
                 raise typer.BadParameter(
                     "redis-server not found: install it (apt-get install redis-server), "
                     "pass --redis URL, or --no-redis"
                 )
-            rport = free_port()
-            procs.append(
-                subprocess.Popen(
-                    [
-                        binary,
-                        "--port",
-                        str(rport),
-                        "--bind",
-                        "127.0.0.1",
-                        "--save",
-                        "",
-                        "--appendonly",
-                        "no",
-                        "--dir",
-                        tmp,
-                    ],
-                    stdout=subprocess.DEVNULL,
-                )
+            proc, redis_url = start_redis(
+                binary,
+                tmp,
+                maxmemory=maxmemory,
+                policy=redis_maxmemory_policy,
+                password=password,
             )
-            redis_url = f"redis://127.0.0.1:{rport}/0"
+            procs.append(proc)
+            redis_line = (
+                f"{redacted_url(redis_url)} (started: maxmemory {redis_maxmemory}, {redis_maxmemory_policy})"
+            )
+        else:
+            redis_line = "off" if no_redis or redis_url is None else redacted_url(redis_url)
+        env.pop("PREFIXCACHE_REDIS_URL_FILE", None)  # the replicas get the one URL below, or none
+        if redis_url and not no_redis:  # the URL may hold a password: the environment, not argv
+            env["PREFIXCACHE_REDIS_URL"] = redis_url
+        else:
+            env.pop("PREFIXCACHE_REDIS_URL", None)
         urls: list[str] = []
+        events = policy == "cache-aware" and not no_kv_events
+        feeds: dict[str, FeedSpec] = {}
         for i in range(replicas):
             rp = free_port()
             cmd = [
@@ -235,24 +312,29 @@ def cluster(
                 cmd.insert(4, model)
             if dtype:
                 cmd += ["--dtype", dtype]
-            if redis_url and not no_redis:
-                cmd += ["--redis", redis_url]
-                if redis_sync_writes:
-                    cmd.append("--redis-sync-writes")
+            if redis_url and not no_redis and redis_sync_writes:
+                cmd.append("--redis-sync-writes")
             if disk_cache:
                 cmd += ["--disk-cache", str(disk_cache / f"replica-{i}")]
             if api_keys:
                 cmd += ["--api-keys", str(api_keys)]
+            if events:
+                pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+                cmd += ["--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay]
+                feeds[f"http://127.0.0.1:{rp}"] = FeedSpec(pub, replay)
             procs.append(subprocess.Popen(cmd, env=env))
             urls.append(f"http://127.0.0.1:{rp}")
         for url, proc in zip(urls, procs[-replicas:], strict=True):
             wait_ready(url, proc, ready_timeout)
         typer.echo(
-            f"prefixcache cluster: {replicas} replicas {urls}, redis {redis_url if not no_redis else 'off'}; "
-            f"router ({policy}) on http://{host}:{port}. Ctrl-C stops all."
+            f"prefixcache cluster: {replicas} replicas {urls}, redis {redis_line}; "
+            f"router ({policy}{', KV events' if events else ''}) on http://{host}:{port}. Ctrl-C stops all."
         )
         config = RouterConfig(
-            replicas=urls, policy=policy, keepwarm_file=str(keep_warm) if keep_warm else None
+            replicas=urls,
+            policy=policy,
+            keepwarm_file=str(keep_warm) if keep_warm else None,
+            kv_events=feeds,
         )
         uvicorn.run(create_router_app(config), host=host, port=port, log_level=log_level.lower())
     except KeyboardInterrupt:

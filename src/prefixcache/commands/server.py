@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from prefixcache.cache.config import DEFAULTS
+from prefixcache.commands import kv_events as kv
 
 _UNITS = {
     "": 1,
@@ -80,6 +81,15 @@ def serve(
             help="With two tenants or more, the share of --max-queue one tenant may hold (then 429).",
         ),
     ] = 0.5,
+    tenant_pin_share: Annotated[
+        float,
+        typer.Option(
+            min=0.01,
+            max=1.0,
+            help="With two tenants or more, the share of the pinned (keep-warm) budget one tenant may "
+            "hold (then POST /v1/cache/pin answers 409).",
+        ),
+    ] = 0.5,
     max_body_bytes: Annotated[
         str | None,
         typer.Option(
@@ -107,12 +117,35 @@ def serve(
             "audit and simulate still replay the trace.",
         ),
     ] = False,
+    busting_window: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Requests per endpoint the live cache-busting watch compares (GET /v1/cache/report, "
+            "a log warning and prefixcache_cache_busting_findings_total per finding); 0 turns it off.",
+        ),
+    ] = 32,
     ttl: Annotated[
         float, typer.Option(min=1.0, help="Default cache TTL in seconds (refreshed on every hit).")
     ] = DEFAULTS.default_ttl_s,
     capacity: Annotated[
         str, typer.Option(help="Byte budget of the KV cache, e.g. 2GiB or 512MB.")
     ] = f"{DEFAULTS.capacity_bytes >> 30}GiB",
+    reasons_bytes: Annotated[
+        str,
+        typer.Option(
+            help="Memory, out of --capacity, for explaining cache misses (recently removed blocks and "
+            "each tenant's recent prompts; at most an eighth of --capacity). 0 turns the record off: "
+            "expired, evicted and flushed blocks then read as new_prefix.",
+        ),
+    ] = f"{DEFAULTS.reasons_bytes >> 20}MiB",
+    miss_reasons: Annotated[
+        bool,
+        typer.Option(
+            help="Tell every answer why its cache read ended where it did (the prefixcache object, "
+            "Anthropic's diagnostics, the miss metrics). --no-miss-reasons: a benchmark's baseline.",
+        ),
+    ] = True,
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per cache block.")] = DEFAULTS.block_size,
     prefill_chunk: Annotated[
         int | None,
@@ -165,9 +198,27 @@ def serve(
         typer.Option(
             "--redis",
             envvar="PREFIXCACHE_REDIS_URL",
-            help="Shared Redis tier, e.g. redis://127.0.0.1:6379/0: replicas share cached blocks.",
+            help="Shared Redis tier, e.g. redis://127.0.0.1:6379/0: replicas share cached blocks. A URL "
+            "with a password belongs in $PREFIXCACHE_REDIS_URL or --redis-url-file (argv is visible to "
+            "every local user).",
         ),
     ] = None,
+    redis_url_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--redis-url-file",
+            envvar="PREFIXCACHE_REDIS_URL_FILE",
+            help="Read the Redis URL (which may hold a password) from this file (its first line's text).",
+        ),
+    ] = None,
+    redis_max_ttl: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            help="Longest expiry of a Redis entry in seconds, whatever TTL a request asks for "
+            "(bounds what one client can keep in the shared Redis).",
+        ),
+    ] = 3600.0,
     redis_sync_writes: Annotated[
         bool,
         typer.Option(
@@ -185,6 +236,11 @@ def serve(
         ),
     ] = None,
     disk_cache_size: Annotated[str, typer.Option(help="Disk tier byte budget, e.g. 8GiB.")] = "8GiB",
+    kv_events_endpoint: kv.Endpoint = None,
+    kv_events_replay_endpoint: kv.ReplayEndpoint = None,
+    kv_events_topic: kv.Topic = "",
+    kv_events_buffer: kv.Buffer = 10_000,
+    kv_events_hash_format: kv.HashFormatOption = "int",
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
 ) -> None:
     """Serve the engine over HTTP: OpenAI (/v1/chat/completions, /v1/completions) and Anthropic
@@ -193,10 +249,12 @@ def serve(
 
     import uvicorn
 
-    from prefixcache.cache.tiers import attach_tiers, register_prometheus
+    from prefixcache.cache.tiers import attach_tiers, flush_tiers, register_prometheus
+    from prefixcache.commands.lifecycle import sigterm_as_interrupt
     from prefixcache.engine import Engine
     from prefixcache.server import create_app
     from prefixcache.server.app import DEFAULT_MODEL_NAME
+    from prefixcache.server.auth import resolve_secret
     from prefixcache.server.exposure import RedactSecrets, exposure_refusal, install_redaction, redis_password
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -207,6 +265,12 @@ def serve(
         salt_secret_file,
         salt_on_argv=source is not None and source.name == "COMMANDLINE",
     )
+    redis_source = ctx.get_parameter_source("redis_url")
+    redis_url = _redis_url(
+        redis_url, redis_url_file, on_argv=redis_source is not None and redis_source.name == "COMMANDLINE"
+    )
+    # One secret for the tenant salts and the tier entries' MAC key (random when none is given).
+    secret = resolve_secret(salt_secret)
     # No secret reaches a log: the tiers log their Redis URL, exceptions may quote a header.
     secrets = [*(keys or {}), salt_secret or "", redis_password(redis_url) or ""]
     redactor = install_redaction(RedactSecrets(secrets))
@@ -225,6 +289,14 @@ def serve(
         raise typer.BadParameter(
             "--trace-keys-only writes no prompt content: drop --trace-text", param_hint="--trace-keys-only"
         )
+    # Bound before the model loads: a taken port or a bad address fails at once.
+    publisher = kv.open_publisher(
+        kv_events_endpoint,
+        kv_events_replay_endpoint,
+        kv_events_topic,
+        kv_events_buffer,
+        kv_events_hash_format,
+    )
     body_limit = parse_bytes(max_body_bytes) if max_body_bytes else None
     capacity_bytes = parse_bytes(capacity)
     try:
@@ -235,16 +307,22 @@ def serve(
             runner=runner,
             dtype=dtype,
             capacity_bytes=capacity_bytes,
+            reasons_bytes=min(parse_bytes(reasons_bytes), capacity_bytes // 8),
+            miss_reasons=miss_reasons,
             default_ttl_s=ttl,
             max_queue=max_queue,
             max_batch=max_batch,
             threads=threads,
         )
     except ValueError as e:  # a missing model file, a bad chunk size or dtype: say which
+        if publisher is not None:
+            publisher.close()
         raise typer.BadParameter(str(e)) from e
     if engine.cache is not None:
         attach_tiers(
             engine.cache,
+            secret=secret,
+            redis_max_ttl_s=redis_max_ttl,
             disk_dir=disk_cache,
             disk_bytes=parse_bytes(disk_cache_size),
             redis_url=redis_url,
@@ -258,15 +336,19 @@ def serve(
         trace_log=trace_log,
         trace_text=trace_text,
         model_name=name,
-        salt_secret=salt_secret,
+        salt_secret=secret,
         trace_tokenizer="default" if model is None else None,
         trace_keys_only=trace_keys_only,
         max_body_bytes=body_limit,
         tenant_queue_share=tenant_queue_share,
+        tenant_pin_share=tenant_pin_share,
+        busting_window=busting_window,
         admin_tenants=admin_tenant or (),
     )
     if engine.cache is not None and engine.cache.tiers:
         register_prometheus(engine.cache, app.state.prefixcache.metrics.registry)
+    if publisher is not None:
+        kv.attach(app, engine, publisher)
     tiers = ", ".join(t.name for t in engine.cache.tiers) if engine.cache is not None else ""
     typer.echo(f"prefixcache: cache tiers below memory: {tiers or 'none'}")
     typer.echo(
@@ -276,12 +358,17 @@ def serve(
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower())  # uvicorn's handlers
     install_redaction(redactor)
     server = uvicorn.Server(config)
+    sigterm_as_interrupt()
     try:
         server.run()
     except KeyboardInterrupt:
         pass
     finally:
+        if publisher is not None:
+            publisher.close()
         engine.close()
+        if engine.cache is not None and engine.cache.tiers:  # what a restart will find warm
+            flush_tiers(engine.cache)
     if not server.started:
         raise typer.Exit(3)  # uvicorn's startup failure (the port in use, ...) is logged above
 
@@ -320,6 +407,31 @@ def _secrets(
             "use $PREFIXCACHE_SALT_SECRET or --salt-secret-file"
         )
     return keys, salt_secret
+
+
+def _redis_url(redis_url: str | None, redis_url_file: Path | None, *, on_argv: bool) -> str | None:
+    """The Redis URL: ``--redis-url-file``, else ``--redis`` / ``$PREFIXCACHE_REDIS_URL``. A
+    password given on the command line works, with a warning (``ps`` shows argv)."""
+    import logging
+
+    from prefixcache.server.exposure import read_secret_file, redis_password
+
+    if redis_url_file is not None:
+        if redis_url is not None:
+            raise typer.BadParameter(
+                "give the Redis URL once: --redis-url-file or --redis ($PREFIXCACHE_REDIS_URL)",
+                param_hint="--redis-url-file",
+            )
+        try:
+            return read_secret_file(redis_url_file, "Redis URL")
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--redis-url-file") from e
+    if redis_url and on_argv and redis_password(redis_url):
+        logging.getLogger("prefixcache.serve").warning(
+            "--redis with a password on the command line is visible to every local user (ps); "
+            "use $PREFIXCACHE_REDIS_URL or --redis-url-file"
+        )
+    return redis_url
 
 
 def register(app: typer.Typer) -> None:

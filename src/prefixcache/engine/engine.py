@@ -34,6 +34,7 @@ from typing import Any
 
 from prefixcache.cache import CacheStats, FakeClock, PrefixCache
 from prefixcache.cache.config import DEFAULTS
+from prefixcache.cache.tiers.codec import BlockLayout
 from prefixcache.engine.llama import LlamaRunner, unsupported_reason
 from prefixcache.engine.model import ModelRunner, default_dtype
 from prefixcache.engine.prompts import check_prompt_text, encode, max_token_bytes, render_chat
@@ -108,6 +109,8 @@ class Engine:
         max_queue: int = 64,
         max_batch: int = 16,
         kv_reserve_tokens: int | None = None,
+        reasons_bytes: int | None = None,
+        miss_reasons: bool = True,
     ) -> None:
         """``model``: a .gguf path, an HF folder, a loaded :class:`ModelRunner` (shared weights),
         or None (embedded SmolLM2). ``runner``: ``auto`` (the own Llama runner where it can
@@ -117,7 +120,9 @@ class Engine:
         created from the capacity/TTL/clock arguments. ``max_batch``: decode rows per step, a
         request with ``n`` choices taking ``n`` (own runner); on both runners also the largest
         ``n``. ``kv_reserve_tokens``: KV pool room for running requests beyond the cache's budget
-        (default 4x the context)."""
+        (default 4x the context). ``reasons_bytes``: memory for explaining misses, taken from
+        ``capacity_bytes`` (default: ``DEFAULTS.reasons_bytes``, at most an eighth of it; 0: none).
+        ``miss_reasons`` False: no reason per request at all (a benchmark's baseline)."""
         if isinstance(model, ModelRunner):
             base = model
         else:
@@ -140,14 +145,20 @@ class Engine:
         self.clock = clock or (cache.clock if cache is not None else time.monotonic)
         self.cache: PrefixCache | None = None
         if enable_cache:
+            if reasons_bytes is None:
+                reasons_bytes = min(DEFAULTS.reasons_bytes, capacity_bytes // 8)
             self.cache = cache or PrefixCache(
                 block_size=block_size,
                 capacity_bytes=capacity_bytes,
                 pinned_capacity_bytes=pinned_capacity_bytes,
                 default_ttl_s=default_ttl_s,
                 clock=self.clock,
+                reasons_bytes=reasons_bytes if miss_reasons else 0,
+                explain=miss_reasons,
             )
         self.fingerprint = self.runner.fingerprint(block_size, chunk)
+        if self.cache is not None:  # a block promoted from a tier must fit the KV layout
+            self.cache.set_block_layout(self.block_layout)
         self.pool = None
         self._worker: BatchWorker | SequentialWorker
         self._max_n = max_batch
@@ -195,6 +206,13 @@ class Engine:
     @property
     def context_len(self) -> int:
         return self.runner.context_len
+
+    @property
+    def block_layout(self) -> BlockLayout:
+        """One cached block's payload: ``[layers, 2, kv_heads, B, head_dim]`` in the KV dtype."""
+        r = self.runner
+        shape = (r.num_layers, 2, r.num_kv_heads, self.block_size, r.head_dim)
+        return BlockLayout(shape=shape, dtype=str(r.dtype).removeprefix("torch."))
 
     @property
     def queue_depth(self) -> int:

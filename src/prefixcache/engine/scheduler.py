@@ -344,7 +344,8 @@ class BatchWorker(Worker):
         cached, written = (m.usage.cached_tokens, m.usage.cache_write_tokens) if m is not None else (0, 0)
         group.job.post(
             PromptDone(
-                Usage(group.prompt_len, cached, written, 0), str(m.outcome.value) if m is not None else "miss"
+                Usage(group.prompt_len, cached, written, 0, m.reason if m is not None else None),
+                str(m.outcome.value) if m is not None else "miss",
             )
         )
         for choice in group.choices:

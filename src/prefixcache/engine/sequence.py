@@ -108,7 +108,9 @@ class Choice:
             text=self.text.text,
             tokens=list(self.tokens),
             finish_reason=self.finish_reason,
-            usage=Usage(len(req.ids), cached, written, len(self.tokens)),
+            usage=Usage(
+                len(req.ids), cached, written, len(self.tokens), usage.cache_reason if usage else None
+            ),
             ttft_s=first_token_at - started,
             prefill_s=first_token_at - started,
             decode_s=(self.finished_at or time.perf_counter()) - first_token_at,

@@ -160,4 +160,5 @@ class Completion:
             first.cached_tokens,
             first.cache_write_tokens,
             sum(c.usage.completion_tokens for c in self.choices),
+            first.cache_reason,
         )

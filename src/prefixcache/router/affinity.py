@@ -76,7 +76,8 @@ def render_prompt(body: dict[str, Any], limit: int) -> str:
         text = prompt if isinstance(prompt, str) else json.dumps(prompt)
         add("prompt:" + text)
         return "".join(out)[:limit]
-    for msg in body.get("messages") or []:
+    messages = body.get("messages")
+    for msg in messages if isinstance(messages, list) else []:
         if not isinstance(msg, dict):
             continue
         if add(f"{msg.get('role', '')}:" + content_text(msg.get("content"), routing_key=True) + "\n"):

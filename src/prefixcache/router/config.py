@@ -3,10 +3,12 @@ read them without importing the app."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from prefixcache.cache.config import DEFAULTS
+from prefixcache.limits import DEFAULT_MAX_BODY_BYTES
+from prefixcache.router.kv_index import FeedSpec
 from prefixcache.router.policies import Policy
 
 
@@ -26,4 +28,7 @@ class RouterConfig:
     load_slack: int = 4
     record_ttl_s: float = DEFAULTS.default_ttl_s
     keepwarm_file: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # 413 beyond, before the body is read
+    #: replica url -> where it publishes KV events (cache-aware policy only)
+    kv_events: Mapping[str, FeedSpec] = field(default_factory=dict)
     dashboard_interval_s: float = 2.0  # seconds between two points of the dashboard's series

@@ -15,7 +15,10 @@ since queueing behind a hot replica costs more than one prefill.
   hashes -> replica, LRU-bounded, forgotten after ``ttl_s`` like the replicas' own TTL); the
   replica holding the longest recorded prefix wins; with no record, rendezvous hashing as above.
   The record is updated with every routed request (the replica that computes a prefix holds
-  it afterwards) and drops a replica's chunks when a request to it fails to connect.
+  it afterwards) and drops a replica's chunks when a request to it fails to connect. With the
+  replicas' KV events (``route --kv-events``), a precise view of what each replica holds
+  overrides the record, and a prefix nobody holds goes least-loaded (see
+  :mod:`~prefixcache.router.kv_index`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from enum import StrEnum
 
 from prefixcache.cache.config import DEFAULTS
 from prefixcache.router.affinity import PrefixKey
+from prefixcache.router.kv_index import KVIndex
 
 
 class Policy(StrEnum):
@@ -50,7 +54,9 @@ class Replica:
     routed: int = 0  # requests sent here (attempts included)
     completed: int = 0
     failed: int = 0  # upstream errors after which nothing could be retried
-    connect_failures: int = 0
+    connect_failures: int = 0  # requests lost to a refused, reset or closed connection (marked down)
+    timeouts: int = 0  # requests the replica was too slow for (read timeout; not marked down)
+    broken_streams: int = 0  # streams cut after bytes went to the client
     prompt_tokens: int = 0
     cached_tokens: int = 0
     last_error: str = ""
@@ -94,6 +100,13 @@ class PrefixRecord:
             if entry[0] in alive:
                 best = (entry[0], i + 1)
         return best
+
+    def entry(self, chunk: str) -> tuple[str, float] | None:
+        """(replica url, when recorded) of one chunk hash, None if unknown or forgotten."""
+        entry = self._map.get(chunk)
+        if entry is None or self.clock() - entry[1] > self.ttl_s:
+            return None
+        return entry
 
     def record(self, chunks: Sequence[str], url: str) -> None:
         now = self.clock()
@@ -142,6 +155,7 @@ class Router:
         load_slack: int = 4,
         record_ttl_s: float = DEFAULTS.default_ttl_s,
         clock: Callable[[], float] = time.monotonic,
+        kv_index: KVIndex | None = None,
     ) -> None:
         if not urls:
             raise ValueError("the router needs at least one --replica URL")
@@ -150,6 +164,7 @@ class Router:
         self.load_factor = load_factor
         self.load_slack = load_slack
         self.record = PrefixRecord(ttl_s=record_ttl_s, clock=clock)
+        self.kv_index = kv_index  # replicas' KV events (cache-aware only), or None
         self._rr = itertools.count()
         self._lock = threading.Lock()
         self.load_fallbacks = 0
@@ -181,10 +196,24 @@ class Router:
         hashed = rendezvous(key.affinity, alive)
         if self.policy is Policy.PREFIX_AFFINITY or key.explicit:
             return hashed
+        if self.kv_index is not None and self.kv_index.publishes([r.url for r in alive]):
+            return self._order_by_events(key, alive, hashed)
         url, depth = self.record.longest(key.chunks, {r.url for r in alive})
         if url is None or depth == 0:
             return hashed
         holder = next(r for r in alive if r.url == url)
+        return [holder, *(r for r in hashed if r is not holder)]
+
+    def _order_by_events(self, key: PrefixKey, alive: list[Replica], hashed: list[Replica]) -> list[Replica]:
+        """The replica holding the deepest prefix by the KV events (the record where a replica
+        publishes nothing: :mod:`~prefixcache.router.kv_index`) first; with none holding any,
+        the least-loaded first."""
+        assert self.kv_index is not None
+        depths = {r.url: self.kv_index.depth(r.url, key.chunks, self.record.entry) for r in alive}
+        best = max(depths.values())
+        if best == 0:
+            return sorted(alive, key=lambda r: (r.in_flight, r.routed))
+        holder = next(r for r in hashed if depths[r.url] == best)
         return [holder, *(r for r in hashed if r is not holder)]
 
     # ------------------------------------------------------------------ bookkeeping
@@ -205,14 +234,41 @@ class Router:
                 replica.last_error = error[:300]
 
     def connect_failed(self, replica: Replica, key: PrefixKey, error: str) -> None:
-        """A request never reached ``replica``: mark it down until a health check passes."""
+        """A request was lost at ``replica``'s connection (refused, reset, closed before the answer
+        was complete): mark it down until a health check passes, and forget its prefixes."""
         with self._lock:
             replica.in_flight = max(0, replica.in_flight - 1)
             replica.connect_failures += 1
             replica.healthy = False
             replica.last_error = error[:300]
-            self.failovers += 1
             self.record.forget(key.chunks, replica.url)
+
+    def failed_over(self) -> None:
+        """A request is being retried on another replica (at most once per request)."""
+        with self._lock:
+            self.failovers += 1
+
+    def timed_out(self, replica: Replica, error: str) -> None:
+        """``replica`` sent nothing within the read timeout: a failed request, but the replica
+        stays in rotation (slow is not down; the health check judges liveness)."""
+        with self._lock:
+            replica.in_flight = max(0, replica.in_flight - 1)
+            replica.failed += 1
+            replica.timeouts += 1
+            replica.last_error = error[:300]
+
+    def stream_broken(self, replica: Replica, error: str, *, down: bool) -> None:
+        """A stream from ``replica`` broke after bytes went to the client (not retried). ``down``:
+        the connection was lost (marked down); a read timeout leaves the replica up."""
+        with self._lock:
+            replica.in_flight = max(0, replica.in_flight - 1)
+            replica.failed += 1
+            replica.broken_streams += 1
+            replica.last_error = error[:300]
+            if down:
+                replica.healthy = False
+            else:
+                replica.timeouts += 1
 
     def usage(self, replica: Replica, prompt_tokens: int, cached_tokens: int) -> None:
         with self._lock:
@@ -245,6 +301,8 @@ class Router:
                     "completed": r.completed,
                     "failed": r.failed,
                     "connect_failures": r.connect_failures,
+                    "timeouts": r.timeouts,
+                    "broken_streams": r.broken_streams,
                     "prompt_tokens": r.prompt_tokens,
                     "cached_tokens": r.cached_tokens,
                     "hit_rate": round(r.hit_rate, 4),

@@ -9,6 +9,7 @@ Routes (OpenAI shape unless noted):
     POST   /v1/messages/count_tokens   Anthropic token count
     GET    /v1/models                  the served model
     GET    /v1/cache                   the caller's cache stats;  DELETE: flush the caller's blocks
+    GET    /v1/cache/report            the caller's cache busting, found live
     POST   /v1/cache/pin               prefill + pin a prefix;    DELETE: unpin it
     GET    /v1/dashboard               the live dashboard's data; GET /dashboard: its page
     GET    /metrics                    Prometheus text
@@ -35,6 +36,7 @@ from prefixcache.server import (
 )
 from prefixcache.server.auth import Authenticator
 from prefixcache.server.bridge import Admission, EngineBridge
+from prefixcache.server.busting import DEFAULT_WINDOW, BustingWatch, LiveBusting
 from prefixcache.server.dashboard import DEFAULT_INTERVAL_S, DashboardRecorder, DashboardSources
 from prefixcache.server.errors import install_error_handlers
 from prefixcache.server.limits import BodyLimit, default_max_body_bytes
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_TENANT_QUEUE_SHARE = 0.5
+DEFAULT_TENANT_PIN_SHARE = 0.5
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 
@@ -94,6 +97,8 @@ def create_app(
     tenant_queue_share: float = DEFAULT_TENANT_QUEUE_SHARE,
     admin_tenants: Iterable[str] = (),
     dashboard_interval_s: float = DEFAULT_INTERVAL_S,
+    tenant_pin_share: float = DEFAULT_TENANT_PIN_SHARE,
+    busting_window: int = DEFAULT_WINDOW,
 ) -> FastAPI:
     """Build the app. ``api_keys``: key -> tenant (None: one ``default`` tenant, no auth).
     ``max_queue``: generation requests in flight (running or waiting) before 429/529.
@@ -102,12 +107,17 @@ def create_app(
     ``salt_secret``: the tenant-salt secret (default ``$PREFIXCACHE_SALT_SECRET`` or random).
     ``max_body_bytes``: a larger body is a 413 before it is parsed (default: 8 MiB, or 32 bytes
     per context token for a longer context). ``tenant_queue_share``: with two tenants or more,
-    the share of ``max_queue`` one tenant may hold (at least one request). ``admin_tenants``:
-    tenants of ``api_keys`` that see every tenant's prefixes on the dashboard.
-    ``dashboard_interval_s``: seconds between two points of the dashboard's time series."""
+    the share of ``max_queue`` one tenant may hold (at least one request); ``tenant_pin_share``
+    likewise of the cache's pinned budget (``POST /v1/cache/pin`` answers 409 beyond).
+    ``busting_window``: requests per endpoint the live cache-busting watch compares (0: no
+    watch; see :mod:`~prefixcache.server.busting`). ``admin_tenants``: tenants of ``api_keys``
+    that see every tenant's prefixes on the dashboard. ``dashboard_interval_s``: seconds between
+    two points of the dashboard's time series."""
     tenants = len(set(api_keys.values())) if api_keys else 1
     tenant_limit = Admission.tenant_limit_for(max_queue, tenant_queue_share, tenants)
     bridge = EngineBridge(engine, max_queue, tenant_limit)
+    if bridge.cache is not None and tenants > 1:
+        bridge.cache.limit_tenant_pins(tenant_pin_share)
     metrics = Metrics(
         stats_fn=lambda: bridge.cache.stats() if bridge.cache is not None else None,
         queue_depth_fn=lambda: bridge.admission.depth,
@@ -127,6 +137,10 @@ def create_app(
     dashboard = DashboardRecorder(_dashboard_sources(bridge, engine), interval_s=dashboard_interval_s)
 
     snapshots = SnapshotReader()
+    busting = None
+    if busting_window:
+        busting = BustingWatch(LiveBusting(lambda: engine.tokenizer, window=busting_window))
+        metrics.registry.register(busting.collector())
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -136,6 +150,8 @@ def create_app(
         finally:
             dashboard.close()
             snapshots.close()
+            if busting is not None:
+                busting.close()
             if trace is not None:
                 trace.close()
 
@@ -154,6 +170,7 @@ def create_app(
         model_name=model_name,
         snapshots=snapshots,
         dashboard=dashboard,
+        busting=busting,
     )
     install_error_handlers(app)
     routers = (routes_openai, routes_responses, routes_anthropic, routes_ops, routes_dashboard)

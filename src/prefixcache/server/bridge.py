@@ -24,6 +24,7 @@ from prefixcache.cache.stats import Usage
 from prefixcache.engine.detok import TokenText
 from prefixcache.engine.types import ChoiceDelta, Completion, PromptDone, QueueFullError, TokenLogprob
 from prefixcache.server.errors import APIError
+from prefixcache.server.kv_blocks import note_prompt_blocks
 from prefixcache.server.tool_prompt import PromptRenderer, RenderedPrompt, ToolConfig
 
 log = logging.getLogger(__name__)
@@ -203,6 +204,7 @@ class EngineBridge:
     ) -> Finished:
         """One whole generation in a worker thread, under admission. With ``disconnected`` (the
         request's ``is_disconnected``), a client that goes away cancels the generation."""
+        await note_prompt_blocks(self, kwargs)  # (a router asked for the prompt's block hashes)
         release = self.admission.enter(str(kwargs.get("tenant", "default")))
         cancel = threading.Event()
         watcher: asyncio.Task[None] | None = None
@@ -237,6 +239,7 @@ class EngineBridge:
         a client that leaves while its request waits in the queue cancels it there, before any
         forward pass, and this raises the 499 :class:`APIError`. From the first item on the
         response is streaming and the HTTP layer sees a disconnect (it stops the consumer)."""
+        await note_prompt_blocks(self, kwargs)
         release = self.admission.enter(str(kwargs.get("tenant", "default")))
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()

@@ -19,6 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from prefixcache.limits import RejectedBody
+
 log = logging.getLogger(__name__)
 
 #: HTTP status -> Anthropic error type (https://docs.anthropic.com/en/api/errors).
@@ -72,19 +74,6 @@ class APIError(Exception):
         self.code = code
         self.anthropic_status = anthropic_status or status
         self.headers = headers
-
-
-class RejectedBody(StarletteHTTPException):
-    """A body refused while it is read or parsed (over the size limit, lone surrogates, too deep).
-    An HTTPException because FastAPI lets only those through from its body reading (any other
-    error there becomes a bare 400); the handler below answers it like an :class:`APIError`."""
-
-    def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
-    ) -> None:
-        super().__init__(status, detail=message)
-        self.param = param
-        self.code = code
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

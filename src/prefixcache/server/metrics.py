@@ -6,6 +6,9 @@ Per request (counted by the server when a generation finishes):
 ``prefixcache_ttft_seconds{outcome}`` (``hit``: every reusable block came from the cache,
 ``partial``: some, ``miss``: none) and ``prefixcache_prefill_seconds_saved_total`` (cached tokens
 divided by the prefill rate measured on this server's own misses: uncached prompt tokens / TTFT).
+``prefixcache_cache_read_reasons_total{reason}`` counts requests by why their cache read ended
+where it did, and ``prefixcache_cache_missed_tokens_total{reason}`` the tokens that would have
+been read but for it (see ``prefixcache.cache.reasons``).
 
 Per HTTP request: ``prefixcache_requests_total{route,status}``.
 
@@ -27,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prefixcache.cache.reasons import Reason
 from prefixcache.server.bridge import Usage
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -98,6 +102,22 @@ class Metrics:
             "prefixcache_cache_write_tokens", "Prompt tokens prefilled and written to the cache.", registry=r
         )
         self.completion_tokens = Counter("prefixcache_completion_tokens", "Tokens generated.", registry=r)
+        self.cache_missed_tokens = Counter(
+            "prefixcache_cache_missed_tokens",
+            "Prompt tokens that would have been read from the cache but for the reason the read ended "
+            "(expired, evicted, flushed, diverged, tier_unavailable).",
+            ["reason"],
+            registry=r,
+        )
+        self.cache_reads = Counter(
+            "prefixcache_cache_read_reasons",
+            "Generation requests by why their cache read ended where it did.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in Reason:
+            self.cache_missed_tokens.labels(reason=reason.value)
+            self.cache_reads.labels(reason=reason.value)
         self.requests = Counter(
             "prefixcache_requests", "HTTP requests by route and status code.", ["route", "status"], registry=r
         )
@@ -132,6 +152,11 @@ class Metrics:
         self.cached_tokens.inc(usage.cached_tokens)
         self.cache_write_tokens.inc(usage.cache_write_tokens)
         self.completion_tokens.inc(usage.completion_tokens)
+        reason = usage.cache_reason
+        if reason is not None:
+            self.cache_reads.labels(reason=reason.reason.value).inc()
+            if reason.cache_missed_tokens:
+                self.cache_missed_tokens.labels(reason=reason.reason.value).inc(reason.cache_missed_tokens)
         if ttft_s is None:
             return
         self.ttft.labels(outcome=outcome).observe(ttft_s)
@@ -143,6 +168,15 @@ class Metrics:
             rate = self._prefill_tokens / self._prefill_seconds if self._prefill_seconds else 0.0
         if rate > 0 and usage.cached_tokens:
             self.prefill_saved.inc(usage.cached_tokens / rate)
+
+    def missed_tokens(self) -> dict[str, int]:
+        """``prefixcache_cache_missed_tokens_total`` by reason, the reasons that cost tokens only."""
+        out: dict[str, int] = {}
+        for family in self.cache_missed_tokens.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.value > 0:
+                    out[sample.labels["reason"]] = int(sample.value)
+        return out
 
     def count_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()

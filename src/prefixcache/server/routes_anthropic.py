@@ -24,6 +24,8 @@ from prefixcache.engine.types import ChoiceDelta, PromptDone
 from prefixcache.server.anthropic_prompt import anthropic_tool_config, plan_for, to_messages
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Finished, Usage
+from prefixcache.server.cache_reasons import prefixcache_field
+from prefixcache.server.diagnostics import compare, fingerprint
 from prefixcache.server.errors import APIError, anthropic_error_body
 from prefixcache.server.limits import CheckedRoute
 from prefixcache.server.routes_openai import SSE_HEADERS, _items, _start_stream, prompt_kwargs
@@ -61,6 +63,23 @@ def anthropic_usage(
         },
         "output_tokens": u.completion_tokens,
     }
+
+
+def diagnostics_field(
+    state: ServerState, body: MessagesRequest, tenant: Tenant, rid: str, usage: Usage
+) -> dict[str, Any]:
+    """``{"diagnostics": ...}`` when the request opted in (else empty), remembering this
+    answer's fingerprint under ``rid`` for the caller's next turn."""
+    if body.diagnostics is None:
+        return {}
+    now = fingerprint(body, usage.prompt_tokens)
+    previous_id = body.diagnostics.previous_message_id
+    result = None
+    if previous_id is not None:
+        previous = state.diagnostics.find(tenant.name, previous_id)
+        result = compare(previous, now, usage, state.bridge.block_size)
+    state.diagnostics.remember(tenant.name, rid, now)
+    return {"diagnostics": result}
 
 
 def stop_reason(fin: Finished, *, called: bool = False) -> tuple[str, str | None]:
@@ -178,6 +197,8 @@ async def create_message(
                 "stop_reason": reason,
                 "stop_sequence": seq,
                 "usage": anthropic_usage(fin.usage, plan, state.bridge.block_size),
+                **prefixcache_field(fin.usage, state.bridge.decode),
+                **diagnostics_field(state, body, tenant, rid, fin.usage),
             }
         )
     # The first item is the engine's PromptDone (the prompt is prefilled): message_start carries
@@ -200,6 +221,8 @@ async def create_message(
                     "stop_reason": None,
                     "stop_sequence": None,
                     "usage": anthropic_usage(item.usage, plan, state.bridge.block_size),
+                    **prefixcache_field(item.usage, state.bridge.decode),
+                    **diagnostics_field(state, body, tenant, rid, item.usage),
                 }
                 yield _event("message_start", {"type": "message_start", "message": message})
                 if not config.parses_calls:  # the hosted order: the text block opens before the ping

@@ -27,15 +27,18 @@ PAGE_ASSETS = ("dashboard.css", "common.js", "server.js")
 
 # ---------------------------------------------------------------------- panels fed from elsewhere
 def miss_reasons(state: ServerState, tenant: Tenant) -> dict[str, int]:
-    """Prompt tokens the cache did not serve, by reason (reason -> tokens). Empty: the server
-    does not count misses by reason yet; the page then says "no data yet"."""
-    return {}
+    """Prompt tokens the cache did not serve, by why the read ended (reason -> tokens): the
+    server-wide ``prefixcache_cache_missed_tokens_total`` (as ``/metrics`` publishes it)."""
+    return state.metrics.missed_tokens()
 
 
 def busting_findings(state: ServerState, tenant: Tenant) -> list[dict[str, Any]]:
-    """Cache-busting findings of the caller's traffic (one dict per finding). Empty: the server
-    does not audit its own traffic yet; the page then says "no data yet"."""
-    return []
+    """The caller's tenant's cache-busting findings from the live watch (``GET /v1/cache/report``),
+    one row per finding with its endpoint; empty when the watch is off."""
+    if state.busting is None:
+        return []
+    report = state.busting.live.report(tenant.name)
+    return [{"endpoint": e["endpoint"], **row} for e in report["endpoints"] for row in e["busting"]]
 
 
 # ---------------------------------------------------------------------- the data

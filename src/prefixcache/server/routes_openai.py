@@ -30,6 +30,7 @@ from prefixcache.cache.policy import TTL_CLASSES
 from prefixcache.engine.types import ChoiceDelta, PromptDone
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Usage, translate_error
+from prefixcache.server.cache_reasons import prefixcache_field
 from prefixcache.server.errors import APIError, bad_request, openai_error_body
 from prefixcache.server.limits import CheckedRoute
 from prefixcache.server.logprobs import chat_logprobs, completion_logprobs
@@ -212,6 +213,7 @@ async def chat_completions(
                 "system_fingerprint": None,
                 "choices": choices,
                 "usage": openai_usage(fin.usage),
+                **prefixcache_field(fin.usage, state.bridge.decode),
             }
         )
     agen, first = await _start_stream(state, kwargs, request)
@@ -258,6 +260,7 @@ async def chat_completions(
                 final = chunk(0, {}, None)
                 final["choices"] = []
                 final["usage"] = openai_usage(item.usage)
+                final.update(prefixcache_field(item.usage, state.bridge.decode))
                 yield _sse(final)
         yield "data: [DONE]\n\n"
 
@@ -327,6 +330,7 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
                     for c in fin.choices
                 ],
                 "usage": openai_usage(fin.usage),
+                **prefixcache_field(fin.usage, state.bridge.decode),
             }
         )
     agen, first = await _start_stream(state, kwargs, request)
@@ -366,6 +370,7 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
                 final = chunk(0, "", None)
                 final["choices"] = []
                 final["usage"] = openai_usage(item.usage)
+                final.update(prefixcache_field(item.usage, state.bridge.decode))
                 yield _sse(final)
         yield "data: [DONE]\n\n"
 

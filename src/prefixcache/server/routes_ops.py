@@ -1,8 +1,9 @@
 """Operations routes: GET /health, GET /v1/models, GET /metrics, and the caller's cache:
-GET/DELETE /v1/cache, POST/DELETE /v1/cache/pin."""
+GET/DELETE /v1/cache, POST/DELETE /v1/cache/pin, GET /v1/cache/report."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Annotated, Any
 
@@ -10,6 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from prefixcache.cache.pins import TenantPinBudgetExceeded
 from prefixcache.cache.store import PinBudgetExceeded
 from prefixcache.server.auth import Tenant
 from prefixcache.server.errors import APIError, bad_request
@@ -116,16 +118,15 @@ async def cache_stats(request: Request, tenant: Tenant = Depends(get_tenant)) ->
     return JSONResponse(snapshot.value, headers=_age_headers(snapshot))
 
 
-@router.delete("/v1/cache", summary="Flush the caller's cached blocks (blocks in use stay)")
+@router.delete("/v1/cache", summary="Flush the caller's cached blocks, in memory and in the tiers below")
 async def cache_flush(request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
-    """Flushes the memory tier only. TODO(issue 11, part 2): the tiers' API (get_many, put) has
-    no delete, and their entries do not record their namespace, so the tenant's disk and Redis
-    entries stay until their own expiry or eviction; needs a ``Tier.remove_namespace`` (or a
-    per-namespace index) in ``prefixcache.cache.tiers``."""
+    """Memory (blocks in use or pinned stay), then every entry of the caller's namespace in the
+    disk and Redis tiers (``tier_entries_removed``: per tier). Other tenants' entries stay."""
     bridge = get_state(request).bridge
     ns = bridge.namespace(tenant.name, tenant.salt)
     removed = await bridge.run(lambda: bridge.cache.flush(ns))
-    return {"flushed_blocks": removed}
+    tiers = await bridge.run(lambda: bridge.cache.remove_tier_entries(ns))
+    return {"flushed_blocks": removed, "tier_entries_removed": tiers}
 
 
 def _prefix_kwargs(body: PinRequest) -> dict[str, Any]:
@@ -168,6 +169,13 @@ async def cache_pin(body: PinRequest, request: Request, tenant: Tenant = Depends
     state.record(request, tenant, fin, None)
     try:
         pinned = await bridge.run(lambda: bridge.cache.pin(ids, ns))
+    except TenantPinBudgetExceeded as e:
+        message = (
+            f"This tenant's share of the pinned budget is full: {e.used} of its {e.limit} bytes are pinned "
+            f"(the server's --tenant-pin-share is {e.share:g}) and this prefix needs {e.needed} more; "
+            "unpin one of your prefixes first (DELETE /v1/cache/pin)."
+        )
+        raise APIError(409, message, code="tenant_pin_budget") from e
     except PinBudgetExceeded as e:
         message = f"The pinned budget is full ({e}); unpin another prefix first."
         raise APIError(409, message, code="pin_budget") from e
@@ -181,3 +189,18 @@ async def cache_unpin(body: PinRequest, request: Request, tenant: Tenant = Depen
     ids = await _prefix_ids(request, body)
     unpinned = await bridge.run(lambda: bridge.cache.unpin(ids, ns))
     return {"unpinned_tokens": unpinned}
+
+
+@router.get("/v1/cache/report", summary="Cache busting found live in the caller's traffic")
+async def cache_report(request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
+    """The caller's endpoints and their busting findings over the live window (the audit's
+    ``busting`` rows; see :mod:`~prefixcache.server.busting`). Never another tenant's."""
+    watch = get_state(request).busting
+    if watch is None:
+        raise APIError(
+            400,
+            "The live cache-busting watch is off on this server (--busting-window 0).",
+            code="report_disabled",
+        )
+    live = watch.live
+    return await asyncio.to_thread(live.report, tenant.name)

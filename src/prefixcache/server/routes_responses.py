@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prefixcache.engine.types import ChoiceDelta, PromptDone
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Finished, Usage
+from prefixcache.server.cache_reasons import prefixcache_field
 from prefixcache.server.errors import APIError, bad_request
 from prefixcache.server.limits import CheckedRoute
 from prefixcache.server.openai_prompt import responses_conversation, responses_tool_config
@@ -179,7 +180,15 @@ def function_call_item(
 class ResponseShell:
     """The response object of one request, without its output until it is done."""
 
-    def __init__(self, body: ResponsesRequest, model: str, kwargs: dict[str, Any], parallel: bool) -> None:
+    def __init__(
+        self,
+        body: ResponsesRequest,
+        model: str,
+        kwargs: dict[str, Any],
+        parallel: bool,
+        decode: Callable[[list[int]], str],
+    ) -> None:
+        self.decode = decode
         self.id = f"resp_{uuid.uuid4().hex[:24]}"
         self.created_at = int(time.time())
         self.base: dict[str, Any] = {
@@ -223,6 +232,7 @@ class ResponseShell:
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "output": output,
             "usage": responses_usage(fin.usage),
+            **prefixcache_field(fin.usage, self.decode),
         }
 
 
@@ -259,7 +269,7 @@ async def create_response(
         **prompt_kwargs(rendered, None),
         "max_tokens": body.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS,
     }
-    shell = ResponseShell(body, state.model_name, kwargs, config.parallel)
+    shell = ResponseShell(body, state.model_name, kwargs, config.parallel, state.bridge.decode)
     text = rendered.trace_text()
     if not body.stream:
         fin = await state.bridge.generate(kwargs, request.is_disconnected)

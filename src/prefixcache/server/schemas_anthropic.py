@@ -111,6 +111,14 @@ class _Prompt(BaseModel):
         return list(self.system)
 
 
+class DiagnosticsParam(BaseModel):
+    """Cache diagnostics (see ``prefixcache.server.diagnostics``): the previous answer's id, or
+    null on the first turn."""
+
+    model_config = ConfigDict(extra="ignore")
+    previous_message_id: Annotated[StrictStr, Field(max_length=200)] | None = None
+
+
 class MessagesRequest(_Prompt):
     """POST /v1/messages."""
 
@@ -121,6 +129,9 @@ class MessagesRequest(_Prompt):
     stop_sequences: Annotated[list[StrictStr], Field(max_length=8)] | None = None
     stream: StrictBool | None = False
     metadata: dict[str, Any] | None = None
+    diagnostics: DiagnosticsParam | None = Field(
+        None, description="Cache diagnostics: compare with the answer named by previous_message_id."
+    )
 
 
 class CountTokensRequest(_Prompt):

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Header, Request
 
 from prefixcache.server.auth import Authenticator, Tenant
 from prefixcache.server.bridge import EngineBridge, Finished
+from prefixcache.server.busting import BustingWatch
 from prefixcache.server.dashboard import DashboardRecorder
+from prefixcache.server.diagnostics import DiagnosticsRecord
 from prefixcache.server.errors import APIError
 from prefixcache.server.metrics import Metrics
 from prefixcache.server.snapshots import SnapshotReader
@@ -31,6 +33,8 @@ class ServerState:
     model_name: str
     snapshots: SnapshotReader  # cache reads off the event loop (/metrics, GET /v1/cache)
     dashboard: DashboardRecorder  # GET /v1/dashboard: series and top prefixes
+    diagnostics: DiagnosticsRecord = field(default_factory=DiagnosticsRecord)  # Anthropic's, by answer id
+    busting: BustingWatch | None = None  # live cache-busting detection (GET /v1/cache/report)
 
     def check_model(self, model: str) -> None:
         """404 in the route's shape unless ``model`` is the one this server serves."""
@@ -66,11 +70,13 @@ class ServerState:
             fin.ttft_s,
             fin.outcome,
         )
+        endpoint = (request.headers.get(ENDPOINT_HEADER) or request.url.path)[:200]
+        if self.busting is not None:
+            self.busting.submit(tenant.name, endpoint, fin.prompt_token_ids)
         if self.trace is not None:
-            endpoint = request.headers.get(ENDPOINT_HEADER) or request.url.path
             self.trace.record(
                 tenant=tenant.name,
-                endpoint=endpoint[:200],
+                endpoint=endpoint,
                 result=fin,
                 text=text,
                 ttl_s=ttl_s,

@@ -6,9 +6,11 @@ what this server saw::
      "prompt_tokens": 1043, "tokens": [1, 2, ...], "cached_tokens": 1024, "cache_write_tokens": 16,
      "ttft_s": 0.041, "output_tokens": 32}
 
-plus ``"ttl"`` (seconds) when the request asked for a TTL class, ``"prompt_cache_key"`` when an
-OpenAI request sent one, and a header line
-``{"v": 1, "type": "header", "tokenizer": ...}`` first in a new file when the tokenizer is known.
+plus ``"cache_reason"`` and ``"cache_missed_tokens"`` (why the cache read ended where it did,
+see ``prefixcache.cache.reasons``; ``"divergence_token"`` for ``diverged``), ``"ttl"`` (seconds)
+when the request asked for a TTL class, ``"prompt_cache_key"`` when an OpenAI request sent one,
+and a header line ``{"v": 1, "type": "header", "tokenizer": ...}`` first in a new file when the
+tokenizer is known.
 
 ``endpoint`` is the route path unless the client sends ``X-Prefixcache-Endpoint`` (a label for
 the calling feature, so the audit can report per feature). The prompt text (``prompt`` or
@@ -139,6 +141,11 @@ class TraceWriter:
             "ttft_s": None if result.ttft_s is None else round(result.ttft_s, 6),
             "output_tokens": u.completion_tokens,
         }
+        if u.cache_reason is not None:
+            line["cache_reason"] = u.cache_reason.reason.value
+            line["cache_missed_tokens"] = u.cache_reason.cache_missed_tokens
+            if u.cache_reason.token_index is not None:
+                line["divergence_token"] = u.cache_reason.token_index
         if ttl_s is not None:
             line["ttl"] = ttl_s
         if cache_key is not None:

@@ -1,12 +1,14 @@
 """Tiers below the in-memory store: a local disk directory and a shared Redis.
 
 Both speak :class:`~prefixcache.cache.tiers.base.Tier`: the same chained keys as memory, entries
-verified on read (key, parent, token ids, checksum), promoted into memory on a hit, written
-through on commit (or demoted on capacity eviction): see :class:`~.stack.TierStack`, which the
-cache drives. Typical use, by the server::
+authenticated on read (a MAC keyed from the server's salt secret, the model's block layout, key,
+parent, token ids), promoted into memory on a hit, written through on commit (or demoted on
+capacity eviction): see :class:`~.stack.TierStack`, which the cache drives. Typical use, by the
+server::
 
     from prefixcache.cache.tiers import attach_tiers
-    tiers = attach_tiers(engine.cache, disk_dir="/var/cache/prefixcache", redis_url="redis://host:6379/0")
+    tiers = attach_tiers(engine.cache, secret=salt_secret, disk_dir="/var/cache/prefixcache",
+                         redis_url="redis://host:6379/0")
 
 Lookups go memory -> disk -> Redis; a run found partly on disk continues in Redis.
 """
@@ -20,9 +22,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from prefixcache.cache.tiers.base import BackgroundWriter, Tier, TierStats
-from prefixcache.cache.tiers.codec import CorruptEntry, Entry, TensorCodec
+from prefixcache.cache.tiers.codec import BlockLayout, CorruptEntry, Entry, TensorCodec, derive_tier_key
 from prefixcache.cache.tiers.disk import DiskTier
-from prefixcache.cache.tiers.redis import CircuitBreaker, RedisTier
+from prefixcache.cache.tiers.redis import DEFAULT_MAX_TTL_S, CircuitBreaker, RedisTier, redacted_url
 from prefixcache.cache.tiers.stack import TierStack
 
 if TYPE_CHECKING:
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "BackgroundWriter",
+    "BlockLayout",
     "CircuitBreaker",
     "CorruptEntry",
     "DiskTier",
@@ -42,6 +45,8 @@ __all__ = [
     "TierStack",
     "TierStats",
     "attach_tiers",
+    "derive_tier_key",
+    "redacted_url",
     "flush_tiers",
     "tier_stats",
     "refresh_pinned",
@@ -54,12 +59,14 @@ def attach_tiers(
     cache: PrefixCache,
     codec: TensorCodec | None = None,
     *,
+    secret: str | bytes | None = None,
     disk_dir: str | os.PathLike[str] | None = None,
     disk_bytes: int = 8 << 30,
     disk_write_through: bool = True,
     redis_url: str | None = None,
     redis_deployment: str | None = None,
     redis_ttl_s: float | None = None,
+    redis_max_ttl_s: float = DEFAULT_MAX_TTL_S,
     redis_timeout_s: float = 0.25,
     redis_sync_writes: bool = False,
     pin_refresh_s: float | None = 60.0,
@@ -72,8 +79,12 @@ def attach_tiers(
     contact Redis: a Redis that is down only costs counted misses. With Redis and
     ``pin_refresh_s``, a daemon thread keeps the pinned (keep-warm) blocks alive in Redis.
     ``redis_sync_writes``: see :class:`RedisTier` (read-your-writes across replicas vs latency).
+    ``secret``: the server's salt secret (default ``$PREFIXCACHE_SALT_SECRET``); the entries' MAC
+    key is derived from it, so only processes sharing it read each other's entries (none given:
+    a random key of this process). ``redis_max_ttl_s``: no Redis entry lives longer unused.
     """
-    codec = codec or TensorCodec()
+    if codec is None:
+        codec = TensorCodec.from_secret(secret or os.environ.get("PREFIXCACHE_SALT_SECRET") or None)
     disk_dir = disk_dir or os.environ.get("PREFIXCACHE_DISK_CACHE") or None
     redis_url = redis_url or os.environ.get("PREFIXCACHE_REDIS_URL") or None
     deployment = redis_deployment or os.environ.get("PREFIXCACHE_REDIS_DEPLOYMENT") or "default"
@@ -89,6 +100,7 @@ def attach_tiers(
             deployment=deployment,
             ttl_s=redis_ttl_s,
             refresh_ttl_s=redis_ttl_s or cache.default_ttl_s,
+            max_ttl_s=redis_max_ttl_s,
             codec=codec,
             socket_timeout_s=redis_timeout_s,
             connect_timeout_s=redis_timeout_s,
@@ -96,7 +108,12 @@ def attach_tiers(
         )
         cache.add_tier(rt)
         added.append(rt)
-        log.info("cache tier: redis %s (deployment %r)", redis_url, deployment)
+        log.info(
+            "cache tier: redis %s (deployment %r, entries live at most %.0fs)",
+            rt.url,
+            deployment,
+            rt.max_ttl_s,
+        )
         if pin_refresh_s:
             start_pin_refresher(cache, pin_refresh_s)
     return added

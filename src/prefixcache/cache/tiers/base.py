@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from prefixcache.cache.blocks import Block
 from prefixcache.cache.keys import BlockHash
+from prefixcache.cache.tiers.codec import BlockLayout
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +30,28 @@ class Tier(Protocol):
     #: True: every committed block is written at once (shared tiers); False: on eviction only.
     write_through: bool
 
-    def get_many(self, keys: Sequence[BlockHash], tokens: Sequence[bytes]) -> list[tuple[Any, int]]:
-        """(payload, nbytes) of the leading run of ``keys`` held and verified by this tier, in
-        order; stops at the first block missing or failing verification (may be empty)."""
+    def get_many(
+        self,
+        keys: Sequence[BlockHash],
+        tokens: Sequence[bytes],
+        namespace: bytes,
+        layout: BlockLayout | None = None,
+    ) -> list[tuple[Any, int]]:
+        """(payload, nbytes) of the leading run of ``keys`` (of namespace root ``namespace``)
+        held and verified by this tier, in order; stops at the first block missing or failing
+        verification (may be empty). ``layout``: the only payload shape and dtype accepted."""
         ...
 
     def put(self, block: Block) -> None:
         """Persist one block (key, parent, tokens, payload). Quick, and must not raise on a
         backend failure (it is called under the cache's lock)."""
+        ...
+
+    def remove_namespace(self, namespace: bytes) -> int:
+        """Delete every entry of namespace root ``namespace`` this tier holds (a tenant's
+        ``DELETE /v1/cache``); other namespaces' entries stay. Returns entries removed. Not
+        called under the cache's lock; must not raise on a backend failure (returns what it
+        removed)."""
         ...
 
     def stats(self) -> TierStats:

@@ -1,4 +1,4 @@
-"""A compact, self-verifying binary entry for one cached block (no pickle).
+"""A compact, authenticated binary entry for one cached block (no pickle).
 
 Layout (little-endian)::
 
@@ -9,25 +9,39 @@ Layout (little-endian)::
     tokens   packed uint32 token ids of the block (see ``cache.keys.pack_tokens``)
     shape    ndim x uint64
     payload  the tensor's raw bytes, C order, in its own dtype
-    digest   blake2b-256 over everything above
+    mac      keyed BLAKE2b-256 over everything above
 
-:func:`decode` checks magic, version, lengths and the digest, then the caller's expectations
-(key, parent, tokens); any mismatch raises :class:`CorruptEntry` and the tier counts a miss.
-The decoded tensor is bit-identical to the encoded one, which is what keeps a tier hit exact.
+The MAC key is derived from the server's salt secret (:func:`derive_tier_key`, HKDF-SHA256 with
+a label of its own) and never written anywhere: whoever can write to Redis or to the disk tier
+but does not hold the secret cannot make an entry that verifies, even with every byte of a
+genuine one in hand. Replicas of one deployment share the salt secret, hence the key, and read
+each other's entries.
+
+:func:`TensorCodec.decode` checks, before any tensor is built: magic, version, lengths, the
+shape and dtype against the model's :class:`BlockLayout` (when given), the MAC, then the
+caller's expectations (key, parent, tokens). Any mismatch raises :class:`CorruptEntry` and the
+tier counts a miss (``corrupt``), deletes the entry and never serves it. The decoded tensor is
+bit-identical to the encoded one, which is what keeps a tier hit exact.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import secrets
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MAGIC = b"PXKV"
-VERSION = 1
+VERSION = 2  # 1: an unkeyed checksum (no longer accepted)
 _HEADER = struct.Struct("<4sBBBBHHIQ")
-_DIGEST_SIZE = 32
+_MAC_SIZE = 32
 _NO_PARENT = 0x01
+_MAC_PERSON = b"pxc-entry-mac"  # BLAKE2b personalisation: one key, separate uses
+_NAMESPACE_PERSON = b"pxc-namespace"
+_KDF_SALT = b"prefixcache tier entries"
+_KDF_INFO = b"entry MAC key v2"
 
 # dtype name <-> stable one-byte code (never renumber: persisted entries carry the code).
 _DTYPE_CODES: dict[str, int] = {
@@ -41,6 +55,16 @@ _DTYPE_CODES: dict[str, int] = {
     "int64": 8,
 }
 _CODE_DTYPES = {code: name for name, code in _DTYPE_CODES.items()}
+_ITEMSIZE = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "uint8": 1,
+    "int8": 1,
+    "int32": 4,
+    "int64": 8,
+}
 
 
 class CorruptEntry(ValueError):
@@ -58,17 +82,54 @@ class Entry:
     nbytes: int
 
 
-def _digest(data: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(data, digest_size=_DIGEST_SIZE).digest()
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """What one block's payload must be for the engine that reads it: the KV pool's per-block
+    ``shape`` (``[layers, 2, kv_heads, B, head_dim]``) and ``dtype`` (a torch dtype name)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPE_CODES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {sorted(_DTYPE_CODES)}")
+
+
+def derive_tier_key(secret: str | bytes) -> bytes:
+    """The 32-byte MAC key of tier entries from the server's salt secret: HKDF-SHA256 (RFC 5869)
+    with its own salt and info labels, so it equals no tenant salt (``HMAC(secret, tenant)``)."""
+    ikm = secret.encode() if isinstance(secret, str) else bytes(secret)
+    prk = hmac.new(_KDF_SALT, ikm, hashlib.sha256).digest()  # extract
+    return hmac.new(prk, _KDF_INFO + b"\x01", hashlib.sha256).digest()  # expand, one block
+
+
+#: The key of a process that was given no secret: its entries verify in this process only.
+_PROCESS_KEY = derive_tier_key(secrets.token_bytes(32))
 
 
 @dataclass(frozen=True, slots=True)
 class TensorCodec:
     """Encodes a block whose payload is one torch tensor (the engine's KV block).
 
-    Stateless and thread-safe. ``encode`` copies the tensor to CPU if needed; ``decode`` returns
-    an owned, writable CPU tensor.
+    ``key``: the MAC key (:func:`derive_tier_key`; :meth:`from_secret` derives it). Default: a
+    random key of this process, so entries verify only within it. Immutable and thread-safe.
+    ``encode`` copies the tensor to CPU if needed; ``decode`` returns an owned, writable CPU tensor.
     """
+
+    key: bytes = field(default=_PROCESS_KEY, repr=False)
+
+    @classmethod
+    def from_secret(cls, secret: str | bytes | None) -> TensorCodec:
+        """A codec keyed from the salt secret (None: this process's random key)."""
+        return cls() if secret is None else cls(derive_tier_key(secret))
+
+    def namespace_tag(self, root: bytes) -> str:
+        """A keyed 32-hex-digit name for a namespace root: what the tiers index a tenant's entries
+        under (the root itself, which lets one test guessed prompts, is never stored)."""
+        return hashlib.blake2b(root, digest_size=16, key=self.key, person=_NAMESPACE_PERSON).hexdigest()
+
+    def _mac(self, data: bytes | memoryview) -> bytes:
+        return hashlib.blake2b(data, digest_size=_MAC_SIZE, key=self.key, person=_MAC_PERSON).digest()
 
     def encode(self, key: bytes, parent: bytes | None, tokens: bytes, payload: Any) -> bytes:
         """Serialize one block. ``payload``: a torch tensor, or an object whose ``as_tensor()``
@@ -92,7 +153,7 @@ class TensorCodec:
             MAGIC, VERSION, code, t.dim(), flags, len(key), len(parent_b), len(tokens), len(raw)
         )
         body = b"".join((head, key, parent_b, tokens, shape, raw))
-        return body + _digest(body)
+        return body + self._mac(body)
 
     def decode(
         self,
@@ -101,13 +162,16 @@ class TensorCodec:
         key: bytes | None = None,
         parent: bytes | None | bool = False,
         tokens: bytes | None = None,
+        layout: BlockLayout | None = None,
     ) -> Entry:
         """Verify and deserialize. ``key``/``tokens`` when given must match exactly; ``parent``
-        (``False``: not checked; ``None``: must be a first block) likewise. Raises CorruptEntry."""
+        (``False``: not checked; ``None``: must be a first block) likewise; ``layout``, when
+        given, is the only shape and dtype accepted. Raises CorruptEntry, before building any
+        tensor."""
         import torch
 
         mv = memoryview(data)
-        if len(mv) < _HEADER.size + _DIGEST_SIZE:
+        if len(mv) < _HEADER.size + _MAC_SIZE:
             raise CorruptEntry("entry too short")
         magic, version, code, ndim, flags, klen, plen, tlen, nraw = _HEADER.unpack_from(mv, 0)
         if magic != MAGIC:
@@ -115,24 +179,32 @@ class TensorCodec:
         if version != VERSION:
             raise CorruptEntry(f"unsupported entry version {version}")
         total = _HEADER.size + klen + plen + tlen + 8 * ndim + nraw
-        if len(mv) != total + _DIGEST_SIZE:
-            raise CorruptEntry(f"length {len(mv)} != {total + _DIGEST_SIZE}")
-        if _digest(mv[:total]) != bytes(mv[total:]):
-            raise CorruptEntry("checksum mismatch")
+        if len(mv) != total + _MAC_SIZE:
+            raise CorruptEntry(f"length {len(mv)} != {total + _MAC_SIZE}")
         dtype_name = _CODE_DTYPES.get(code)
         if dtype_name is None:
             raise CorruptEntry(f"unknown dtype code {code}")
+        off = _HEADER.size + klen + plen + tlen
+        shape = struct.unpack_from(f"<{ndim}Q", mv, off)
+        if layout is not None and (shape != layout.shape or dtype_name != layout.dtype):
+            raise CorruptEntry(
+                f"layout {dtype_name}{list(shape)} is not the model's block layout "
+                f"{layout.dtype}{list(layout.shape)}"
+            )
+        n = 1
+        for d in shape:
+            n *= d
+        if n * _ITEMSIZE[dtype_name] != nraw:
+            raise CorruptEntry("payload size does not match shape and dtype")
+        if not hmac.compare_digest(self._mac(mv[:total]), bytes(mv[total:])):
+            raise CorruptEntry("MAC mismatch (altered, or written without this deployment's secret)")
         off = _HEADER.size
         key_b = bytes(mv[off : off + klen])
         off += klen
-        parent_b: bytes | None = bytes(mv[off : off + plen])
+        parent_b: bytes | None = None if flags & _NO_PARENT else bytes(mv[off : off + plen])
         off += plen
-        if flags & _NO_PARENT:
-            parent_b = None
         tok_b = bytes(mv[off : off + tlen])
-        off += tlen
-        shape = struct.unpack_from(f"<{ndim}Q", mv, off)
-        off += 8 * ndim
+        off += tlen + 8 * ndim
         if key is not None and key_b != key:
             raise CorruptEntry("key mismatch")
         if parent is not False and parent_b != parent:
@@ -140,12 +212,6 @@ class TensorCodec:
         if tokens is not None and tok_b != tokens:
             raise CorruptEntry("token mismatch")
         dtype = getattr(torch, dtype_name)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        n = 1
-        for d in shape:
-            n *= d
-        if n * itemsize != nraw:
-            raise CorruptEntry("payload size does not match shape and dtype")
         buf = bytearray(mv[off : off + nraw])  # owned and writable: the tensor keeps it alive
         tensor = (
             torch.frombuffer(buf, dtype=dtype, count=n).reshape(shape)

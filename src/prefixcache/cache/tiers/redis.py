@@ -1,10 +1,15 @@
 """RedisTier: blocks shared across replicas through one Redis, with expiry and a circuit breaker.
 
-Each block is one Redis string ``<prefix><deployment>:kv:<key hex>`` holding a :mod:`codec` entry
-(header, token ids, tensor bytes, checksum), set with ``EX`` (the block's TTL, or the tier's).
-A lookup reads the run of keys with pipelined ``MGET`` batches and stops at the first missing or
-bad entry; a bad entry is a counted miss, never served, and deleted. Hits refresh the expiry in
-the background (``EXPIRE ... GT``: never shortens a longer TTL).
+Each block is one Redis string ``<prefix><deployment>:kv:<namespace tag>:<key hex>`` holding a
+:mod:`codec` entry (header, token ids, tensor bytes, MAC), set with ``EX``: the block's TTL (or
+the tier's), never more than ``max_ttl_s``, whatever a client asked for. The namespace tag (a
+keyed digest of the tenant's namespace root) lets :meth:`RedisTier.remove_namespace` find a
+tenant's entries with ``SCAN MATCH`` and leave every other tenant's. A lookup reads the run of
+keys with pipelined ``MGET`` batches and stops at the first missing or bad entry; a bad entry
+(MAC, layout, key, parent, tokens) is a counted miss, never served, and deleted. Hits refresh
+the expiry in the background (``EXPIRE ... GT``: never shortens a longer TTL).
+
+The URL's password never reaches a log: the tier logs :func:`redacted_url`.
 
 Redis is an optimisation, never a dependency of correctness: every backend failure (refused
 connection, socket timeout, protocol error) is caught, counted in ``errors``, and answered as a
@@ -25,16 +30,37 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 from prefixcache.cache.blocks import Block
 from prefixcache.cache.config import DEFAULTS
 from prefixcache.cache.tiers.base import BackgroundWriter, TierStats
-from prefixcache.cache.tiers.codec import CorruptEntry, TensorCodec
+from prefixcache.cache.tiers.codec import BlockLayout, CorruptEntry, TensorCodec
 
 if TYPE_CHECKING:
     import redis as redis_lib
 
 log = logging.getLogger(__name__)
+
+#: The longest expiry a Redis entry gets by default: an hour (a client's "24h" retention class
+#: keeps its blocks in memory that long, in the shared Redis at most this long unused).
+DEFAULT_MAX_TTL_S = 3600.0
+
+
+def redacted_url(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``: what logs and messages show."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        user = parts.username or ""
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port is not None else "")
+        return urlunsplit(parts._replace(netloc=netloc))
+    except ValueError:  # an unparsable URL: show none of it
+        return "redis://***"
 
 
 @dataclass(slots=True)
@@ -86,6 +112,7 @@ class RedisTier:
         prefix: str = "prefixcache:",
         ttl_s: float | None = None,
         refresh_ttl_s: float = DEFAULTS.default_ttl_s,
+        max_ttl_s: float = DEFAULT_MAX_TTL_S,
         codec: TensorCodec | None = None,
         write_through: bool = True,
         sync_writes: bool = False,
@@ -102,8 +129,11 @@ class RedisTier:
         self.name = name
         self.write_through = write_through
         self.sync_writes = sync_writes
-        self.url = url
+        if not max_ttl_s >= 1:
+            raise ValueError(f"max_ttl_s must be >= 1 second; got {max_ttl_s}")
+        self.url = redacted_url(url)  # for messages; the client keeps the real one
         self.key_prefix = f"{prefix}{deployment}:kv:"
+        self.max_ttl_s = float(max_ttl_s)
         self.ttl_s = ttl_s
         self.refresh_ttl_s = refresh_ttl_s
         self.codec = codec or TensorCodec()
@@ -127,11 +157,22 @@ class RedisTier:
         self.client = client
         self._writer = BackgroundWriter(name, maxsize=queue_size, max_bytes=queue_bytes)
 
-    def redis_key(self, key: bytes) -> str:
-        return self.key_prefix + key.hex()
+    def redis_key(self, key: bytes, namespace: bytes) -> str:
+        """The Redis name of block ``key`` of namespace root ``namespace``."""
+        return f"{self.key_prefix}{self.codec.namespace_tag(namespace)}:{key.hex()}"
+
+    def capped_ttl(self, ttl_s: float) -> int:
+        """Whole seconds of expiry for a requested ``ttl_s``: at least 1, at most ``max_ttl_s``."""
+        return max(1, math.ceil(min(ttl_s, self.max_ttl_s)))
 
     # ------------------------------------------------------------------ Tier protocol
-    def get_many(self, keys: Sequence[bytes], tokens: Sequence[bytes]) -> list[tuple[Any, int]]:
+    def get_many(
+        self,
+        keys: Sequence[bytes],
+        tokens: Sequence[bytes],
+        namespace: bytes,
+        layout: BlockLayout | None = None,
+    ) -> list[tuple[Any, int]]:
         """Payloads of the leading run of ``keys`` held in Redis and verified. On any backend
         failure: what was verified so far (possibly nothing), a counted error, breaker opened."""
         import redis as redis_lib
@@ -145,7 +186,7 @@ class RedisTier:
         try:
             for start in range(0, len(keys), self.batch_blocks):
                 batch = keys[start : start + self.batch_blocks]
-                values = self.client.mget([self.redis_key(key) for key in batch])
+                values = self.client.mget([self.redis_key(key, namespace) for key in batch])
                 stop = False
                 for offset, value in enumerate(values):
                     index = start + offset
@@ -156,7 +197,9 @@ class RedisTier:
                         break
                     try:
                         parent = keys[index - 1] if index else False
-                        entry = self.codec.decode(value, key=keys[index], tokens=tokens[index], parent=parent)
+                        entry = self.codec.decode(
+                            value, key=keys[index], tokens=tokens[index], parent=parent, layout=layout
+                        )
                     except CorruptEntry as exc:
                         log.warning(
                             "redis tier: corrupt entry %s (%s): deleted, not served",
@@ -165,11 +208,11 @@ class RedisTier:
                         )
                         with self._lock:
                             self._stats.corrupt += 1
-                        self.client.delete(self.redis_key(keys[index]))
+                        self.client.delete(self.redis_key(keys[index], namespace))
                         stop = True
                         break
                     out.append((entry.payload, entry.nbytes))
-                    hit_keys.append(self.redis_key(keys[index]))
+                    hit_keys.append(self.redis_key(keys[index], namespace))
                 if stop:
                     break
         except redis_lib.RedisError as exc:
@@ -191,13 +234,37 @@ class RedisTier:
                 self._stats.write_drops += 1
             return
         ttl = self.ttl_s if self.ttl_s is not None else block.ttl_s
-        key, parent, tokens, payload = bytes(block.key), block.parent, block.tokens, block.payload
+        write = functools.partial(
+            self._write, block.key, block.namespace, block.parent, block.tokens, block.payload, ttl
+        )
         if self.sync_writes:
-            self._write(key, parent, tokens, payload, ttl)
+            write()
             return
-        if not self._writer.submit(lambda: self._write(key, parent, tokens, payload, ttl), block.nbytes):
+        if not self._writer.submit(write, block.nbytes):
             with self._lock:
                 self._stats.write_drops += 1
+
+    def remove_namespace(self, namespace: bytes) -> int:
+        """Delete every entry of the namespace root ``namespace`` (``SCAN MATCH`` on its tag, then
+        ``UNLINK`` in batches), after the writes queued so far. Returns entries removed; on a
+        backend failure, those removed before it (counted as an error)."""
+        import redis as redis_lib
+
+        self._writer.flush(30.0)
+        pattern = f"{self.key_prefix}{self.codec.namespace_tag(namespace)}:*"
+        removed = 0
+        try:
+            batch: list[bytes] = []
+            for name in self.client.scan_iter(match=pattern, count=1000):
+                batch.append(name)
+                if len(batch) >= 500:
+                    removed += int(self.client.unlink(*batch))
+                    batch = []
+            if batch:
+                removed += int(self.client.unlink(*batch))
+        except redis_lib.RedisError as exc:
+            self._failed("remove namespace", exc)
+        return removed
 
     # ------------------------------------------------------------------ keep-warm and admin
     def refresh(self, blocks: Sequence[Block], ttl_s: float | None = None) -> int:
@@ -207,11 +274,11 @@ class RedisTier:
 
         if not blocks or not self.breaker.allow():
             return 0
-        ttl = max(1, math.ceil(ttl_s or self.ttl_s or self.refresh_ttl_s))
+        ttl = self.capped_ttl(ttl_s or self.ttl_s or self.refresh_ttl_s)
         try:
             pipe = self.client.pipeline(transaction=False)
             for block in blocks:
-                pipe.expire(self.redis_key(block.key), ttl)
+                pipe.expire(self.redis_key(block.key, block.namespace), ttl)
             alive = pipe.execute()
         except redis_lib.RedisError as exc:
             self._failed("refresh", exc)
@@ -219,8 +286,17 @@ class RedisTier:
         self.breaker.success()
         for block, found in zip(blocks, alive, strict=True):
             if not found:  # gone from Redis: write it again
-                key, parent, tokens, payload = bytes(block.key), block.parent, block.tokens, block.payload
-                self._writer.submit(functools.partial(self._write, key, parent, tokens, payload, ttl))
+                self._writer.submit(
+                    functools.partial(
+                        self._write,
+                        block.key,
+                        block.namespace,
+                        block.parent,
+                        block.tokens,
+                        block.payload,
+                        ttl,
+                    )
+                )
         return sum(1 for found in alive if found)
 
     def flush(self, timeout: float | None = 30.0) -> bool:
@@ -250,7 +326,9 @@ class RedisTier:
             self.breaker.open_until - self.breaker.clock(),
         )
 
-    def _write(self, key: bytes, parent: bytes | None, tokens: bytes, payload: Any, ttl_s: float) -> None:
+    def _write(
+        self, key: bytes, namespace: bytes, parent: bytes | None, tokens: bytes, payload: Any, ttl_s: float
+    ) -> None:
         import redis as redis_lib
 
         if not self.breaker.allow():
@@ -266,7 +344,7 @@ class RedisTier:
                 self._stats.write_drops += 1
             return
         try:
-            self.client.set(self.redis_key(key), data, ex=max(1, math.ceil(ttl_s)))
+            self.client.set(self.redis_key(key, namespace), data, ex=self.capped_ttl(ttl_s))
         except redis_lib.RedisError as exc:
             self._failed("write", exc)
             with self._lock:
@@ -281,7 +359,7 @@ class RedisTier:
 
         if not self.breaker.allow():
             return
-        ttl = max(1, math.ceil(ttl_s))
+        ttl = self.capped_ttl(ttl_s)
         try:
             pipe = self.client.pipeline(transaction=False)
             for name in names:

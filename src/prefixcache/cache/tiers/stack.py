@@ -4,6 +4,10 @@
   Redis); what they hold, verified, is inserted into the store as if computed.
 * **write-through**: blocks a commit stored go at once to every tier with ``write_through``.
 * **demote**: blocks evicted from memory for capacity go to every tier without it (a spill tier).
+* **remove a namespace**: a tenant's flush reaches every tier (:meth:`TierStack.remove_namespace`).
+
+``layout`` (set by an engine, :meth:`~prefixcache.cache.manager.PrefixCache.set_block_layout`)
+is the payload shape and dtype a promoted block must have: anything else is refused by the tier.
 
 :class:`~prefixcache.cache.manager.PrefixCache` owns one stack and calls it while holding its lock;
 the stack reaches the store through its public methods only.
@@ -18,6 +22,7 @@ from prefixcache.cache.blocks import Block
 from prefixcache.cache.keys import BlockHash
 from prefixcache.cache.store import BlockStore
 from prefixcache.cache.tiers.base import Tier
+from prefixcache.cache.tiers.codec import BlockLayout
 
 
 class TierStack:
@@ -27,6 +32,9 @@ class TierStack:
         self.store = store
         self.tiers: list[Tier] = []
         self.promoted_blocks = 0  # blocks brought up from the tiers (``CacheStats.tier_hits``)
+        #: Whether a tier failed (or was skipped by its breaker) during the last :meth:`promote`.
+        self.unavailable = False
+        self.layout: BlockLayout | None = None  # what a promoted payload must be (None: unchecked)
 
     def add(self, tier: Tier) -> None:
         """Add ``tier`` below the others. The first write-back tier starts the store's eviction feed."""
@@ -49,14 +57,20 @@ class TierStack:
         """Bring blocks ``start..stop-1`` of the chain ``keys`` up from the tiers into the store, as
         far as the tiers hold them in a row (block ``start - 1`` must be stored). Each is queued as
         a leaf. ``adopt`` turns a tier's payload into the engine's own kind (None keeps it).
-        Returns how many came up."""
+        Returns how many came up; sets :attr:`unavailable`."""
         at = start
+        self.unavailable = False
         for tier in self.tiers:
             if at >= stop:
                 break
             first = at
             tokens = [packed[index * step : (index + 1) * step] for index in range(first, stop)]
-            for payload, nbytes in tier.get_many(keys[first:stop], tokens):
+            before = tier.stats()
+            got = tier.get_many(keys[first:stop], tokens, namespace, self.layout)
+            after = tier.stats()
+            if after.errors + after.skipped > before.errors + before.skipped:
+                self.unavailable = True
+            for payload, nbytes in got:
                 if adopt is not None:
                     payload = adopt(payload)
                 inserted, _, _ = self.store.insert_chain(
@@ -88,6 +102,11 @@ class TierStack:
         for tier in targets:
             for block in blocks:
                 tier.put(block)
+
+    def remove_namespace(self, namespace: bytes) -> dict[str, int]:
+        """Delete namespace ``namespace``'s entries from every tier: {tier name: entries removed}.
+        Tier I/O: call it without holding the cache's lock."""
+        return {tier.name: tier.remove_namespace(namespace) for tier in list(self.tiers)}
 
     def _demote(self, event: str, block: Block) -> None:
         """The store's listener: a block evicted for capacity goes down to the write-back tiers."""

@@ -1,0 +1,174 @@
+"""Why a request's cache read ended where it did: one :class:`Reason` per request, and the tokens
+that would have been read had that not happened.
+
+:func:`classify` is a pure function of what ``PrefixCache.match`` found: the prompt's keys and
+tokens, how far the verified walk got (``found``), how much of it the request may read
+(``max_blocks``: every full block but the one holding the last prompt token, rounded down to the
+alignment), the live run the walk stopped inside (if any), the ghost record and the namespace's
+recent prompts. It never touches the store; it reads only the caller's namespace.
+
+The reasons, checked in this order for the first block ``n`` the walk did not find:
+
+* ``below_minimum``: the prompt has no block it could read (``max_blocks == 0``);
+* ``full_hit``: every block it could read was read (``usable == max_blocks``);
+* ``tier_unavailable``: a tier below memory failed or was switched off by its breaker during
+  this lookup;
+* ``expired`` / ``evicted`` / ``flushed``: block ``n`` was cached for this namespace and removed
+  (TTL, capacity, flush), as the ghost record remembers;
+* ``diverged``: a cached (or recent) prompt of this namespace shares the blocks read and holds
+  other tokens in block ``n``: ``token_index`` is the first token where the prompt leaves it;
+* ``new_prefix``: nothing cached, removed or recent continues the prefix read (a new prompt, or
+  a new turn after the cached ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from prefixcache.cache.blocks import Segment
+from prefixcache.cache.ghosts import GhostRecord, RecentPrompts
+from prefixcache.cache.keys import BlockHash, unpack_tokens
+
+__all__ = ["CONTEXT_TOKENS", "CacheReason", "Continuation", "Reason", "classify", "continuation_of"]
+
+#: Tokens kept on each side of a divergence (the server decodes them).
+CONTEXT_TOKENS = 8
+
+
+class Reason(StrEnum):
+    FULL_HIT = "full_hit"
+    NEW_PREFIX = "new_prefix"
+    DIVERGED = "diverged"
+    EXPIRED = "expired"
+    EVICTED = "evicted"
+    FLUSHED = "flushed"
+    BELOW_MINIMUM = "below_minimum"
+    TIER_UNAVAILABLE = "tier_unavailable"
+
+
+#: A ghost's removal reason -> the request's reason.
+_REMOVED = {"ttl": Reason.EXPIRED, "capacity": Reason.EVICTED, "flush": Reason.FLUSHED}
+
+
+@dataclass(frozen=True, slots=True)
+class CacheReason:
+    """Why the read ended where it did. ``cache_missed_tokens``: tokens that would have been
+    read had that not happened (0 for ``full_hit``, ``new_prefix`` and ``below_minimum``).
+    ``token_index`` (``diverged``): the prompt's first token that differs from the nearest cached
+    prompt; ``before`` the tokens just before it, ``prompt_after`` / ``cached_after`` each side's
+    tokens from it. ``ago_s``: seconds since the block expired (``expired``) or was removed
+    (``evicted``, ``flushed``)."""
+
+    reason: Reason
+    cache_missed_tokens: int = 0
+    token_index: int | None = None
+    before: tuple[int, ...] = ()
+    prompt_after: tuple[int, ...] = ()
+    cached_after: tuple[int, ...] = ()
+    ago_s: float | None = None
+
+
+#: The live run a walk stopped inside: (its packed tokens from block ``n`` on, its blocks from ``n`` on).
+Continuation = tuple[bytes, int]
+
+
+def continuation_of(segments: list[Segment], found: int) -> Continuation | None:
+    """The live run a walk of ``found`` blocks stopped inside, from block ``found`` on, or None
+    (the walk ended at a run's last block, or found nothing). ``segments``: the walk's. Holding
+    the hit may have split the last run since; a split keeps a run's tail, so that object still
+    holds the walk's deepest blocks and what follows them."""
+    if not segments:
+        return None
+    run = segments[-1][0]
+    if run.keys and run.depth <= found < run.depth + len(run.keys):
+        at = found - run.depth
+        return run.packed[at * run.step :], len(run.keys) - at
+    return None
+
+
+def classify(
+    *,
+    keys: list[BlockHash],
+    packed: bytes,
+    block_size: int,
+    align: int,
+    found: int,
+    usable: int,
+    max_blocks: int,
+    namespace: bytes,
+    now: float,
+    continuation: Continuation | None = None,
+    ghosts: GhostRecord | None = None,
+    recent: RecentPrompts | None = None,
+    tier_unavailable: bool = False,
+) -> CacheReason:
+    """The reason for one match (see the module docstring). ``found``: leading blocks found
+    (memory and tiers); ``usable``: those read (aligned); ``max_blocks``: those it may read."""
+    if max_blocks <= 0:
+        return CacheReason(Reason.BELOW_MINIMUM)
+    if usable >= max_blocks:
+        return CacheReason(Reason.FULL_HIT)
+    step = 4 * block_size
+    per_align = align // block_size
+
+    def missed(would_read: int) -> int:
+        """Tokens beyond the read had ``would_read`` leading blocks been found (aligned, capped)."""
+        reachable = min(would_read, max_blocks) // per_align * per_align
+        return max(reachable - usable, 0) * block_size
+
+    n = found
+    if ghosts is not None:
+        ghost = ghosts.get(keys[n], namespace)
+        if ghost is not None:
+            end = n + 1
+            while end < max_blocks and ghosts.get(keys[end], namespace) is not None:
+                end += 1
+            reason = _REMOVED.get(ghost.reason, Reason.EVICTED)
+            ago = now - (ghost.expires_at if reason is Reason.EXPIRED else ghost.removed_at)
+            if tier_unavailable:
+                reason = Reason.TIER_UNAVAILABLE
+            return CacheReason(reason, missed(end), ago_s=max(ago, 0.0))
+    if tier_unavailable:
+        return CacheReason(Reason.TIER_UNAVAILABLE)
+    # The nearest cached prompt: the live run the walk stopped inside, or a recent prompt of this
+    # namespace that shares the blocks read; the one that agrees longest within block n wins.
+    best_index, best_other, best_blocks = -1, b"", 0
+    ours = packed[n * step : (n + 1) * step]
+    if continuation is not None:
+        tail, blocks = continuation
+        index = _first_difference(ours, tail[:step])
+        if index is not None:
+            best_index, best_other, best_blocks = n * block_size + index, tail, n + blocks
+    if recent is not None:
+        head = packed[: n * step]
+        for other in recent.of(namespace):
+            if len(other) < (n + 1) * step or not other.startswith(head):
+                continue
+            index = _first_difference(ours, other[n * step : (n + 1) * step])
+            if index is not None and n * block_size + index > best_index:
+                best_index, best_other = n * block_size + index, other[n * step :]
+                best_blocks = len(other) // step
+    if best_index < 0:
+        return CacheReason(Reason.NEW_PREFIX)
+    t = best_index
+    within = (t - n * block_size) * 4  # the divergence's byte offset in both tails
+    return CacheReason(
+        Reason.DIVERGED,
+        missed(best_blocks),
+        token_index=t,
+        before=tuple(unpack_tokens(packed[max(t - CONTEXT_TOKENS, 0) * 4 : t * 4])),
+        prompt_after=tuple(unpack_tokens(packed[t * 4 : (t + CONTEXT_TOKENS) * 4])),
+        cached_after=tuple(unpack_tokens(best_other[within : within + CONTEXT_TOKENS * 4])),
+    )
+
+
+def _first_difference(ours: bytes, other: bytes) -> int | None:
+    """The first token (4 bytes each) where two blocks of packed tokens differ, or None when
+    they agree (a collision or an uncached copy of the same block: no divergence to report)."""
+    if ours == other or len(other) < len(ours):
+        return None
+    for index in range(0, len(ours), 4):
+        if ours[index : index + 4] != other[index : index + 4]:
+            return index // 4
+    return None

@@ -1,0 +1,312 @@
+"""Publishes the cache's block events over ZeroMQ in vLLM's KV event format (see :mod:`.wire`).
+
+    publisher = KVEventPublisher(PublisherConfig("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"))
+    publisher.attach(engine.cache)     # AllBlocksCleared, then every insert and removal
+    ...
+    publisher.close()
+
+What is published, from the store's listener (:meth:`BlockStore.add_listener`):
+
+* ``BlockStored`` when blocks enter memory: committed by a request, or promoted from a disk or
+  Redis tier; consecutive blocks of one chain go out as one event (parent first);
+* ``BlockRemoved`` when they leave it: evicted for room (``capacity``), expired (``ttl``) or
+  flushed (``DELETE /v1/cache``);
+* ``AllBlocksCleared`` once, first, when the publisher is attached (a subscriber that sees it
+  knows its view of this replica starts empty).
+
+The listener runs under the cache's lock, so it only appends the block's key, parent and packed
+tokens to a bounded queue (never blocking: when the queue is full the event is dropped and
+counted, and the sequence numbers skip one where it would have gone, so that every subscriber sees
+a gap that no replay can fill, at the next batch). A publisher thread coalesces what is queued
+into one batch, encodes it and sends it on a PUB socket (which drops, never blocks, for a
+subscriber past its high-water mark), keeping the last ``buffer_steps`` batches for replay.
+
+Hashes: a block's key is the chained SHA-256 of :mod:`prefixcache.cache.keys` under the tenant's
+namespace; on the wire it is its low 64 bits (``int``, vLLM's default) or the whole key
+(``bytes``). A first block's parent is None, never the namespace root: the root mixes in the
+tenant's salt, which stays in the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from prefixcache.cache.blocks import Block
+from prefixcache.cache.keys import unpack_tokens
+from prefixcache.kvevents.wire import (
+    END_SEQ,
+    MEDIUM_CPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    HashFormat,
+    KVEventBatch,
+    encoder,
+    external_hash,
+)
+
+log = logging.getLogger(__name__)
+
+_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass(slots=True)
+class PublisherConfig:
+    """Where and how to publish (``prefixcache serve --kv-events-*``)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's send high-water mark (messages per subscriber)
+    max_queue: int = 100_000  # block events waiting for the publisher thread
+    hash_format: HashFormat = HashFormat.INT
+    medium: str = MEDIUM_CPU
+
+
+@dataclass(slots=True)
+class PublisherStats:
+    batches: int = 0
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    cleared: int = 0
+    dropped_events: int = 0
+    replay_requests: int = 0
+
+
+def check_endpoint(endpoint: str, flag: str) -> None:
+    """ValueError with a fix unless ``endpoint`` is a ZeroMQ address the publisher can bind."""
+    if not endpoint.startswith(_SCHEMES):
+        raise ValueError(
+            f"{flag} '{endpoint}' is not a ZeroMQ address; write e.g. tcp://127.0.0.1:5557 "
+            "(tcp://, ipc:// or inproc://)"
+        )
+
+
+class KVEventPublisher:
+    """One PUB socket (and optionally one ROUTER replay socket), bound at construction, fed by
+    :meth:`listener` and drained by a daemon thread (started by :meth:`attach` or :meth:`start`).
+    Thread-safe: ``listener`` may be called from any thread; the sockets are only used by the
+    publisher thread once it runs."""
+
+    def __init__(self, config: PublisherConfig, *, context: zmq.Context | None = None) -> None:
+        check_endpoint(config.endpoint, "--kv-events-endpoint")
+        if config.replay_endpoint is not None:
+            check_endpoint(config.replay_endpoint, "--kv-events-replay-endpoint")
+        self.config = config
+        self.stats = PublisherStats()
+        self._ctx = context or zmq.Context.instance()
+        self._queue: queue.Queue[tuple[int, tuple[Any, ...]]] = queue.Queue(maxsize=config.max_queue)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._topic = config.topic.encode()
+        self._seq = 0
+        self._puts = itertools.count()  # each queued event's index
+        self._drops: deque[int] = deque()  # indices of events dropped on a full queue
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket | None = None
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.bind(config.endpoint)
+            if config.replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(config.replay_endpoint)
+        except zmq.ZMQError as e:
+            self._close_sockets()
+            raise ValueError(f"cannot bind the KV event sockets ({config.endpoint}): {e}") from e
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = (
+            self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay is not None else None
+        )
+        self._running = True
+        self._started = False
+        self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
+
+    # ------------------------------------------------------------------ the cache side
+    def attach(self, cache: Any, *, start: bool = True) -> None:
+        """Announce an empty view (``AllBlocksCleared``), then publish every insert and removal
+        of ``cache`` (a :class:`~prefixcache.cache.PrefixCache`). Attach before traffic.
+        ``start``: start publishing now (else :meth:`start` does; events queue meanwhile)."""
+        self._put(("clear",))
+        cache.store.add_listener(self.listener)
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the publisher thread (once)."""
+        if not self._started:
+            self._started = True
+            self._thread.start()
+
+    def listener(self, event: str, block: Block) -> None:
+        """The store's listener: O(1), never blocks (see the module docstring)."""
+        if event == "insert":
+            self._put(("store", block.key, block.parent, block.tokens))
+        elif event == "evict":
+            self._put(("remove", block.key))
+
+    def _put(self, item: tuple[Any, ...]) -> None:
+        index = next(self._puts)  # (atomic under the GIL)
+        try:
+            self._queue.put_nowait((index, item))
+        except queue.Full:
+            self._drops.append(index)  # the gap goes where the event would have been
+            self.stats.dropped_events += 1
+
+    # ------------------------------------------------------------------ the publisher thread
+    def _run(self) -> None:
+        pack = encoder()
+        while self._running or not self._queue.empty():
+            if self._replay is not None:
+                try:
+                    while self._replay.poll(0):
+                        self._serve_replay()
+                except zmq.ZMQError:
+                    log.exception("kv events: a replay request failed")
+            try:
+                first = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            items = [first]
+            with contextlib.suppress(queue.Empty):
+                while len(items) < 4096:
+                    items.append(self._queue.get_nowait())
+            run: list[tuple[Any, ...]] = []
+            for index, item in items:
+                skipped = 0
+                while self._drops and self._drops[0] < index:  # events were dropped before this one
+                    self._drops.popleft()
+                    skipped += 1
+                if skipped:
+                    self._publish(pack, run)
+                    run = []
+                    self._seq += skipped  # a gap in the numbers that no replay can fill
+                run.append(item)
+            self._publish(pack, run)
+        with contextlib.suppress(zmq.ZMQError):
+            while self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+
+    def _events(self, items: list[tuple[Any, ...]]) -> list[Any]:
+        """Queued items as events, consecutive stores of one chain (and consecutive removals)
+        merged into one event each."""
+        fmt, medium, block_size = self.config.hash_format, self.config.medium, 0
+        events: list[Any] = []
+        last_key: bytes | None = None  # the last stored key of events[-1] when it is a BlockStored
+        for item in items:
+            kind = item[0]
+            if kind == "store":
+                _, key, parent, tokens = item
+                ids = unpack_tokens(tokens)
+                block_size = len(ids)
+                prev = events[-1] if events else None
+                if (
+                    isinstance(prev, BlockStored)
+                    and parent is not None
+                    and parent == last_key
+                    and prev.block_size == block_size
+                ):
+                    prev.block_hashes.append(external_hash(key, fmt))
+                    prev.token_ids.extend(ids)
+                else:
+                    events.append(
+                        BlockStored(
+                            block_hashes=[external_hash(key, fmt)],
+                            parent_block_hash=None if parent is None else external_hash(parent, fmt),
+                            token_ids=ids,
+                            block_size=block_size,
+                            lora_id=None,
+                            medium=medium,
+                            lora_name=None,
+                        )
+                    )
+                last_key = key
+                self.stats.stored_blocks += 1
+            elif kind == "remove":
+                prev = events[-1] if events else None
+                if isinstance(prev, BlockRemoved):
+                    prev.block_hashes.append(external_hash(item[1], fmt))
+                else:
+                    events.append(BlockRemoved(block_hashes=[external_hash(item[1], fmt)], medium=medium))
+                last_key = None
+                self.stats.removed_blocks += 1
+            else:
+                events.append(AllBlocksCleared())
+                last_key = None
+                self.stats.cleared += 1
+        return events
+
+    def _publish(self, pack: Any, items: list[tuple[Any, ...]]) -> None:
+        events = self._events(items)
+        if events:
+            self._send(pack.encode(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)))
+
+    def _send(self, payload: bytes) -> None:
+        seq = self._seq
+        self._seq += 1
+        try:
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+        except zmq.Again:  # (a PUB socket drops rather than block; kept for other socket types)
+            pass
+        except zmq.ZMQError:
+            log.exception("kv events: publishing batch %d failed", seq)
+        self._buffer.append((seq, payload))
+        self.stats.batches += 1
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        self.stats.replay_requests += 1
+        if len(frames) != 3 or len(frames[2]) != 8:
+            log.warning("kv events: ignored a malformed replay request (%d frames)", len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= first:
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Publish what is queued (up to ``timeout_s``), stop the thread, close the sockets."""
+        if not self._running:
+            return
+        self._running = False
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+
+    def metrics(self) -> list[Any]:
+        """Prometheus metric families (for a collector on the server's registry)."""
+        from prometheus_client.core import CounterMetricFamily
+
+        s = self.stats
+        fams = []
+        for name, value, doc in (
+            ("batches", s.batches, "KV event batches published."),
+            ("stored_blocks", s.stored_blocks, "Blocks announced as stored (BlockStored)."),
+            ("removed_blocks", s.removed_blocks, "Blocks announced as removed (BlockRemoved)."),
+            ("dropped", s.dropped_events, "Block events dropped because the publish queue was full."),
+            ("replay_requests", s.replay_requests, "Replay requests served."),
+        ):
+            fam = CounterMetricFamily(f"prefixcache_kv_events_{name}", doc)
+            fam.add_metric([], float(value))
+            fams.append(fam)
+        return fams
