@@ -207,7 +207,7 @@ STAMPS = [f"2026-12-01T07:{m:02d}:{s:02d}Z" for m, s in ((12, 5), (13, 41), (15,
 def test_miss_reason_and_busting_panels(serve, make_engine, browse) -> None:
     """A timestamp at the top of alpha's system prompt: alpha's busting panel shows the live
     watch's finding, beta's shows none; a flush of beta's cache shows as ``flushed`` tokens."""
-    server = serve(make_engine(), model_name=MODEL, api_keys=KEYS, salt_secret="x")
+    server = serve(make_engine(), model_name=MODEL, api_keys=KEYS, salt_secret="x", admin_tenants=["ops"])
     answers = []
     for i, stamp in enumerate(STAMPS):
         system = "Current time:\n" + stamp + "\n" + STAMPED_BODY
@@ -234,14 +234,17 @@ def test_miss_reason_and_busting_panels(serve, make_engine, browse) -> None:
     assert alpha["miss_reasons"] == beta["miss_reasons"] == expected  # server-wide, as /metrics
     report = httpx.get(server.url + "/v1/cache/report", headers={"authorization": "Bearer sk-alpha"}).json()
     [row] = report["endpoints"]
-    assert alpha["busting"] == [{"endpoint": "/v1/chat/completions", **f} for f in row["busting"]]
+    assert alpha["busting"] == [
+        {"tenant": "alpha", "endpoint": "/v1/chat/completions", **f} for f in row["busting"]
+    ]
     assert [f["kind"] for f in alpha["busting"]] == ["timestamp"] and beta["busting"] == []
+    assert dashboard(server.url, "sk-ops").json()["busting"] == alpha["busting"]  # admin: every tenant's
 
     dom = browse(server.url + "/dashboard#key=sk-alpha")
     [finding] = dom.rows("busting")
-    assert finding[:2] == ["/v1/chat/completions", "timestamp"]
-    assert finding[2] == str(alpha["busting"][0]["start_token"]) and finding[4] == "100.0%"
-    assert set(finding[5].split(" · ")) <= set(STAMPS)
+    assert finding[:3] == ["alpha", "/v1/chat/completions", "timestamp"]
+    assert finding[3] == str(alpha["busting"][0]["start_token"]) and finding[5] == "100.0%"
+    assert set(finding[6].split(" · ")) <= set(STAMPS)
     bars = dom.by_id("miss-reasons")[0]
     assert "flushed" in bars and str(expected["flushed"]) in bars and "no data yet" not in bars
     assert browse(server.url + "/dashboard#key=sk-beta").rows("busting") == [["no data yet"]]

@@ -33,12 +33,19 @@ def miss_reasons(state: ServerState, tenant: Tenant) -> dict[str, int]:
 
 
 def busting_findings(state: ServerState, tenant: Tenant) -> list[dict[str, Any]]:
-    """The caller's tenant's cache-busting findings from the live watch (``GET /v1/cache/report``),
-    one row per finding with its endpoint; empty when the watch is off."""
+    """The caller's tenant's cache-busting findings from the live watch (``GET /v1/cache/report``;
+    an admin's: every tenant's), one row per finding with its tenant and endpoint; empty when the
+    watch is off."""
     if state.busting is None:
         return []
-    report = state.busting.live.report(tenant.name)
-    return [{"endpoint": e["endpoint"], **row} for e in report["endpoints"] for row in e["busting"]]
+    keys = state.auth.api_keys
+    names = sorted(set(keys.values())) if tenant.admin and keys else [tenant.name]
+    rows = []
+    for name in names:
+        report = state.busting.live.report(name)
+        for e in report["endpoints"]:
+            rows += [{"tenant": name, "endpoint": e["endpoint"], **row} for row in e["busting"]]
+    return rows
 
 
 # ---------------------------------------------------------------------- the data

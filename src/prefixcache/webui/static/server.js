@@ -47,9 +47,9 @@ function renderServer(d) {
   const reasons = Object.entries(d.miss_reasons || {}).sort((a, b) => b[1] - a[1]);
   PC.bars("miss-reasons", reasons);
   PC.fillTable("busting", (d.busting || []).map((f) => [
-    f.endpoint, f.kind, [PC.num(f.start_token), "num"], [PC.num(f.tokens_lost_per_request), "num"],
+    f.tenant, f.endpoint, f.kind, [PC.num(f.start_token), "num"], [PC.num(f.tokens_lost_per_request), "num"],
     [PC.pct(f.share_of_requests), "num"], [(f.examples || []).join(" · "), "preview"],
-  ]), "no data yet", 6);
+  ]), "no data yet", 7);
 
   PC.fillTable("tiers", (d.tiers || []).map((r) => [
     r.name, [PC.pct(r.hit_rate), "num"], [PC.num(r.hits), "num"], [PC.num(r.misses), "num"],
