@@ -250,6 +250,14 @@ def test_miss_reason_and_busting_panels(serve, make_engine, browse) -> None:
     assert browse(server.url + "/dashboard#key=sk-beta").rows("busting") == [["no data yet"]]
 
 
+def test_dashboard_without_a_cache(serve, make_engine) -> None:
+    server = serve(make_engine(enable_cache=False), model_name=MODEL)
+    chat(server.url, SYSTEM_A, "q")
+    d = dashboard(server.url).json()
+    assert d["cache"] == {"enabled": False} and d["tenant_cache"] is None and d["tiers"] == []
+    assert d["totals"]["requests"] == 1 and d["totals"]["cached_tokens"] == 0 and d["top_prefixes"] == []
+
+
 # ---------------------------------------------------------------------------- the page, in Chromium
 def test_dashboard_page_shows_live_numbers_in_chromium(serve, make_engine, browse) -> None:
     server = serve(make_engine(), model_name=MODEL, api_keys=KEYS, salt_secret="x", dashboard_interval_s=0.05)
