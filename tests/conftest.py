@@ -13,13 +13,20 @@
   it the test skips, except under CI (``$CI`` set), where it fails: a CI run that cannot test
   the shared tier or the HTML report must go red, not green with skips.
 - ``redis_server_bin``, ``chromium_bin`` (session): ``require_binary`` of the two the suite needs.
+- ``browse``: ``browse(url, budget_ms=5000, dark=False)`` -> a :class:`PageDom` of the page as
+  headless Chromium left it after ``budget_ms`` of virtual time (scripts run, fetches answered):
+  ``.by_id(id)`` -> (text, attributes), ``.rows(tbody_id)`` -> each row's cell texts.
+  ``browse.screenshot(url, path, dark=False)`` writes a PNG instead.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from collections.abc import Callable, Iterator
+from html.parser import HTMLParser
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -95,3 +102,106 @@ def real_engine(real_runner: Any, fake_clock: FakeClock) -> Iterator[Any]:
     engine = Engine(real_runner, clock=fake_clock)
     yield engine
     engine.close()
+
+
+class PageDom(HTMLParser):
+    """The text and attributes of every element with an id, and the rows of every ``tbody``."""
+
+    def __init__(self, html: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.html = html
+        self.ids: dict[str, tuple[str, dict[str, str]]] = {}
+        self.tables: dict[str, list[list[str]]] = {}
+        self._open: list[tuple[str, str | None, dict[str, str], list[str]]] = []  # tag, id, attrs, text
+        self._tbody: str | None = None
+        self._cell: list[str] | None = None
+        self.feed(html)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {k: v or "" for k, v in attrs}
+        if tag in ("meta", "link", "input", "br", "img"):
+            if "id" in a:
+                self.ids[a["id"]] = ("", a)
+            return
+        self._open.append((tag, a.get("id"), a, []))
+        if tag == "tbody" and "id" in a:
+            self._tbody = a["id"]
+            self.tables[self._tbody] = []
+        elif tag == "tr" and self._tbody is not None:
+            self.tables[self._tbody].append([])
+        elif tag == "td" and self._tbody is not None:
+            self._cell = []
+
+    def handle_endtag(self, tag: str) -> None:
+        while self._open:
+            t, ident, attrs, text = self._open.pop()
+            joined = "".join(text)
+            if self._open:
+                self._open[-1][3].append(joined)
+            if ident is not None:
+                self.ids[ident] = (" ".join(joined.split()), attrs)
+            if t == tag:
+                break
+        if tag == "td" and self._cell is not None and self._tbody is not None:
+            self.tables[self._tbody][-1].append(" ".join("".join(self._cell).split()))
+            self._cell = None
+        elif tag == "tbody":
+            self._tbody = None
+
+    def handle_data(self, data: str) -> None:
+        if self._open:
+            self._open[-1][3].append(data)
+        if self._cell is not None:
+            self._cell.append(data)
+
+    def by_id(self, ident: str) -> tuple[str, dict[str, str]]:
+        return self.ids[ident]
+
+    def value(self, ident: str) -> float:
+        """The ``data-value`` of the element ``ident`` (the number behind its formatted text)."""
+        return float(self.ids[ident][1]["data-value"])
+
+    def rows(self, tbody: str) -> list[list[str]]:
+        return self.tables[tbody]
+
+
+class Browser:
+    """Headless Chromium runs of one test (each with a fresh profile: no storage carries over)."""
+
+    def __init__(self, binary: str, tmp: Path) -> None:
+        self.binary = binary
+        self.tmp = tmp
+        self.runs = 0
+
+    def _run(self, url: str, extra: list[str], budget_ms: int, dark: bool) -> str:
+        self.runs += 1
+        profile = self.tmp / f"chromium-{self.runs}"
+        cmd = [
+            self.binary,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            f"--virtual-time-budget={budget_ms}",
+            *(["--force-dark-mode", "--blink-settings=preferredColorScheme=0"] if dark else []),
+            *extra,
+            url,
+        ]
+        env = {**os.environ, "HOME": str(self.tmp)}
+        done = subprocess.run(cmd, check=True, capture_output=True, timeout=120, env=env, text=True)
+        return done.stdout
+
+    def __call__(self, url: str, budget_ms: int = 5000, dark: bool = False) -> PageDom:
+        return PageDom(self._run(url, ["--dump-dom"], budget_ms, dark))
+
+    def screenshot(self, url: str, path: Path, dark: bool = False, size: str = "1400,1500") -> None:
+        self._run(url, [f"--screenshot={path}", f"--window-size={size}", "--hide-scrollbars"], 5000, dark)
+
+
+@pytest.fixture
+def browse(chromium_bin: str, tmp_path: Path) -> Browser:
+    return Browser(chromium_bin, tmp_path)

@@ -54,6 +54,14 @@ def serve(
             "and no authentication, which only a loopback --host allows by default.",
         ),
     ] = None,
+    admin_tenant: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--admin-tenant",
+            help="A tenant of the key file whose keys see every tenant's prefixes on the dashboard "
+            "(GET /dashboard); other keys see their own tenant's. Repeat for several.",
+        ),
+    ] = None,
     allow_unauthenticated: Annotated[
         bool,
         typer.Option(
@@ -270,6 +278,13 @@ def serve(
     if refusal is not None:  # before the model loads: nothing is served
         typer.echo(f"prefixcache: {refusal}", err=True)
         raise typer.Exit(2)
+    if admin_tenant and keys is None:
+        raise typer.BadParameter(
+            "an admin tenant needs API keys: add --api-keys FILE", param_hint="--admin-tenant"
+        )
+    if admin_tenant and keys is not None and not set(admin_tenant) <= set(keys.values()):
+        missing = sorted(set(admin_tenant) - set(keys.values()))[0]
+        raise typer.BadParameter(f"'{missing}' is not a tenant of the key file", param_hint="--admin-tenant")
     if trace_text and trace_keys_only:
         raise typer.BadParameter(
             "--trace-keys-only writes no prompt content: drop --trace-text", param_hint="--trace-keys-only"
@@ -328,6 +343,7 @@ def serve(
         tenant_queue_share=tenant_queue_share,
         tenant_pin_share=tenant_pin_share,
         busting_window=busting_window,
+        admin_tenants=admin_tenant or (),
     )
     if engine.cache is not None and engine.cache.tiers:
         register_prometheus(engine.cache, app.state.prefixcache.metrics.registry)
@@ -336,7 +352,8 @@ def serve(
     tiers = ", ".join(t.name for t in engine.cache.tiers) if engine.cache is not None else ""
     typer.echo(f"prefixcache: cache tiers below memory: {tiers or 'none'}")
     typer.echo(
-        f"prefixcache: serving '{name}' on http://{host}:{port} (OpenAI and Anthropic routes, /metrics)"
+        f"prefixcache: serving '{name}' on http://{host}:{port} "
+        "(OpenAI and Anthropic routes, /metrics, /dashboard)"
     )
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower())  # uvicorn's handlers
     install_redaction(redactor)

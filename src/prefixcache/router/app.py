@@ -6,6 +6,7 @@
     GET  /health                 200 while at least one replica is healthy, else 503
     GET  /metrics                Prometheus: per-replica routing, in-flight, hit rate, fail-overs
     GET  /router/replicas        the same as JSON (and the KV event feeds' state, with --kv-events)
+    GET  /dashboard              the live page; GET /router/dashboard: its data (the API's keys)
 
 Every body is bounded first: over ``max_body_bytes`` is a 413 before it is read
 (:class:`~prefixcache.limits.BodyLimit`), in the error shape of the API called.
@@ -29,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixcache.limits import BodyLimit, RejectedBody
+from prefixcache.router import dashboard
 from prefixcache.router.config import RouterConfig
 from prefixcache.router.keepwarm import KeepWarm
 from prefixcache.router.kv_index import KVIndex
@@ -133,6 +135,7 @@ def create_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspo
         kv_index=kv_index,
     )
     state: dict[str, Any] = {}
+    series = dashboard.RouterSeries(router, config.dashboard_interval_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -143,7 +146,10 @@ def create_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspo
             state["proxy"] = proxy
             if kv_index is not None:
                 kv_index.start()
-            tasks = [asyncio.create_task(_health_loop(proxy, config.health_interval_s))]
+            tasks = [
+                asyncio.create_task(_health_loop(proxy, config.health_interval_s)),
+                asyncio.create_task(series.run()),
+            ]
             keepwarm = KeepWarm.load(config.keepwarm_file) if config.keepwarm_file else None
             if keepwarm is not None:
                 state["keepwarm"] = keepwarm
@@ -184,6 +190,8 @@ def create_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspo
             body["kv_events"] = kv_index.snapshot()
             body["kv_anchors"] = len(kv_index.anchors)
         return body
+
+    dashboard.install(app, router, lambda: state["proxy"], series)
 
     @app.api_route("/v1/cache/pin", methods=["POST", "DELETE"])
     async def pin(request: Request) -> Response:

@@ -31,3 +31,4 @@ class RouterConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # 413 beyond, before the body is read
     #: replica url -> where it publishes KV events (cache-aware policy only)
     kv_events: Mapping[str, FeedSpec] = field(default_factory=dict)
+    dashboard_interval_s: float = 2.0  # seconds between two points of the dashboard's series

@@ -27,7 +27,7 @@ import hashlib
 import itertools
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -83,7 +83,10 @@ class PrefixRecord:
     max_entries: int = 200_000
     ttl_s: float = DEFAULTS.default_ttl_s
     clock: Callable[[], float] = time.monotonic
+    # In last-recorded order (record moves an entry to the end with the time now), so the
+    # expired entries are the front ones.
     _map: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict)
+    _held: Counter[str] = field(default_factory=Counter)  # replica url -> entries of _map
 
     def longest(self, chunks: Sequence[str], alive: set[str]) -> tuple[str | None, int]:
         """The replica holding the longest recorded prefix of ``chunks`` among ``alive`` and its
@@ -108,16 +111,33 @@ class PrefixRecord:
     def record(self, chunks: Sequence[str], url: str) -> None:
         now = self.clock()
         for h in chunks:
+            old = self._map.get(h)
+            if old is not None:
+                self._held[old[0]] -= 1
             self._map[h] = (url, now)
             self._map.move_to_end(h)
+            self._held[url] += 1
         while len(self._map) > self.max_entries:
-            self._map.popitem(last=False)
+            self._held[self._map.popitem(last=False)[1][0]] -= 1
 
     def forget(self, chunks: Sequence[str], url: str) -> None:
         for h in chunks:
             entry = self._map.get(h)
             if entry is not None and entry[0] == url:
                 del self._map[h]
+                self._held[url] -= 1
+
+    def held_by(self) -> dict[str, int]:
+        """Live (unexpired) entries per replica url: where the recorded prefixes live. Drops the
+        expired entries first (they are at the front), so it costs O(replicas + expired)."""
+        now = self.clock()
+        while self._map:
+            url, seen = next(iter(self._map.values()))
+            if now - seen <= self.ttl_s:
+                break
+            self._map.popitem(last=False)
+            self._held[url] -= 1
+        return {url: n for url, n in self._held.items() if n > 0}
 
     def __len__(self) -> int:
         return len(self._map)
@@ -263,6 +283,12 @@ class Router:
                 replica.consecutive_health_failures += 1
                 replica.last_error = error[:300] or replica.last_error
             replica.healthy = healthy
+
+    def prefixes_by_replica(self) -> dict[str, int]:
+        """Recorded prefix chunks per replica url (the cache-aware policy's record; empty under
+        the other policies, which keep none)."""
+        with self._lock:
+            return self.record.held_by()
 
     def snapshot(self) -> list[dict[str, object]]:
         with self._lock:

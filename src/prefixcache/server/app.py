@@ -11,6 +11,7 @@ Routes (OpenAI shape unless noted):
     GET    /v1/cache                   the caller's cache stats;  DELETE: flush the caller's blocks
     GET    /v1/cache/report            the caller's cache busting, found live
     POST   /v1/cache/pin               prefill + pin a prefix;    DELETE: unpin it
+    GET    /v1/dashboard               the live dashboard's data; GET /dashboard: its page
     GET    /metrics                    Prometheus text
     GET    /health                     liveness
 """
@@ -19,17 +20,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from prefixcache.server import routes_anthropic, routes_openai, routes_ops, routes_responses
+from prefixcache.server import (
+    routes_anthropic,
+    routes_dashboard,
+    routes_openai,
+    routes_ops,
+    routes_responses,
+)
 from prefixcache.server.auth import Authenticator
 from prefixcache.server.bridge import Admission, EngineBridge
 from prefixcache.server.busting import DEFAULT_WINDOW, BustingWatch, LiveBusting
+from prefixcache.server.dashboard import DEFAULT_INTERVAL_S, DashboardRecorder, DashboardSources
 from prefixcache.server.errors import install_error_handlers
 from prefixcache.server.limits import BodyLimit, default_max_body_bytes
 from prefixcache.server.metrics import Metrics
@@ -87,6 +95,8 @@ def create_app(
     trace_tokenizer: str | None = None,
     max_body_bytes: int | None = None,
     tenant_queue_share: float = DEFAULT_TENANT_QUEUE_SHARE,
+    admin_tenants: Iterable[str] = (),
+    dashboard_interval_s: float = DEFAULT_INTERVAL_S,
     tenant_pin_share: float = DEFAULT_TENANT_PIN_SHARE,
     busting_window: int = DEFAULT_WINDOW,
 ) -> FastAPI:
@@ -100,7 +110,9 @@ def create_app(
     the share of ``max_queue`` one tenant may hold (at least one request); ``tenant_pin_share``
     likewise of the cache's pinned budget (``POST /v1/cache/pin`` answers 409 beyond).
     ``busting_window``: requests per endpoint the live cache-busting watch compares (0: no
-    watch; see :mod:`~prefixcache.server.busting`)."""
+    watch; see :mod:`~prefixcache.server.busting`). ``admin_tenants``: tenants of ``api_keys``
+    that see every tenant's prefixes on the dashboard. ``dashboard_interval_s``: seconds between
+    two points of the dashboard's time series."""
     tenants = len(set(api_keys.values())) if api_keys else 1
     tenant_limit = Admission.tenant_limit_for(max_queue, tenant_queue_share, tenants)
     bridge = EngineBridge(engine, max_queue, tenant_limit)
@@ -121,6 +133,9 @@ def create_app(
             block_size=bridge.block_size,
         )
 
+    auth = Authenticator(api_keys, salt_secret, admin_tenants)
+    dashboard = DashboardRecorder(_dashboard_sources(bridge, engine), interval_s=dashboard_interval_s)
+
     snapshots = SnapshotReader()
     busting = None
     if busting_window:
@@ -129,9 +144,11 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        dashboard.start()
         try:
             yield
         finally:
+            dashboard.close()
             snapshots.close()
             if busting is not None:
                 busting.close()
@@ -147,15 +164,16 @@ def create_app(
     app.state.prefixcache = ServerState(
         engine=engine,
         bridge=bridge,
-        auth=Authenticator(api_keys, salt_secret),
+        auth=auth,
         metrics=metrics,
         trace=trace,
         model_name=model_name,
         snapshots=snapshots,
+        dashboard=dashboard,
         busting=busting,
     )
     install_error_handlers(app)
-    routers = (routes_openai, routes_responses, routes_anthropic, routes_ops)
+    routers = (routes_openai, routes_responses, routes_anthropic, routes_ops, routes_dashboard)
     for module in routers:
         app.include_router(module.router)
     # No route has path parameters, so the path is the route template.
@@ -164,3 +182,16 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=body_limit)
     app.add_middleware(RequestCounter, metrics=metrics, paths=paths)  # outermost: counts the 413s too
     return app
+
+
+def _dashboard_sources(bridge: EngineBridge, engine: Any) -> DashboardSources:
+    def keys(tenant: str, salt: bytes, ids: list[int]) -> list[bytes]:
+        cache = bridge.cache
+        return list(cache.block_keys(ids, bridge.namespace(tenant, salt))) if cache is not None else []
+
+    return DashboardSources(
+        keys=keys,
+        decode=bridge.decode,
+        prefilled=lambda: int(getattr(engine, "prefilled_tokens", 0)),
+        queue_depth=lambda: bridge.admission.depth,
+    )

@@ -14,6 +14,10 @@ Several keys may map to one tenant (they share its cache). A request presents it
 ``Authorization: Bearer KEY`` (OpenAI clients) or ``x-api-key: KEY`` (Anthropic clients).
 Without a key file every request is tenant ``default`` and keys are ignored.
 
+An *admin* tenant (``--admin-tenant NAME``, a tenant of the key file) sees every tenant's prefixes
+on the dashboard (``GET /v1/dashboard``); every other key sees its own tenant's only. Being admin
+changes nothing else: its requests are cached under its own salt like any tenant's.
+
 The salt mixed into every block key is ``HMAC-SHA256(server_secret, tenant)``. The secret is
 random per process unless ``PREFIXCACHE_SALT_SECRET``, ``--salt-secret-file`` or ``--salt-secret``
 (visible in ``ps``: avoid it) sets it (replicas sharing a cache tier must share the secret). The
@@ -27,7 +31,7 @@ import hmac
 import json
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +47,7 @@ class Tenant:
 
     name: str
     salt: bytes = field(repr=False)
+    admin: bool = False  # sees every tenant's prefixes on the dashboard
 
 
 def load_api_keys(path: str | Path) -> dict[str, str]:
@@ -99,13 +104,31 @@ def resolve_secret(secret: str | bytes | None = None) -> bytes:
 class Authenticator:
     """Maps request headers to a :class:`Tenant`. Thread-safe (immutable after construction)."""
 
-    def __init__(self, api_keys: Mapping[str, str] | None = None, secret: str | bytes | None = None) -> None:
+    def __init__(
+        self,
+        api_keys: Mapping[str, str] | None = None,
+        secret: str | bytes | None = None,
+        admin_tenants: Iterable[str] = (),
+    ) -> None:
+        """``admin_tenants``: tenants of ``api_keys`` whose keys see every tenant on the dashboard.
+        Raises ValueError for an admin tenant without a key file or not in it."""
         self.api_keys = dict(api_keys) if api_keys else None
         self._secret = resolve_secret(secret)
         self._tenants: dict[str, Tenant] = {}
         names = set(self.api_keys.values()) if self.api_keys else {DEFAULT_TENANT}
+        admins = set(admin_tenants)
+        if admins and self.api_keys is None:
+            raise ValueError(
+                "an admin tenant needs API keys (--api-keys): without them every caller is one tenant"
+            )
+        unknown = sorted(admins - names)
+        if unknown:
+            raise ValueError(
+                f"admin tenant {unknown[0]!r} has no key in the key file; "
+                f"use one of: {', '.join(sorted(names))}"
+            )
         for name in names:
-            self._tenants[name] = Tenant(name, self.salt_for(name))
+            self._tenants[name] = Tenant(name, self.salt_for(name), admin=name in admins)
 
     def salt_for(self, tenant: str) -> bytes:
         return hmac.new(self._secret, tenant.encode("utf-8"), hashlib.sha256).digest()

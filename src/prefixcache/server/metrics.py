@@ -169,6 +169,15 @@ class Metrics:
         if rate > 0 and usage.cached_tokens:
             self.prefill_saved.inc(usage.cached_tokens / rate)
 
+    def missed_tokens(self) -> dict[str, int]:
+        """``prefixcache_cache_missed_tokens_total`` by reason, the reasons that cost tokens only."""
+        out: dict[str, int] = {}
+        for family in self.cache_missed_tokens.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.value > 0:
+                    out[sample.labels["reason"]] = int(sample.value)
+        return out
+
     def count_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
 

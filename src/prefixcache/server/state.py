@@ -11,6 +11,7 @@ from fastapi import Header, Request
 from prefixcache.server.auth import Authenticator, Tenant
 from prefixcache.server.bridge import EngineBridge, Finished
 from prefixcache.server.busting import BustingWatch
+from prefixcache.server.dashboard import DashboardRecorder
 from prefixcache.server.diagnostics import DiagnosticsRecord
 from prefixcache.server.errors import APIError
 from prefixcache.server.metrics import Metrics
@@ -31,6 +32,7 @@ class ServerState:
     trace: TraceWriter | None
     model_name: str
     snapshots: SnapshotReader  # cache reads off the event loop (/metrics, GET /v1/cache)
+    dashboard: DashboardRecorder  # GET /v1/dashboard: series and top prefixes
     diagnostics: DiagnosticsRecord = field(default_factory=DiagnosticsRecord)  # Anthropic's, by answer id
     busting: BustingWatch | None = None  # live cache-busting detection (GET /v1/cache/report)
 
@@ -57,6 +59,17 @@ class ServerState:
         """Count a finished generation in the metrics and the trace log (``cache_key``: the
         request's ``prompt_cache_key``, kept for routing analysis)."""
         self.metrics.observe(fin.usage, fin.ttft_s, fin.outcome)
+        u = fin.usage
+        self.dashboard.note(
+            tenant.name,
+            tenant.salt,
+            fin.prompt_token_ids,
+            u.prompt_tokens,
+            u.cached_tokens,
+            u.cache_write_tokens,
+            fin.ttft_s,
+            fin.outcome,
+        )
         endpoint = (request.headers.get(ENDPOINT_HEADER) or request.url.path)[:200]
         if self.busting is not None:
             self.busting.submit(tenant.name, endpoint, fin.prompt_token_ids)
