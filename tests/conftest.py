@@ -52,6 +52,14 @@ def find_required_binary(name: str, install: str) -> str:
     pytest.skip(message)
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """The dtype the engines under test compute in (``$PREFIXCACHE_DTYPE`` or the machine's)."""
+    from prefixcache.engine.model import DTYPE_ENV, default_dtype, machine_dtype
+
+    source = f"${DTYPE_ENV}" if os.environ.get(DTYPE_ENV, "").strip() else "this machine's default"
+    return f"prefixcache dtype: {default_dtype()} ({source}; the machine's: {machine_dtype()})"
+
+
 @pytest.fixture(scope="session")
 def require_binary() -> Callable[[str, str], str]:
     return find_required_binary

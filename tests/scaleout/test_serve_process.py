@@ -20,6 +20,7 @@ import pytest
 import redis
 
 import prefixcache
+from prefixcache.engine.model import default_dtype
 
 from .conftest import free_port, stop_process_tree, wait_http
 
@@ -114,6 +115,9 @@ def test_serve_processes_restart_warm_from_disk_share_redis_per_tenant_and_stop_
     started: list[Served] = [first]
     try:
         wait_up(first)
+        dtype = default_dtype()  # $PREFIXCACHE_DTYPE, else the machine's
+        assert f"prefixcache: compute: runner llama, dtype {dtype} (" in first.log.read_text()
+        assert "cpu, 1 threads, kernels: " in first.log.read_text()
         answer, prompt, cached = ask(first, ALPHA, "When does the sauna open?")
         assert answer.strip() and cached == 0
         first.stop()

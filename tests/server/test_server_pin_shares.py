@@ -9,6 +9,7 @@ import random
 
 import httpx
 import pytest
+import torch
 
 from prefixcache.cache import PrefixCache, TenantPinBudgetExceeded
 
@@ -30,8 +31,10 @@ def pin(url: str, headers: dict[str, str], prompt: list[int]) -> httpx.Response:
 
 @pytest.fixture
 def block_nbytes(make_engine) -> int:
+    """One cached block's bytes in the engine's KV dtype (float32: 4 bytes an element, bfloat16: 2)."""
     probe = make_engine()
-    return math.prod(probe.block_layout.shape) * 4  # float32 KV
+    layout = probe.block_layout
+    return math.prod(layout.shape) * getattr(torch, layout.dtype).itemsize
 
 
 def test_one_tenant_cannot_take_the_whole_pin_budget(serve, make_engine, block_nbytes):

@@ -24,8 +24,8 @@ ModelOpt = Annotated[
 DtypeOpt = Annotated[
     str | None,
     typer.Option(
-        help="Compute dtype: float32 or bfloat16 (default: bfloat16 on CPUs with bf16 instructions "
-        "and on CUDA, else float32; the hf runner: float32)."
+        help="Compute dtype: float32 or bfloat16 (default: $PREFIXCACHE_DTYPE when set, else bfloat16 on "
+        "CPUs with bf16 instructions and on CUDA, else float32; the hf runner: float32)."
     ),
 ]
 RunnerOpt = Annotated[
@@ -129,11 +129,12 @@ def demo(
     from prefixcache.engine.demo import run_demo
     from prefixcache.engine.engine import select_runner
     from prefixcache.engine.llama import LlamaRunner
-    from prefixcache.engine.model import ModelRunner
+    from prefixcache.engine.model import ModelRunner, env_dtype
 
     console = Console(width=None if sys.stdout.isatty() else 120)
     with console.status("loading the model") as status:
         try:
+            env_dtype()  # a bad $PREFIXCACHE_DTYPE fails before the model loads
             base = ModelRunner.load(model, threads=threads)
             chosen = select_runner(base, runner, dtype)
         except ValueError as exc:
@@ -188,7 +189,7 @@ def bench(
 
     from prefixcache.engine.bench import markdown, run_bench, write_results
     from prefixcache.engine.engine import select_runner
-    from prefixcache.engine.model import ModelRunner
+    from prefixcache.engine.model import ModelRunner, env_dtype
 
     console = Console()
     try:
@@ -204,6 +205,7 @@ def bench(
         )
     with console.status("loading the model") as status:
         try:
+            env_dtype()  # a bad $PREFIXCACHE_DTYPE fails before the model loads
             base = ModelRunner.load(model, threads=threads)
             res = [
                 run_bench(

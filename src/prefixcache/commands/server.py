@@ -165,8 +165,8 @@ def serve(
     dtype: Annotated[
         str | None,
         typer.Option(
-            help="Compute (and KV) dtype: float32 or bfloat16. Default: bfloat16 on "
-            "CPUs with bf16 instructions and on CUDA, float32 elsewhere."
+            help="Compute (and KV) dtype: float32 or bfloat16. Default: $PREFIXCACHE_DTYPE when set, "
+            "else bfloat16 on CPUs with bf16 instructions and on CUDA, float32 elsewhere."
         ),
     ] = None,
     max_batch: Annotated[
@@ -252,6 +252,7 @@ def serve(
     from prefixcache.cache.tiers import attach_tiers, flush_tiers, register_prometheus
     from prefixcache.commands.lifecycle import sigterm_as_interrupt
     from prefixcache.engine import Engine
+    from prefixcache.engine.runtime import describe_runtime
     from prefixcache.server import create_app
     from prefixcache.server.app import DEFAULT_MODEL_NAME
     from prefixcache.server.auth import resolve_secret
@@ -350,6 +351,7 @@ def serve(
     if publisher is not None:
         kv.attach(app, engine, publisher)
     tiers = ", ".join(t.name for t in engine.cache.tiers) if engine.cache is not None else ""
+    typer.echo(f"prefixcache: compute: {describe_runtime(engine)}")
     typer.echo(f"prefixcache: cache tiers below memory: {tiers or 'none'}")
     typer.echo(
         f"prefixcache: serving '{name}' on http://{host}:{port} "

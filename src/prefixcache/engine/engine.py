@@ -36,7 +36,7 @@ from prefixcache.cache import CacheStats, FakeClock, PrefixCache
 from prefixcache.cache.config import DEFAULTS
 from prefixcache.cache.tiers.codec import BlockLayout
 from prefixcache.engine.llama import LlamaRunner, unsupported_reason
-from prefixcache.engine.model import ModelRunner, default_dtype
+from prefixcache.engine.model import ModelRunner, default_dtype, env_dtype
 from prefixcache.engine.prompts import check_prompt_text, encode, max_token_bytes, render_chat
 from prefixcache.engine.sampling import InvalidRequestError, SamplingParams
 from prefixcache.engine.scheduler import BatchWorker
@@ -114,8 +114,9 @@ class Engine:
     ) -> None:
         """``model``: a .gguf path, an HF folder, a loaded :class:`ModelRunner` (shared weights),
         or None (embedded SmolLM2). ``runner``: ``auto`` (the own Llama runner where it can
-        compute the model), ``llama`` or ``hf``. ``dtype``: None picks bfloat16 on CPUs with
-        bf16 instructions and on CUDA, float32 elsewhere (the HF runner: float32).
+        compute the model), ``llama`` or ``hf``. ``dtype``: None picks ``$PREFIXCACHE_DTYPE`` when
+        set, else bfloat16 on CPUs with bf16 instructions and on CUDA, float32 elsewhere (the HF
+        runner: float32 unless ``dtype`` says otherwise).
         ``cache``: an existing PrefixCache to share (its block size wins); otherwise one is
         created from the capacity/TTL/clock arguments. ``max_batch``: decode rows per step, a
         request with ``n`` choices taking ``n`` (own runner); on both runners also the largest
@@ -123,6 +124,7 @@ class Engine:
         (default 4x the context). ``reasons_bytes``: memory for explaining misses, taken from
         ``capacity_bytes`` (default: ``DEFAULTS.reasons_bytes``, at most an eighth of it; 0: none).
         ``miss_reasons`` False: no reason per request at all (a benchmark's baseline)."""
+        env_dtype()  # a bad $PREFIXCACHE_DTYPE fails before the model loads
         if isinstance(model, ModelRunner):
             base = model
         else:

@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("float32", "bfloat16", "float16")
+#: The environment variable that sets the default compute dtype, and the values it takes.
+DTYPE_ENV = "PREFIXCACHE_DTYPE"
+ENV_DTYPES = ("float32", "bfloat16")
 #: Bumped when the conversion cache's format changes (forces a fresh conversion).
 _CONVERSION_VERSION = "c1"
 
@@ -116,10 +119,29 @@ def cpu_has_bf16() -> bool:
     return False
 
 
-def default_dtype(device: Any = "cpu") -> str:
-    """The own runner's default dtype: bfloat16 on CUDA and on CPUs with bf16 instructions."""
+def env_dtype() -> str | None:
+    """``$PREFIXCACHE_DTYPE`` (float32 or bfloat16), or None when unset or empty.
+
+    Raises ``ValueError`` naming the variable for any other value."""
+    value = os.environ.get(DTYPE_ENV, "").strip()
+    if not value:
+        return None
+    if value not in ENV_DTYPES:
+        raise ValueError(f"{DTYPE_ENV} must be one of {', '.join(ENV_DTYPES)} (or unset); got {value!r}")
+    return value
+
+
+def machine_dtype(device: Any = "cpu") -> str:
+    """The dtype this machine computes fastest: bfloat16 on CUDA and on CPUs with bf16
+    instructions, float32 elsewhere (``$PREFIXCACHE_DTYPE`` aside)."""
     kind = getattr(device, "type", str(device))
     return "bfloat16" if kind == "cuda" or (kind == "cpu" and cpu_has_bf16()) else "float32"
+
+
+def default_dtype(device: Any = "cpu") -> str:
+    """The own runner's default dtype: ``$PREFIXCACHE_DTYPE`` when set, else
+    :func:`machine_dtype` (bfloat16 on CUDA and on CPUs with bf16 instructions)."""
+    return env_dtype() or machine_dtype(device)
 
 
 def _torch_dtype(name: str) -> Any:
