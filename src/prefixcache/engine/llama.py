@@ -41,6 +41,10 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache.cache.keys import KV_LAYOUT_VERSION, model_fingerprint
+from prefixcache.engine.kernels import KernelsUnavailableError, NativeKernels
+from prefixcache.engine.kernels import mode as kernels_mode
+from prefixcache.engine.kernels import resolve as resolve_kernels
+from prefixcache.engine.llama_native import DTYPE_CODES, native_step
 from prefixcache.engine.model import ModelRunner
 from prefixcache.engine.pool import KVPool
 
@@ -122,10 +126,19 @@ class LlamaRunner(ModelRunner):
 
     kind = "llama"
 
-    def __init__(self, base: ModelRunner, *, dtype: str | None = None, attention: str = "invariant") -> None:
+    def __init__(
+        self,
+        base: ModelRunner,
+        *,
+        dtype: str | None = None,
+        attention: str = "invariant",
+        kernels: str | None = None,
+    ) -> None:
         """``attention="sdpa"`` swaps in torch's SDPA per call (not invariant: its work split
         depends on the query length): for measuring what invariance costs, and as the negative
-        control of the exactness tests. Never for serving."""
+        control of the exactness tests. Never for serving. ``kernels``: ``auto`` (the own CPU
+        kernels where they build, see :mod:`prefixcache.engine.kernels`), ``native`` or
+        ``torch``; None reads ``PREFIXCACHE_KERNELS``."""
         if attention not in ("invariant", "sdpa"):
             raise ValueError(f"attention must be 'invariant' or 'sdpa'; got {attention!r}")
         self.attention = attention
@@ -191,20 +204,38 @@ class LlamaRunner(ModelRunner):
         self.sin = sin[0].to(dt).contiguous()
         self.model = None  # the Hugging Face modules are not used past this point
         self.lock = base.lock  # runners built from one base share the cores
+        self.native, self.kernels = self._pick_kernels(kernels)
+
+    def _pick_kernels(self, kernels: str | None) -> tuple[NativeKernels | None, str]:
+        """(the native kernels or None, the kernel set's id for the namespace)."""
+        if self.device.type != "cpu" or self.dtype not in DTYPE_CODES or self.attention != "invariant":
+            if kernels == "native":
+                raise KernelsUnavailableError(
+                    f"the native kernels compute float32/bfloat16 invariant attention on the CPU; "
+                    f"this runner is {self.dtype_name} on {self.device.type} ({self.attention})"
+                )
+            return None, "torch"
+        native, _reason = resolve_kernels(kernels)
+        return native, ("torch" if native is None else native.id)
 
     @classmethod
-    def from_model_runner(cls, base: ModelRunner, *, dtype: str | None = None) -> LlamaRunner:
-        """The own runner for ``base``'s model, built once per (base, dtype) and reused."""
+    def from_model_runner(
+        cls, base: ModelRunner, *, dtype: str | None = None, kernels: str | None = None
+    ) -> LlamaRunner:
+        """The own runner for ``base``'s model, built once per (base, dtype, kernels) and reused
+        (``kernels`` None: ``PREFIXCACHE_KERNELS``, default ``auto``)."""
         if isinstance(base, LlamaRunner):
-            if dtype is None or dtype == base.dtype_name:
+            if (dtype is None or dtype == base.dtype_name) and kernels is None:
                 return base
             raise ValueError(
-                f"this runner computes in {base.dtype_name}; build a {dtype} one from the ModelRunner"
+                f"this runner computes in {base.dtype_name} with kernels {base.kernels}; "
+                f"build another one from the ModelRunner"
             )
-        key = dtype or base.dtype_name
+        mode = kernels_mode() if kernels is None else kernels
+        key = (dtype or base.dtype_name, mode)
         made = base.__dict__.setdefault("_own_runners", {})
         if key not in made:
-            made[key] = cls(base, dtype=key)
+            made[key] = cls(base, dtype=key[0], kernels=mode)
         return made[key]
 
     def with_attention(self, attention: str) -> LlamaRunner:
@@ -213,6 +244,8 @@ class LlamaRunner(ModelRunner):
             raise ValueError(f"attention must be 'invariant' or 'sdpa'; got {attention!r}")
         clone = copy.copy(self)
         clone.attention = attention
+        if attention != "invariant":
+            clone.native, clone.kernels = None, "torch"
         return clone
 
     # ------------------------------------------------------------------ identity
@@ -222,9 +255,10 @@ class LlamaRunner(ModelRunner):
 
     def fingerprint(self, block_size: int, prefill_chunk: int = 0) -> str:
         """The model part of the cache namespace: weights, dtype, block size, the invariant
-        layout (tile) and device/threads (kernels may differ across them). The prefill chunk is
-        not part of it: chunking does not change a row's bits."""
-        layout = f"{KV_LAYOUT_VERSION}|paged|{self.attention}{TILE}|{self.device.type}"
+        layout (tile), the kernel set (``torch`` or the native kernels' version, ISA and source)
+        and device/threads (kernels may differ across them). The prefill chunk is not part of
+        it: chunking does not change a row's bits."""
+        layout = f"{KV_LAYOUT_VERSION}|paged|{self.attention}{TILE}|{self.kernels}|{self.device.type}"
         if self.device.type == "cpu":
             layout += f"|t{self.threads}"
         return model_fingerprint(self.weights_id, self.dtype_name, block_size, layout)
@@ -257,6 +291,9 @@ class LlamaRunner(ModelRunner):
             return self._step(pool, segments)
 
     def _step(self, pool: KVPool, segments: Sequence[Segment]) -> torch.Tensor:
+        if self.native is not None:
+            rows = padded_rows(sum(len(s.tokens) for s in segments))
+            return native_step(self, self.native, pool, segments, rows)
         dev, B = self.device, pool.block_size
         tokens: list[int] = []
         positions: list[int] = []

@@ -1,0 +1,124 @@
+"""One engine step of :class:`~prefixcache.engine.llama.LlamaRunner` through the own CPU kernels.
+
+    logits = native_step(runner, kernels, pool, segments)   # same contract as LlamaRunner.step
+
+Per layer: four GEMMs (``F.linear``, the same as the torch path) and four kernel calls:
+RoPE + KV write into the pool, paged attention over every segment of the step at once (decode
+rows and prefill chunks, K/V read in place through the block tables), and two RMSNorms fused
+with the residual adds; SwiGLU between the MLP's GEMMs. Each kernel computes every row by the
+same arithmetic whatever the batch, the row count and the thread count (pc_kernels.c's header),
+so a row's bits depend only on its token, its position and the KV before it, as on the torch
+path (they are not the torch path's bits: the cache namespace names the kernel set).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from prefixcache.engine.kernels import NativeKernels
+from prefixcache.engine.pool import KVPool
+
+if TYPE_CHECKING:  # pragma: no cover
+    from prefixcache.engine.llama import LlamaRunner, Segment
+
+#: Kernel dtype codes (pc_kernels.c).
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class StepPlan:
+    """What every layer of one step shares: rows' positions and KV slots, the attention segments
+    ``[row0, rows, start, table offset]`` and the concatenated block tables (int32)."""
+
+    __slots__ = ("n", "R", "ids", "pos", "slots", "seg", "tables", "nseg", "last_rows")
+
+    def __init__(self, segments: Sequence[Segment], B: int, R: int) -> None:
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seg: list[int] = []
+        tables: list[int] = []
+        self.last_rows: list[int] = []
+        for s in segments:
+            assert len(s.tokens) > 0, "a segment has no tokens"
+            seg.extend((len(tokens), len(s.tokens), s.start, len(tables)))
+            used = -(-s.end // B)
+            tables.extend(s.table[:used])
+            positions.extend(range(s.start, s.end))
+            table = s.table
+            slots.extend(table[p // B] * B + p % B for p in range(s.start, s.end))
+            tokens.extend(s.tokens)
+            if s.want_logits:
+                self.last_rows.append(len(tokens) - 1)
+        self.n, self.R = len(tokens), R
+        self.ids = torch.zeros(R, dtype=torch.long)
+        self.ids[: self.n] = torch.tensor(tokens, dtype=torch.long)
+        self.pos = torch.zeros(R, dtype=torch.long)
+        self.pos[: self.n] = torch.tensor(positions, dtype=torch.long)
+        self.slots = torch.tensor(slots, dtype=torch.long)
+        self.seg = torch.tensor(seg, dtype=torch.long)
+        self.tables = torch.tensor(tables, dtype=torch.int32)
+        self.nseg = len(segments)
+
+
+def native_step(
+    runner: LlamaRunner, k: NativeKernels, pool: KVPool, segments: Sequence[Segment], R: int
+) -> torch.Tensor:
+    """``runner.step`` on the kernels (the caller holds the runner's lock, inference mode).
+    ``R``: the GEMMs' row count for the step's rows (padding rows are zeros)."""
+    from prefixcache.engine.llama import padded_rows
+
+    lib, dt = k.lib, DTYPE_CODES[runner.dtype]
+    nt = torch.get_num_threads()
+    B = pool.block_size
+    plan = StepPlan(segments, B, R)
+    H, KV, D = runner.num_heads, runner.num_kv_heads, runner.head_dim
+    hidden, n = runner.hidden, plan.n
+    data = pool.data  # [layers, 2, KV, blocks, B, D], contiguous
+    head_stride = data.shape[3] * B * D
+    layers = runner.layers
+    x = runner.embed[plan.ids]  # [R, hidden], the residual stream (updated in place)
+    h = torch.empty_like(x)
+    q = torch.empty(R, H, D, dtype=torch.float32)  # rows >= n are never read
+    attn = torch.zeros(R, H * D, dtype=runner.dtype)  # padding rows stay zero
+    lib.pc_rms_residual(
+        dt, R, hidden, x.data_ptr(), None, _ptr(layers[0]["ln1"]), runner.eps, h.data_ptr(), nt
+    )
+    for li, lw in enumerate(layers):
+        qkv = F.linear(h, lw["qkv"], lw["qkv_b"])  # [R, (H + 2 KV) * D]
+        keys, values = data[li, 0], data[li, 1]
+        lib.pc_rope_kv(
+            dt, n, H, KV, D, qkv.data_ptr(), plan.pos.data_ptr(), plan.slots.data_ptr(),
+            runner.cos.data_ptr(), runner.sin.data_ptr(), runner.scaling, q.data_ptr(),
+            keys.data_ptr(), values.data_ptr(), head_stride, nt,
+        )  # fmt: skip
+        lib.pc_attention(
+            dt, H, KV, D, q.data_ptr(), keys.data_ptr(), values.data_ptr(), head_stride, B,
+            plan.nseg, plan.seg.data_ptr(), plan.tables.data_ptr(), attn.data_ptr(), nt,
+        )  # fmt: skip
+        o = F.linear(attn, lw["o"], lw["o_b"])
+        lib.pc_rms_residual(
+            dt, R, hidden, x.data_ptr(), o.data_ptr(), _ptr(lw["ln2"]), runner.eps, h.data_ptr(), nt
+        )
+        gu = F.linear(h, lw["gu"], lw["gu_b"])
+        inter = gu.shape[1] // 2
+        act = torch.empty(R, inter, dtype=runner.dtype)
+        lib.pc_swiglu(dt, R, inter, gu.data_ptr(), act.data_ptr(), nt)
+        down = F.linear(act, lw["down"], lw["down_b"])
+        norm = layers[li + 1]["ln1"] if li + 1 < len(layers) else runner.norm
+        lib.pc_rms_residual(
+            dt, R, hidden, x.data_ptr(), down.data_ptr(), _ptr(norm), runner.eps, h.data_ptr(), nt
+        )
+    if not plan.last_rows:
+        return torch.empty(0, runner.vocab_size)
+    want = len(plan.last_rows)
+    sel = torch.zeros(padded_rows(want), dtype=torch.long)
+    sel[:want] = torch.tensor(plan.last_rows, dtype=torch.long)
+    return F.linear(h[sel], runner.lm_head)[:want].float()
