@@ -73,6 +73,14 @@ def serve(
     max_queue: Annotated[
         int, typer.Option(min=1, help="Generation requests in flight (running or waiting) before 429 / 529.")
     ] = 64,
+    max_connections: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Concurrent client connections (and requests) before new ones get a 503 (idle "
+            "keep-alive connections count).",
+        ),
+    ] = 1024,
     tenant_queue_share: Annotated[
         float,
         typer.Option(
@@ -355,7 +363,9 @@ def serve(
         f"prefixcache: serving '{name}' on http://{host}:{port} "
         "(OpenAI and Anthropic routes, /metrics, /dashboard)"
     )
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower())  # uvicorn's handlers
+    config = uvicorn.Config(  # uvicorn's handlers
+        app, host=host, port=port, log_level=log_level.lower(), limit_concurrency=max_connections
+    )
     install_redaction(redactor)
     server = uvicorn.Server(config)
     sigterm_as_interrupt()

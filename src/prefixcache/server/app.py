@@ -27,6 +27,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from prefixcache.keygate import KeyGate, key_check
 from prefixcache.server import (
     routes_anthropic,
     routes_dashboard,
@@ -39,7 +40,7 @@ from prefixcache.server.bridge import Admission, EngineBridge
 from prefixcache.server.busting import DEFAULT_WINDOW, BustingWatch, LiveBusting
 from prefixcache.server.dashboard import DEFAULT_INTERVAL_S, DashboardRecorder, DashboardSources
 from prefixcache.server.errors import install_error_handlers
-from prefixcache.server.limits import BodyLimit, default_max_body_bytes
+from prefixcache.server.limits import BodyLimit, default_max_body_bytes, refuse_body
 from prefixcache.server.metrics import Metrics
 from prefixcache.server.snapshots import SnapshotReader
 from prefixcache.server.state import ServerState
@@ -180,6 +181,8 @@ def create_app(
     paths = frozenset(str(getattr(r, "path", "")) for m in routers for r in m.router.routes)
     body_limit = max_body_bytes or default_max_body_bytes(getattr(engine, "context_len", None))
     app.add_middleware(BodyLimit, max_bytes=body_limit)
+    if auth.api_keys is not None:  # the key checked before the body is read (any route, new ones too)
+        app.add_middleware(KeyGate, check=key_check(auth.api_keys), refuse=refuse_body)
     app.add_middleware(RequestCounter, metrics=metrics, paths=paths)  # outermost: counts the 413s too
     return app
 

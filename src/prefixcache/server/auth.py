@@ -35,6 +35,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prefixcache.keygate import find_key, presented_key
 from prefixcache.server.errors import APIError
 
 SALT_SECRET_ENV = "PREFIXCACHE_SALT_SECRET"
@@ -137,21 +138,14 @@ class Authenticator:
         """The tenant of this request; raises a 401 :class:`APIError` when keys are on and it has none."""
         if self.api_keys is None:
             return self._tenants[DEFAULT_TENANT]
-        key = (x_api_key or "").strip()
-        if not key and authorization:
-            scheme, _, value = authorization.strip().partition(" ")
-            key = value.strip() if scheme.lower() == "bearer" else ""
+        key = presented_key(authorization, x_api_key)
         if not key:
             raise APIError(
                 401,
                 "Missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
                 code="missing_api_key",
             )
-        # Compare against every key in constant time per key, so timing says nothing about prefixes.
-        found: str | None = None
-        for k, tenant in self.api_keys.items():
-            if hmac.compare_digest(k.encode(), key.encode()):
-                found = tenant
+        found = find_key(self.api_keys, key)
         if found is None:
             raise APIError(401, "Invalid API key: check the key you were given.", code="invalid_api_key")
-        return self._tenants[found]
+        return self._tenants[self.api_keys[found]]
