@@ -263,7 +263,13 @@ def serve(
     from prefixcache.server import create_app
     from prefixcache.server.app import DEFAULT_MODEL_NAME
     from prefixcache.server.auth import resolve_secret
-    from prefixcache.server.exposure import RedactSecrets, exposure_refusal, install_redaction, redis_password
+    from prefixcache.server.exposure import (
+        RedactSecrets,
+        exposure_refusal,
+        install_redaction,
+        is_loopback,
+        redis_password,
+    )
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     source = ctx.get_parameter_source("salt_secret")
@@ -352,6 +358,8 @@ def serve(
         tenant_pin_share=tenant_pin_share,
         busting_window=busting_window,
         admin_tenants=admin_tenant or (),
+        # No keys on an exposed address: nothing tells callers apart, so no cached-side text.
+        caller_text="none" if keys is None and not is_loopback(host) else None,
     )
     if engine.cache is not None and engine.cache.tiers:
         register_prometheus(engine.cache, app.state.prefixcache.metrics.registry)

@@ -26,6 +26,7 @@ salt never leaves the server.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -49,6 +50,9 @@ class Tenant:
     name: str
     salt: bytes = field(repr=False)
     admin: bool = False  # sees every tenant's prefixes on the dashboard
+    #: which API key of the tenant this is (a keyed digest, never the key; "" without keys): the
+    #: caller whose own prompt text a miss reason or the dashboard may show back
+    credential: str = ""
 
 
 def load_api_keys(path: str | Path) -> dict[str, str]:
@@ -130,6 +134,13 @@ class Authenticator:
             )
         for name in names:
             self._tenants[name] = Tenant(name, self.salt_for(name), admin=name in admins)
+        self._callers = {
+            key: dataclasses.replace(self._tenants[name], credential=self._credential(key))
+            for key, name in (self.api_keys or {}).items()
+        }
+
+    def _credential(self, key: str) -> str:
+        return hmac.new(self._secret, b"credential\x00" + key.encode(), hashlib.sha256).hexdigest()[:24]
 
     def salt_for(self, tenant: str) -> bytes:
         return hmac.new(self._secret, tenant.encode("utf-8"), hashlib.sha256).digest()
@@ -148,4 +159,4 @@ class Authenticator:
         found = find_key(self.api_keys, key)
         if found is None:
             raise APIError(401, "Invalid API key: check the key you were given.", code="invalid_api_key")
-        return self._tenants[self.api_keys[found]]
+        return self._callers[found]
