@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,14 +29,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 #: The default body limit (the server's floor; the router's default).
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 MAX_JSON_DEPTH = 64
+#: Arrays and objects a body may hold (messages, content parts, tool schemas): each costs a
+#: Python object and a validation step, so 8 MiB of ``{},`` must not reach either.
+MAX_JSON_CONTAINERS = 20_000
+#: JSON values a body may hold (so every list's length too): room for a 256k-token prompt.
+MAX_JSON_ITEMS = 1 << 18
 
 #: Raw JSON that may hold a surrogate: a ``\\uD800``-``\\uDFFF`` escape, or UTF-8 bytes of one
 #: (``json.loads`` decodes bytes with ``surrogatepass``). A cheap filter: a hit is confirmed on
 #: the parsed value, since a valid pair (an emoji) or an escaped backslash matches too.
 _RAW_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
-#: A JSON string literal, so that brackets inside strings do not count as nesting.
-_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+#: Bytes :func:`json_shape` scans at once (its numpy temporaries are about 50 bytes per byte).
+_SCAN_SLICE = 1 << 20
 
 
 class RejectedBody(StarletteHTTPException):
@@ -111,14 +117,56 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class JsonShape:
+    """What :func:`json_shape` counts in a JSON text (brackets and commas inside strings ignored)."""
+
+    depth: int  # how deep arrays and objects nest
+    containers: int  # arrays and objects
+    commas: int  # separators: every list item and object member past the first of each
+
+
+def json_shape(body: bytes) -> JsonShape:
+    """The nesting depth, container and separator counts of the JSON text ``body``, in one
+    linear pass of numpy operations over 1 MiB slices (no regex, no backtracking: any input,
+    unterminated strings and escape runs included, costs the same per byte).
+
+    A byte is escaped when an odd run of backslashes precedes it; an unescaped ``"`` toggles
+    "inside a string"; brackets and commas count only outside strings. Exact for valid JSON;
+    for invalid JSON the counts are some bound that ``json.loads`` then refuses anyway."""
+    depth = max_depth = containers = commas = 0
+    run = 0  # backslashes ending the previous slice
+    inside = 0  # 1 while the previous slice ended inside a string
+    view = memoryview(body)
+    for start in range(0, len(body), _SCAN_SLICE):
+        b = np.frombuffer(view[start : start + _SCAN_SLICE], dtype=np.uint8)
+        n = len(b)
+        idx = np.arange(n, dtype=np.int64)
+        backslash = b == 92
+        # Index of the last byte <= i that is not a backslash (-1: none in this slice).
+        last_plain = np.maximum.accumulate(np.where(backslash, -1, idx))
+        run_at = idx - last_plain  # backslashes ending at i
+        run_at[last_plain < 0] += run  # a run that began in an earlier slice
+        before = np.empty(n, dtype=np.int64)  # backslashes right before i
+        before[0] = run
+        before[1:] = run_at[:-1]
+        quotes = (b == 34) & (before % 2 == 0)
+        parity = (np.cumsum(quotes, dtype=np.int64) + inside) % 2
+        outside = (parity == 0) & ~quotes
+        opens = outside & ((b == 91) | (b == 123))
+        closes = outside & ((b == 93) | (b == 125))
+        level = np.cumsum(opens.astype(np.int64) - closes.astype(np.int64)) + depth
+        max_depth = max(max_depth, int(level.max(initial=depth)))
+        depth = int(level[-1])
+        containers += int(np.count_nonzero(opens))
+        commas += int(np.count_nonzero(outside & (b == 44)))
+        run, inside = int(run_at[-1]), int(parity[-1])
+    return JsonShape(max_depth, containers, commas)
+
+
 def json_depth(body: bytes) -> int:
-    """How deep the JSON text ``body`` nests arrays and objects (brackets in strings ignored).
-    Linear and vectorised: the strings are blanked by one regex, the brackets summed by numpy."""
-    structure = np.frombuffer(_JSON_STRING.sub(b'""', body), dtype=np.uint8)
-    opens = (structure == ord("[")) | (structure == ord("{"))
-    closes = (structure == ord("]")) | (structure == ord("}"))
-    steps = opens.astype(np.int64) - closes.astype(np.int64)
-    return int(np.cumsum(steps).max(initial=0))
+    """How deep the JSON text ``body`` nests arrays and objects (see :func:`json_shape`)."""
+    return json_shape(body).depth
 
 
 def lone_surrogate_path(value: Any) -> str | None:
@@ -149,18 +197,35 @@ def _path_text(path: tuple[str | int, ...]) -> str:
     return out
 
 
-def parse_json_body(body: bytes) -> Any:
+def parse_json_body(body: bytes, *, max_items: int | None = None) -> Any:
     """``json.loads(body)``, refusing what no route can use (a :class:`RejectedBody` 400):
-    nesting deeper than :data:`MAX_JSON_DEPTH` and strings with lone surrogates. Malformed JSON
-    raises ``json.JSONDecodeError`` (or ``UnicodeDecodeError``) as ``json.loads`` does."""
-    # Fewer brackets than the limit cannot nest deeper than it: most bodies skip the scan.
-    depth = json_depth(body) if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH else 0
-    if depth > MAX_JSON_DEPTH:
+    nesting deeper than :data:`MAX_JSON_DEPTH`, more than :data:`MAX_JSON_CONTAINERS` arrays and
+    objects or more than ``max_items`` values (default :data:`MAX_JSON_ITEMS`; a list's length
+    is bounded by it) and strings with lone surrogates. The structure is counted by one linear
+    scan before anything is parsed or validated. Malformed JSON raises ``json.JSONDecodeError``
+    (or ``UnicodeDecodeError``) as ``json.loads`` does."""
+    limit = MAX_JSON_ITEMS if max_items is None else max_items
+    shape = json_shape(body)
+    if shape.depth > MAX_JSON_DEPTH:
         raise RejectedBody(
             400,
-            f"The request body nests JSON {depth} levels deep; at most {MAX_JSON_DEPTH} "
+            f"The request body nests JSON {shape.depth} levels deep; at most {MAX_JSON_DEPTH} "
             "are allowed: flatten it (tool schemas included).",
             code="too_deep",
+        )
+    if shape.containers > MAX_JSON_CONTAINERS:
+        raise RejectedBody(
+            400,
+            f"The request body holds {shape.containers} JSON arrays and objects; at most "
+            f"{MAX_JSON_CONTAINERS} are allowed: send fewer messages or content parts.",
+            code="too_many_items",
+        )
+    if shape.commas + 1 > limit:
+        raise RejectedBody(
+            400,
+            f"The request body holds over {limit} JSON values (lists included); send fewer "
+            "(a prompt longer than the context could not run anyway).",
+            code="too_many_items",
         )
     try:
         value = json.loads(body)

@@ -302,8 +302,21 @@ BODILESS = [
     ("PUT", "/v1/chat/completions"),
 ]
 
+#: Bodies built to make a JSON scanner backtrack or recurse: brackets past the depth limit's
+#: pre-check, then an unterminated string of escape runs (``\\"`` repeated: the quadratic case of
+#: a string regex), a lone quote, a run of backslashes, or more nesting; after a valid prefix or
+#: bare. Up to 512 KiB, so that a scan that is not linear times the request out.
+HOSTILE_BODIES = st.builds(
+    lambda prefix, opener, unit, n: prefix + opener + unit * n,
+    st.sampled_from([b"", b'{"model":"test-model","messages":[{"role":"user","content":', b'{"prompt":']),
+    st.sampled_from([b"[" * 65, b'{"a":' * 65, b"[" * 65 + b'"', b'["', b"[" * 64 + b'{"x":"']),
+    st.sampled_from([b'\\"', b"\\", b'"', b'\\\\"[', b"[", b'{"a":', b'"[', b"\\u00"]),
+    st.sampled_from([1, 1_000, 40_000, 170_000]),
+)
+
 RAW_BODIES = st.one_of(
     st.binary(max_size=200),
+    HOSTILE_BODIES,
     st.sampled_from(
         [
             b"",

@@ -23,7 +23,7 @@ The reasons, checked in this order for the first block ``n`` the walk did not fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from prefixcache.cache.blocks import Segment
@@ -57,8 +57,11 @@ class CacheReason:
     read had that not happened (0 for ``full_hit``, ``new_prefix`` and ``below_minimum``).
     ``token_index`` (``diverged``): the prompt's first token that differs from the nearest cached
     prompt; ``before`` the tokens just before it, ``prompt_after`` / ``cached_after`` each side's
-    tokens from it. ``ago_s``: seconds since the block expired (``expired``) or was removed
-    (``evicted``, ``flushed``)."""
+    tokens from it. ``cached_span``: the cached side's tokens from the start of the divergence's
+    block through the last full block holding ``cached_after`` (what a caller must have written
+    itself to be shown ``cached_after``: the server checks its block key). ``cached_hidden``: the
+    server withheld ``cached_after`` (another credential's prompt). ``ago_s``: seconds since
+    the block expired (``expired``) or was removed (``evicted``, ``flushed``)."""
 
     reason: Reason
     cache_missed_tokens: int = 0
@@ -67,6 +70,8 @@ class CacheReason:
     prompt_after: tuple[int, ...] = ()
     cached_after: tuple[int, ...] = ()
     ago_s: float | None = None
+    cached_span: tuple[int, ...] = field(default=(), repr=False)
+    cached_hidden: bool = False
 
 
 #: The live run a walk stopped inside: (its packed tokens from block ``n`` on, its blocks from ``n`` on).
@@ -153,13 +158,17 @@ def classify(
         return CacheReason(Reason.NEW_PREFIX)
     t = best_index
     within = (t - n * block_size) * 4  # the divergence's byte offset in both tails
+    shown = best_other[within : within + CONTEXT_TOKENS * 4]
+    # The cached side's full blocks from block n on, as far as the shown tokens reach.
+    blocks = min(-(-(within + len(shown)) // step), len(best_other) // step)
     return CacheReason(
         Reason.DIVERGED,
         missed(best_blocks),
         token_index=t,
         before=tuple(unpack_tokens(packed[max(t - CONTEXT_TOKENS, 0) * 4 : t * 4])),
         prompt_after=tuple(unpack_tokens(packed[t * 4 : (t + CONTEXT_TOKENS) * 4])),
-        cached_after=tuple(unpack_tokens(best_other[within : within + CONTEXT_TOKENS * 4])),
+        cached_after=tuple(unpack_tokens(shown)),
+        cached_span=tuple(unpack_tokens(best_other[: blocks * step])),
     )
 
 

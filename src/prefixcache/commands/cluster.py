@@ -31,6 +31,9 @@ from prefixcache.commands.redis_process import (
 )
 from prefixcache.commands.server import parse_bytes
 
+#: ``--max-connections``' default (uvicorn answers 503 beyond it, before any route runs).
+DEFAULT_MAX_CONNECTIONS = 1024
+
 POLICIES = ("prefix-affinity", "cache-aware", "round-robin", "least-loaded")
 
 
@@ -98,6 +101,28 @@ def route(
             "cache-aware only. Replicas without one are tracked by the approximate record.",
         ),
     ] = None,
+    api_keys: Annotated[
+        Path | None,
+        typer.Option(
+            "--api-keys",
+            envvar="PREFIXCACHE_API_KEYS_FILE",
+            help="Key file (the replicas' format; or its text in $PREFIXCACHE_API_KEYS): only requests "
+            "with one of its keys get past the router, checked before the body is read. Without keys "
+            "only a loopback --host is allowed by default.",
+        ),
+    ] = None,
+    allow_unauthenticated: Annotated[
+        bool,
+        typer.Option(
+            "--allow-unauthenticated",
+            help="Listen on a non-loopback --host without API keys (every client that can reach it is "
+            "trusted).",
+        ),
+    ] = False,
+    max_connections: Annotated[
+        int,
+        typer.Option(min=1, help="Concurrent client connections (and requests) before new ones get a 503."),
+    ] = DEFAULT_MAX_CONNECTIONS,
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
 ) -> None:
     """Route OpenAI and Anthropic requests across replicas so that requests sharing a prompt
@@ -110,6 +135,7 @@ def route(
     from prefixcache.router.kv_index import parse_feed
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keys = router_keys(api_keys, host, allow_unauthenticated)
     if keep_warm is not None and not keep_warm.exists():
         raise typer.BadParameter(f"{keep_warm} does not exist", param_hint="--keep-warm")
     feeds = {}
@@ -132,6 +158,7 @@ def route(
         read_timeout_s=read_timeout,
         max_body_bytes=parse_bytes(max_body_bytes),
         kv_events=feeds,
+        api_keys=keys,
     )
     try:
         app = create_router_app(config)
@@ -141,7 +168,23 @@ def route(
     typer.echo(f"prefixcache router: {policy} over {len(replica)} replicas{events} on http://{host}:{port}")
     sigterm_as_interrupt()
     with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
+        uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), limit_concurrency=max_connections)
+
+
+def router_keys(api_keys: Path | None, host: str, allow_unauthenticated: bool) -> frozenset[str] | None:
+    """The router's keys (``--api-keys`` file, else ``$PREFIXCACHE_API_KEYS``), after the exposure
+    rule of ``serve``: a non-loopback ``host`` without keys needs ``--allow-unauthenticated``."""
+    from prefixcache.server.auth import load_api_keys
+    from prefixcache.server.exposure import api_keys_from_env, exposure_refusal
+
+    try:
+        keys = load_api_keys(api_keys) if api_keys else api_keys_from_env()
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--api-keys") from e
+    refusal = exposure_refusal(host, keys is not None, allow_unauthenticated)
+    if refusal is not None:
+        raise typer.BadParameter(refusal, param_hint="--host")
+    return frozenset(keys) if keys else None
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -223,8 +266,19 @@ def cluster(
         Path | None, typer.Option("--disk-cache", help="Give each replica a disk tier under DIR/replica-<i>.")
     ] = None,
     api_keys: Annotated[
-        Path | None, typer.Option("--api-keys", help="Key file, passed to every replica.")
+        Path | None,
+        typer.Option("--api-keys", help="Key file, passed to every replica and checked by the router."),
     ] = None,
+    allow_unauthenticated: Annotated[
+        bool,
+        typer.Option(
+            "--allow-unauthenticated",
+            help="Let the router listen on a non-loopback --host without API keys.",
+        ),
+    ] = False,
+    max_connections: Annotated[
+        int, typer.Option(min=1, help="The router's concurrent client connections before a 503.")
+    ] = DEFAULT_MAX_CONNECTIONS,
     keep_warm: Annotated[
         Path | None, typer.Option("--keep-warm", help="Keep-warm policy file for the router.")
     ] = None,
@@ -254,6 +308,7 @@ def cluster(
     from prefixcache.router import RouterConfig, create_router_app
     from prefixcache.router.kv_index import FeedSpec
 
+    keys = router_keys(api_keys, host, allow_unauthenticated)
     start_own_redis = not no_redis and redis_url is None
     password = redis_password_from(redis_password_file) if start_own_redis else ""
     maxmemory = parse_bytes(redis_maxmemory)
@@ -335,8 +390,15 @@ def cluster(
             policy=policy,
             keepwarm_file=str(keep_warm) if keep_warm else None,
             kv_events=feeds,
+            api_keys=keys,
         )
-        uvicorn.run(create_router_app(config), host=host, port=port, log_level=log_level.lower())
+        uvicorn.run(
+            create_router_app(config),
+            host=host,
+            port=port,
+            log_level=log_level.lower(),
+            limit_concurrency=max_connections,
+        )
     except KeyboardInterrupt:
         pass
     except RuntimeError as e:

@@ -73,6 +73,14 @@ def serve(
     max_queue: Annotated[
         int, typer.Option(min=1, help="Generation requests in flight (running or waiting) before 429 / 529.")
     ] = 64,
+    max_connections: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Concurrent client connections (and requests) before new ones get a 503 (idle "
+            "keep-alive connections count).",
+        ),
+    ] = 1024,
     tenant_queue_share: Annotated[
         float,
         typer.Option(
@@ -256,7 +264,13 @@ def serve(
     from prefixcache.server import create_app
     from prefixcache.server.app import DEFAULT_MODEL_NAME
     from prefixcache.server.auth import resolve_secret
-    from prefixcache.server.exposure import RedactSecrets, exposure_refusal, install_redaction, redis_password
+    from prefixcache.server.exposure import (
+        RedactSecrets,
+        exposure_refusal,
+        install_redaction,
+        is_loopback,
+        redis_password,
+    )
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     source = ctx.get_parameter_source("salt_secret")
@@ -345,6 +359,8 @@ def serve(
         tenant_pin_share=tenant_pin_share,
         busting_window=busting_window,
         admin_tenants=admin_tenant or (),
+        # No keys on an exposed address: nothing tells callers apart, so no cached-side text.
+        caller_text="none" if keys is None and not is_loopback(host) else None,
     )
     if engine.cache is not None and engine.cache.tiers:
         register_prometheus(engine.cache, app.state.prefixcache.metrics.registry)
@@ -357,7 +373,9 @@ def serve(
         f"prefixcache: serving '{name}' on http://{host}:{port} "
         "(OpenAI and Anthropic routes, /metrics, /dashboard)"
     )
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower())  # uvicorn's handlers
+    config = uvicorn.Config(  # uvicorn's handlers
+        app, host=host, port=port, log_level=log_level.lower(), limit_concurrency=max_connections
+    )
     install_redaction(redactor)
     server = uvicorn.Server(config)
     sigterm_as_interrupt()

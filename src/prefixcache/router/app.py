@@ -9,7 +9,11 @@
     GET  /dashboard              the live page; GET /router/dashboard: its data (the API's keys)
 
 Every body is bounded first: over ``max_body_bytes`` is a 413 before it is read
-(:class:`~prefixcache.limits.BodyLimit`), in the error shape of the API called.
+(:class:`~prefixcache.limits.BodyLimit`), in the error shape of the API called. With
+``api_keys`` (``route --api-keys``) every path but ``/health``, ``/metrics`` and the dashboard's
+page needs one of them, checked from the headers before the body is read
+(:class:`~prefixcache.keygate.KeyGate`); ``/router/replicas`` (which names the KV event
+endpoints) is among the gated paths.
 
 The app wires the parts together: a :class:`~prefixcache.router.policies.Router` (replica state
 and policy), a :class:`~prefixcache.router.proxy.Proxy` (relaying, fail-over: its contract is in
@@ -29,6 +33,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from prefixcache.keygate import KeyGate, key_check
 from prefixcache.limits import BodyLimit, RejectedBody
 from prefixcache.router import dashboard
 from prefixcache.router.config import RouterConfig
@@ -168,6 +173,8 @@ def create_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspo
     app = FastAPI(title="prefixcache router", version="0.1.0", lifespan=lifespan)
     app.state.router = router
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, refuse=_refuse)
+    if config.api_keys:  # the key checked before the body is read, on every non-public path
+        app.add_middleware(KeyGate, check=key_check(config.api_keys), refuse=_refuse)
 
     @app.exception_handler(RejectedBody)
     async def rejected(request: Request, exc: RejectedBody) -> Response:  # a chunked body over the limit

@@ -32,3 +32,5 @@ class RouterConfig:
     #: replica url -> where it publishes KV events (cache-aware policy only)
     kv_events: Mapping[str, FeedSpec] = field(default_factory=dict)
     dashboard_interval_s: float = 2.0  # seconds between two points of the dashboard's series
+    #: the API keys the router accepts (checked before a body is read; None: every caller)
+    api_keys: frozenset[str] | None = None

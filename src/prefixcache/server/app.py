@@ -18,6 +18,7 @@ Routes (OpenAI shape unless noted):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -27,6 +28,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from prefixcache.keygate import KeyGate, key_check
 from prefixcache.server import (
     routes_anthropic,
     routes_dashboard,
@@ -37,9 +39,10 @@ from prefixcache.server import (
 from prefixcache.server.auth import Authenticator
 from prefixcache.server.bridge import Admission, EngineBridge
 from prefixcache.server.busting import DEFAULT_WINDOW, BustingWatch, LiveBusting
+from prefixcache.server.caller_text import CallerText, TextPolicy
 from prefixcache.server.dashboard import DEFAULT_INTERVAL_S, DashboardRecorder, DashboardSources
 from prefixcache.server.errors import install_error_handlers
-from prefixcache.server.limits import BodyLimit, default_max_body_bytes
+from prefixcache.server.limits import BodyLimit, default_max_body_bytes, refuse_body
 from prefixcache.server.metrics import Metrics
 from prefixcache.server.snapshots import SnapshotReader
 from prefixcache.server.state import ServerState
@@ -99,6 +102,7 @@ def create_app(
     dashboard_interval_s: float = DEFAULT_INTERVAL_S,
     tenant_pin_share: float = DEFAULT_TENANT_PIN_SHARE,
     busting_window: int = DEFAULT_WINDOW,
+    caller_text: TextPolicy | str | None = None,
 ) -> FastAPI:
     """Build the app. ``api_keys``: key -> tenant (None: one ``default`` tenant, no auth).
     ``max_queue``: generation requests in flight (running or waiting) before 429/529.
@@ -112,7 +116,10 @@ def create_app(
     ``busting_window``: requests per endpoint the live cache-busting watch compares (0: no
     watch; see :mod:`~prefixcache.server.busting`). ``admin_tenants``: tenants of ``api_keys``
     that see every tenant's prefixes on the dashboard. ``dashboard_interval_s``: seconds between
-    two points of the dashboard's time series."""
+    two points of the dashboard's time series. ``caller_text``: whose prompt text miss reasons,
+    the dashboard and the busting report show (:mod:`~prefixcache.server.caller_text`; default
+    ``own`` with API keys, ``all`` without; ``serve`` passes ``none`` for a non-loopback address
+    without keys)."""
     tenants = len(set(api_keys.values())) if api_keys else 1
     tenant_limit = Admission.tenant_limit_for(max_queue, tenant_queue_share, tenants)
     bridge = EngineBridge(engine, max_queue, tenant_limit)
@@ -171,6 +178,12 @@ def create_app(
         snapshots=snapshots,
         dashboard=dashboard,
         busting=busting,
+        caller_text=CallerText(
+            TextPolicy(caller_text) if caller_text else TextPolicy.default(api_keys is not None),
+            lambda tenant, ids: bridge.cache.block_keys(ids, bridge.namespace(tenant.name, tenant.salt)),
+            bridge.block_size,
+            _shared_tenants(api_keys),
+        ),
     )
     install_error_handlers(app)
     routers = (routes_openai, routes_responses, routes_anthropic, routes_ops, routes_dashboard)
@@ -180,8 +193,16 @@ def create_app(
     paths = frozenset(str(getattr(r, "path", "")) for m in routers for r in m.router.routes)
     body_limit = max_body_bytes or default_max_body_bytes(getattr(engine, "context_len", None))
     app.add_middleware(BodyLimit, max_bytes=body_limit)
+    if auth.api_keys is not None:  # the key checked before the body is read (any route, new ones too)
+        app.add_middleware(KeyGate, check=key_check(auth.api_keys), refuse=refuse_body)
     app.add_middleware(RequestCounter, metrics=metrics, paths=paths)  # outermost: counts the 413s too
     return app
+
+
+def _shared_tenants(api_keys: Mapping[str, str] | None) -> frozenset[str]:
+    """The tenants of several keys (their callers share a namespace)."""
+    counts = collections.Counter((api_keys or {}).values())
+    return frozenset(t for t, n in counts.items() if n > 1)
 
 
 def _dashboard_sources(bridge: EngineBridge, engine: Any) -> DashboardSources:

@@ -26,6 +26,7 @@ salt never leaves the server.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -35,6 +36,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prefixcache.keygate import find_key, presented_key
 from prefixcache.server.errors import APIError
 
 SALT_SECRET_ENV = "PREFIXCACHE_SALT_SECRET"
@@ -48,6 +50,9 @@ class Tenant:
     name: str
     salt: bytes = field(repr=False)
     admin: bool = False  # sees every tenant's prefixes on the dashboard
+    #: which API key of the tenant this is (a keyed digest, never the key; "" without keys): the
+    #: caller whose own prompt text a miss reason or the dashboard may show back
+    credential: str = ""
 
 
 def load_api_keys(path: str | Path) -> dict[str, str]:
@@ -129,6 +134,13 @@ class Authenticator:
             )
         for name in names:
             self._tenants[name] = Tenant(name, self.salt_for(name), admin=name in admins)
+        self._callers = {
+            key: dataclasses.replace(self._tenants[name], credential=self._credential(key))
+            for key, name in (self.api_keys or {}).items()
+        }
+
+    def _credential(self, key: str) -> str:
+        return hmac.new(self._secret, b"credential\x00" + key.encode(), hashlib.sha256).hexdigest()[:24]
 
     def salt_for(self, tenant: str) -> bytes:
         return hmac.new(self._secret, tenant.encode("utf-8"), hashlib.sha256).digest()
@@ -137,21 +149,14 @@ class Authenticator:
         """The tenant of this request; raises a 401 :class:`APIError` when keys are on and it has none."""
         if self.api_keys is None:
             return self._tenants[DEFAULT_TENANT]
-        key = (x_api_key or "").strip()
-        if not key and authorization:
-            scheme, _, value = authorization.strip().partition(" ")
-            key = value.strip() if scheme.lower() == "bearer" else ""
+        key = presented_key(authorization, x_api_key)
         if not key:
             raise APIError(
                 401,
                 "Missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
                 code="missing_api_key",
             )
-        # Compare against every key in constant time per key, so timing says nothing about prefixes.
-        found: str | None = None
-        for k, tenant in self.api_keys.items():
-            if hmac.compare_digest(k.encode(), key.encode()):
-                found = tenant
+        found = find_key(self.api_keys, key)
         if found is None:
             raise APIError(401, "Invalid API key: check the key you were given.", code="invalid_api_key")
-        return self._tenants[found]
+        return self._callers[found]

@@ -6,8 +6,11 @@ did (see :mod:`prefixcache.cache.reasons`), beside the route's ``usage``::
                                    "cached_text": "..."}}
 
 ``expired`` adds ``expired_ago_s`` (since the block's TTL ran out); ``evicted`` and ``flushed``
-add ``removed_ago_s``. Everything in it comes from the caller's own namespace: the divergence's
-``cached_text`` is the caller's own earlier prompt.
+add ``removed_ago_s``. Everything in it comes from the caller's own namespace; ``cached_text``
+decodes the cached side, which is shown only under the rules of
+:mod:`~prefixcache.server.caller_text` (with API keys: only when the same key wrote it). When
+it is withheld, ``cached_text`` is null and ``cached_text_hidden`` true: the token index and the
+caller's own text remain.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ def prefixcache_object(usage: Usage, decode: Callable[[list[int]], str]) -> dict
             "token_index": r.token_index,
             "text_before": decode(list(r.before)),
             "prompt_text": decode(list(r.prompt_after)),
-            "cached_text": decode(list(r.cached_after)),
+            "cached_text": None if r.cached_hidden else decode(list(r.cached_after)),
         }
+        if r.cached_hidden:  # another caller's prompt: its structure only
+            out["divergence"]["cached_text_hidden"] = True
     if r.ago_s is not None:
         out["expired_ago_s" if r.reason is Reason.EXPIRED else "removed_ago_s"] = round(r.ago_s, 3)
     return out

@@ -43,6 +43,7 @@ PREVIEW_HEAD_TOKENS = 24
 PREVIEW_TAIL_TOKENS = 12
 PREVIEW_MAX_CHARS = 160
 OUTCOMES = ("hit", "partial", "miss")
+CREDENTIALS_KEPT = 64  # per top-prefix entry: beyond, a new caller's hits no longer unlock its preview
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +71,13 @@ class PrefixEntry:
     tokens_saved: int = 0
     hits: int = 0
     last_hit: float = 0.0  # unix time
+    #: the API keys (credential digests) whose requests hit this prefix (at most CREDENTIALS_KEPT)
+    credentials: set[str] = field(default_factory=set)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, viewer: str | None = None) -> dict[str, Any]:
+        """The entry as JSON; ``viewer``: the credential asking (None: one who sees every preview),
+        shown the preview only when its own requests hit this prefix."""
+        shown = viewer is None or viewer in self.credentials
         return {
             "key": self.key,
             "tenant": self.tenant,
@@ -79,12 +85,14 @@ class PrefixEntry:
             "tokens_saved": self.tokens_saved,
             "hits": self.hits,
             "last_hit": round(self.last_hit, 3),
-            "preview": self.preview,
+            "preview": self.preview if shown else None,
+            **({} if shown else {"preview_hidden": True}),
         }
 
 
 @dataclass(slots=True)
 class _Pending:
+    credential: str
     tenant: str
     salt: bytes
     prefix: list[int]  # the cached tokens (the prompt's first ``cached_tokens``)
@@ -168,8 +176,11 @@ class DashboardRecorder:
         written_tokens: int,
         ttft_s: float | None,
         outcome: str,
+        *,
+        credential: str = "",
     ) -> None:
-        """Count one finished generation. O(1) apart from copying the cached token ids."""
+        """Count one finished generation (``credential``: which API key sent it). O(1) apart from
+        copying the cached token ids."""
         with self._lock:
             for counts in (self._totals, self._interval):
                 counts.requests += 1
@@ -184,7 +195,7 @@ class DashboardRecorder:
                     self._pending.popleft()
                     self.dropped += 1
                 self._pending.append(
-                    _Pending(tenant, salt, list(prompt_token_ids[:cached_tokens]), self.clock())
+                    _Pending(credential, tenant, salt, list(prompt_token_ids[:cached_tokens]), self.clock())
                 )
 
     def sample(self) -> dict[str, Any]:
@@ -239,6 +250,8 @@ class DashboardRecorder:
                         text = text if text is not None else preview(self.sources.decode, p.prefix)
                         entry = PrefixEntry(key, p.tenant, len(p.prefix), text)
                         entries[key] = entry
+                    if len(entry.credentials) < CREDENTIALS_KEPT:
+                        entry.credentials.add(p.credential)
                     entry.tokens_saved += len(p.prefix)
                     entry.hits += 1
                     entry.last_hit = max(entry.last_hit, p.at)
@@ -248,8 +261,9 @@ class DashboardRecorder:
             return len(done)
 
     # ------------------------------------------------------------------ readers
-    def top_prefixes(self, tenant: str | None) -> list[dict[str, Any]]:
-        """The prefixes that saved most, of ``tenant`` (None: of every tenant), best first."""
+    def top_prefixes(self, tenant: str | None, viewer: str | None = None) -> list[dict[str, Any]]:
+        """The prefixes that saved most, of ``tenant`` (None: of every tenant), best first;
+        ``viewer``: see :meth:`PrefixEntry.as_dict`."""
         self.digest()
         with self._lock:
             if tenant is None:
@@ -257,12 +271,12 @@ class DashboardRecorder:
             else:
                 pool = list(self._prefixes.get(tenant, {}).values())
             pool.sort(key=lambda e: (-e.tokens_saved, e.key))
-            return [e.as_dict() for e in pool[: self.top]]
+            return [e.as_dict(viewer) for e in pool[: self.top]]
 
-    def view(self, tenant: str | None) -> dict[str, Any]:
+    def view(self, tenant: str | None, viewer: str | None = None) -> dict[str, Any]:
         """The recorder's part of ``GET /v1/dashboard``: totals, TTFT by outcome, the series and
-        the top prefixes of ``tenant`` (None: every tenant's)."""
-        top = self.top_prefixes(tenant)
+        the top prefixes of ``tenant`` (None: every tenant's; ``viewer``: whose previews show)."""
+        top = self.top_prefixes(tenant, viewer)
         prefilled = int(self.sources.prefilled())
         depth = int(self.sources.queue_depth())
         with self._lock:

@@ -43,6 +43,7 @@ __all__ = [
     "json_depth",
     "lone_surrogate_path",
     "parse_json_body",
+    "refuse_body",
     "too_large_message",
 ]
 
@@ -57,7 +58,8 @@ def default_max_body_bytes(context_len: int | None) -> int:
     return max(DEFAULT_MAX_BODY_BYTES, BODY_BYTES_PER_CONTEXT_TOKEN * int(context_len or 0))
 
 
-def _refuse(path: str, rejection: RejectedBody) -> JSONResponse:
+def refuse_body(path: str, rejection: RejectedBody) -> JSONResponse:
+    """The response for a body (or a request) refused before routing, in ``path``'s API shape."""
     err = APIError(rejection.status_code, str(rejection.detail), param=rejection.param, code=rejection.code)
     body = anthropic_error_body(err) if is_anthropic_path(path) else openai_error_body(err)
     return JSONResponse(body, status_code=err.anthropic_status if is_anthropic_path(path) else err.status)
@@ -67,7 +69,7 @@ class BodyLimit(shared.BodyLimit):
     """:class:`prefixcache.limits.BodyLimit` answering in the server's error shapes."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        super().__init__(app, max_bytes, _refuse)
+        super().__init__(app, max_bytes, refuse_body)
 
 
 class CheckedRequest(Request):

@@ -32,6 +32,10 @@ def miss_reasons(state: ServerState, tenant: Tenant) -> dict[str, int]:
     return state.metrics.missed_tokens()
 
 
+def _viewer(state: ServerState, tenant: Tenant) -> str | None:
+    return state.caller_text.previews_for(tenant) if state.caller_text is not None else None
+
+
 def busting_findings(state: ServerState, tenant: Tenant) -> list[dict[str, Any]]:
     """The caller's tenant's cache-busting findings from the live watch (``GET /v1/cache/report``;
     an admin's: every tenant's), one row per finding with its tenant and endpoint; empty when the
@@ -43,6 +47,8 @@ def busting_findings(state: ServerState, tenant: Tenant) -> list[dict[str, Any]]
     rows = []
     for name in names:
         report = state.busting.live.report(name)
+        if state.caller_text is not None:
+            report = state.caller_text.busting_report(tenant, report)
         for e in report["endpoints"]:
             rows += [{"tenant": name, "endpoint": e["endpoint"], **row} for row in e["busting"]]
     return rows
@@ -66,7 +72,7 @@ def dashboard_data(state: ServerState, tenant: Tenant) -> dict[str, Any]:
         "model": state.model_name,
         "tenant": tenant.name,
         "admin": tenant.admin,
-        **state.dashboard.view(None if tenant.admin else tenant.name),
+        **state.dashboard.view(None if tenant.admin else tenant.name, _viewer(state, tenant)),
     }
     cache = state.bridge.cache
     if cache is not None:

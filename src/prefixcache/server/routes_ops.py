@@ -202,5 +202,6 @@ async def cache_report(request: Request, tenant: Tenant = Depends(get_tenant)) -
             "The live cache-busting watch is off on this server (--busting-window 0).",
             code="report_disabled",
         )
-    live = watch.live
-    return await asyncio.to_thread(live.report, tenant.name)
+    state = get_state(request)
+    report = await asyncio.to_thread(watch.live.report, tenant.name)
+    return state.caller_text.busting_report(tenant, report) if state.caller_text is not None else report

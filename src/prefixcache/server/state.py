@@ -11,6 +11,7 @@ from fastapi import Header, Request
 from prefixcache.server.auth import Authenticator, Tenant
 from prefixcache.server.bridge import EngineBridge, Finished
 from prefixcache.server.busting import BustingWatch
+from prefixcache.server.caller_text import CallerText
 from prefixcache.server.dashboard import DashboardRecorder
 from prefixcache.server.diagnostics import DiagnosticsRecord
 from prefixcache.server.errors import APIError
@@ -35,6 +36,7 @@ class ServerState:
     dashboard: DashboardRecorder  # GET /v1/dashboard: series and top prefixes
     diagnostics: DiagnosticsRecord = field(default_factory=DiagnosticsRecord)  # Anthropic's, by answer id
     busting: BustingWatch | None = None  # live cache-busting detection (GET /v1/cache/report)
+    caller_text: CallerText | None = None  # whose prompt text a caller may see (None: everyone's)
 
     def check_model(self, model: str) -> None:
         """404 in the route's shape unless ``model`` is the one this server serves."""
@@ -57,7 +59,10 @@ class ServerState:
         cache_key: str | None = None,
     ) -> None:
         """Count a finished generation in the metrics and the trace log (``cache_key``: the
-        request's ``prompt_cache_key``, kept for routing analysis)."""
+        request's ``prompt_cache_key``, kept for routing analysis). Call it before the answer
+        is rendered: it also withholds the miss reason's text of another caller's prompt."""
+        if self.caller_text is not None:
+            self.caller_text.note(tenant, fin.prompt_token_ids, fin.usage)
         self.metrics.observe(fin.usage, fin.ttft_s, fin.outcome)
         u = fin.usage
         self.dashboard.note(
@@ -69,6 +74,7 @@ class ServerState:
             u.cache_write_tokens,
             fin.ttft_s,
             fin.outcome,
+            credential=tenant.credential,
         )
         endpoint = (request.headers.get(ENDPOINT_HEADER) or request.url.path)[:200]
         if self.busting is not None:
