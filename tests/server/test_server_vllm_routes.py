@@ -15,6 +15,7 @@ MODEL = "test-model"
 KEYS = {"sk-alpha": "alpha", "sk-beta": "beta"}
 SYSTEM = "You are the billing assistant of Acme Corp. Answer in one short sentence. " * 4
 ALPHA = {"authorization": "Bearer sk-alpha"}
+ONE_USER_TURN = [{"role": "user", "content": "x"}]
 TOOLS = [
     {
         "type": "function",
@@ -133,9 +134,9 @@ def test_completion_render_and_tokenize_agree_with_a_completion(server) -> None:
         ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
         ("/detokenize", {}, 400, "tokens"),
         ("/v1/chat/completions/render", {"model": MODEL, "messages": []}, 400, "messages"),
-        ("/v1/chat/completions/render", {"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404, ""),
+        ("/v1/chat/completions/render", {"model": "other", "messages": ONE_USER_TURN}, 404, ""),
         ("/v1/completions/render", {"model": MODEL, "prompt": ""}, 400, "prompt"),
-        ("/v1/messages/render", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, 400, "max_tokens"),
+        ("/v1/messages/render", {"model": MODEL, "messages": ONE_USER_TURN}, 400, "max_tokens"),
         ("/v1/responses/render", {"model": MODEL, "input": "x", "store": True}, 400, "store"),
     ],
 )
