@@ -79,6 +79,14 @@ class VllmGauges(Collector):
         self._stats_fn = stats_fn
         self._tokens_fn = tokens_fn
 
+    def describe(self) -> Iterator[Metric]:
+        """The families without values: registering reads nothing of the engine."""
+        labels = ["model_name", "engine"]
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            yield GaugeMetricFamily(f"vllm:{name}", "", labels=labels)
+        for name in ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens"):
+            yield CounterMetricFamily(f"vllm:{name}", "", labels=labels)
+
     def collect(self) -> Iterator[Metric]:
         labels = ["model_name", "engine"]
         values = [self._model, "0"]
