@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -68,19 +69,24 @@ def router_command(
     model: str = "",
     api_key: str | None = None,
     log_level: str = "warning",
+    metrics_port: int | None = None,
 ) -> list[str]:
     """The argv that starts router ``name`` on ``host:port`` in front of ``replicas``.
     ``events``: the replicas' KV event sockets (vllm-router ``kv_aware`` subscribes to them;
-    ``model`` is the model id they serve, which it needs with static sources)."""
+    ``model`` is the model id they serve, which it needs with static sources). Its own
+    Prometheus exporter goes on ``host:metrics_port`` (default: a free port; both routers would
+    otherwise take 29000, and a second router on the machine would fail to start)."""
     policy = policy or DEFAULT_POLICY[name]
     level = {"warning": "warn", "critical": "error"}.get(log_level, log_level)
+    exporter = ["--prometheus-host", host, "--prometheus-port", str(metrics_port or _free_port(host))]
     if name == "smg":
-        cmd = [binary, "launch", "--host", host, "--port", str(port), "--worker-urls", *replicas]
+        cmd = [binary, "launch", "--host", host, "--port", str(port), *exporter, "--worker-urls", *replicas]
         cmd += ["--policy", policy, "--disable-tokenizer-autoload", "--log-level", level]
         if api_key:
             cmd += ["--api-key", api_key]
         return cmd
-    cmd = [binary, "--host", host, "--port", str(port), "--worker-urls", *replicas, "--policy", policy]
+    cmd = [binary, "--host", host, "--port", str(port), *exporter, "--worker-urls", *replicas]
+    cmd += ["--policy", policy]
     if events:
         for e in events:
             cmd += ["--kv-event-source", f"{e.replica}={e.endpoint}"]
@@ -92,6 +98,12 @@ def router_command(
     if api_key:
         cmd += ["--api-key", api_key]
     return cmd
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def wait_models(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
