@@ -279,3 +279,15 @@ def test_a_missing_router_binary_is_one_line_naming_the_extra(monkeypatch, tmp_p
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert lines == ["prefixcache cluster: vllm-router is not installed: pip install 'prefixcache[routers]' "
                      "(the routers extra)"]  # fmt: skip
+
+
+def test_a_missing_router_binary_fails_its_tests_under_ci(router_front, monkeypatch, tmp_path) -> None:
+    """The rule of every binary the suite needs: without it a CI run goes red, never green with skips."""
+    monkeypatch.setattr("sys.executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("CI", "1")
+    with pytest.raises(pytest.fail.Exception, match=r"smg is not on PATH.*prefixcache\[routers\]"):
+        router_front("smg", [])
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception, match="vllm-router"):
+        router_front("vllm-router", [])
