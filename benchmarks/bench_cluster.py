@@ -15,6 +15,12 @@ send to the first content chunk). Predicted: the same requests, with their measu
 written as a trace and replayed by ``prefixcache.analysis.simulate`` with the same replica count
 and routing. Writes ``benchmarks/results/cluster.md`` (and ``cluster.json``).
 
+``--routers smg,vllm-router`` adds a row per external router (the binaries of
+``pip install 'prefixcache[routers]'``: SMG ``cache_aware``, vllm-router ``kv_aware`` on the
+replicas' KV events) over the same replicas; ``--clients N`` sends N requests at a time and
+``--max-tokens`` sets the reply length. A second table gives every row's TTFT p50, output tok/s and
+how evenly the replicas were loaded.
+
 ``--kv-events`` starts the replicas with KV events (``serve --kv-events-endpoint``) and adds a
 ``cache-aware + KV events`` row right after ``cache-aware``: the same trace through a router that
 follows the replicas' events, in the same run; with a tight ``--capacity`` (per-replica memory
@@ -40,8 +46,11 @@ from typing import Any
 
 import httpx
 
-from prefixcache.commands.cluster import free_port, wait_ready
-from prefixcache.commands.server import parse_bytes
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cluster_ext import EXTERNAL, external_front, p50, served, spread  # noqa: E402
+
+from prefixcache.commands.cluster import free_port, wait_ready  # noqa: E402
+from prefixcache.commands.server import parse_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = [
@@ -103,6 +112,22 @@ class Run:
     sim_hit_rate: float | None = None
     sim_ttft_s: float | None = None  # default cost model
     sim_ttft_cal_s: float | None = None  # prefill rate calibrated on this benchmark's requests
+    completion_tokens: int = 0
+    wall_s: float = 0.0
+    served: dict[str, int] = field(default_factory=dict)  # chat requests each replica answered
+    external: bool = False  # SMG or vllm-router in front (no simulator prediction)
+
+    @property
+    def ttft_p50_s(self) -> float:
+        return p50(self.ttft_s)
+
+    @property
+    def output_tps(self) -> float:
+        return self.completion_tokens / self.wall_s if self.wall_s else float("nan")
+
+    @property
+    def spread(self) -> float:
+        return spread(list(self.served.values()))
 
     @property
     def hit_rate(self) -> float:
@@ -167,11 +192,13 @@ class RouterThread:
         self.thread.join(10)
 
 
-def one_request(client: httpx.Client, model: str, req: dict[str, Any]) -> tuple[float, int, int, str]:
+def one_request(
+    client: httpx.Client, model: str, req: dict[str, Any], max_tokens: int = 1
+) -> tuple[float, int, int, str, int]:
     body = {
         "model": model,
         "messages": req["messages"],
-        "max_tokens": 1,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -196,7 +223,7 @@ def one_request(client: httpx.Client, model: str, req: dict[str, Any]) -> tuple[
     if ttft is None:
         ttft = time.perf_counter() - t0
     cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    return ttft, int(usage.get("prompt_tokens", 0)), cached, replica
+    return ttft, int(usage.get("prompt_tokens", 0)), cached, replica, int(usage.get("completion_tokens", 0))
 
 
 def fit_line(xs: list[int], ys: list[float]) -> tuple[float, float] | None:
@@ -336,9 +363,24 @@ def main() -> None:
         action="store_true",
         help="replicas publish KV events; adds a cache-aware row whose router follows them",
     )
+    ap.add_argument(
+        "--routers",
+        default="",
+        help="external routers to add rows for, comma-separated: smg (cache_aware), vllm-router (kv_aware on "
+        "the replicas' KV events, which this turns on); from pip install 'prefixcache[routers]'",
+    )
+    ap.add_argument("--clients", type=int, default=1, help="requests in flight at once (1: one at a time)")
+    ap.add_argument("--max-tokens", type=int, default=1, help="tokens generated per request")
+    ap.add_argument("--dtype", default=None, help="the replicas' --dtype (default: their own default)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/cluster.md")
     args = ap.parse_args()
+    externals = [r for r in args.routers.split(",") if r]
+    for r in externals:
+        if r not in EXTERNAL:
+            ap.error(f"--routers: '{r}' is not one of {', '.join(EXTERNAL)}")
+    if "vllm-router" in externals:
+        args.kv_events = True  # its kv_aware policy follows the replicas' events
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
     keys_file = tmp / "keys.json"
@@ -356,6 +398,7 @@ def main() -> None:
     try:
         feeds: dict[str, Any] | None = {} if args.kv_events else None
         budget = ["--capacity", args.capacity] if args.capacity else []
+        budget += ["--dtype", args.dtype] if args.dtype else []
         urls, procs = start_replicas(args.replicas, keys_file, env, None, tmp, args.align, budget, feeds)
         model = (
             args.model_name
@@ -372,6 +415,9 @@ def main() -> None:
                 runs.append(run_policy("cache-aware", urls, model, args, label=EVENTS, feeds=feeds))
             else:
                 runs.append(run_policy(policy, urls, model, args))
+        for name in externals:
+            label = {"smg": "SMG cache_aware", "vllm-router": "vllm-router kv_aware"}[name]
+            runs.append(run_policy(name, urls, model, args, label=label, feeds=feeds, external=name))
         if args.shared_tier:
             binary = shutil.which("redis-server")
             if binary is None:
@@ -405,7 +451,7 @@ def main() -> None:
     ys = [t for r in runs for t in r.ttft_s]
     fit = fit_line(xs, ys)
     capacity = parse_bytes(args.capacity) if args.capacity else None
-    notes = {simulate(r, args.replicas, args.align, tmp, fit, capacity) for r in runs}
+    notes = {simulate(r, args.replicas, args.align, tmp, fit, capacity) for r in runs if not r.external}
     if fit:
         notes.add(
             f"calibrated: TTFT = {fit[0] * 1000:.0f} ms + uncached tokens / {fit[1]:.0f} tok/s "
@@ -422,29 +468,62 @@ def run_policy(
     args: argparse.Namespace,
     label: str | None = None,
     feeds: dict[str, Any] | None = None,
+    external: str | None = None,
 ) -> Run:
-    run = Run(policy=label or policy, routing=policy, shared_tier=label is not None and feeds is None)
+    """One row: the trace (fresh prefixes) through the own router with ``policy``, or through
+    ``external`` (smg, vllm-router) in front of the same replicas; ``args.clients`` at a time."""
+    run = Run(
+        policy=label or policy,
+        routing=policy,
+        shared_tier=label is not None and feeds is None and external is None,
+        external=external is not None,
+    )
     reqs = build_requests(args, tag=f"{run.policy}-{args.seed}")
+    key = "key-tenant-a"
+    before = served(urls, key)
+    front = external_front(external, urls, feeds, model) if external else RouterThread(urls, policy, feeds)
+    lock = threading.Lock()
     t0 = time.perf_counter()
-    with RouterThread(urls, policy, feeds) as base, httpx.Client(base_url=base, timeout=600) as client:
-        for req in reqs:
-            ts = time.perf_counter() - t0
-            try:
-                ttft, prompt, cached, replica = one_request(client, model, req)
-            except (httpx.HTTPError, RuntimeError) as e:
-                print(f"{policy}: request failed: {e}", file=sys.stderr)
-                run.failed += 1
-                continue
-            run.sent.append((ts, req))
-            run.requests += 1
-            run.prompt_tokens += prompt
-            run.cached_tokens += cached
-            run.uncached_tokens.append(prompt - cached)
-            run.ttft_s.append(ttft)
-            run.per_replica[replica] = run.per_replica.get(replica, 0) + 1
+    with front as base:
+        t0 = time.perf_counter()
+
+        def worker(mine: list[dict[str, Any]]) -> None:
+            with httpx.Client(base_url=base, timeout=600) as client:
+                for req in mine:
+                    ts = time.perf_counter() - t0
+                    try:
+                        ttft, prompt, cached, replica, completion = one_request(
+                            client, model, req, args.max_tokens
+                        )
+                    except (httpx.HTTPError, RuntimeError) as e:
+                        print(f"{run.policy}: request failed: {e}", file=sys.stderr)
+                        with lock:
+                            run.failed += 1
+                        continue
+                    with lock:
+                        run.sent.append((ts, req))
+                        run.requests += 1
+                        run.prompt_tokens += prompt
+                        run.cached_tokens += cached
+                        run.completion_tokens += completion
+                        run.uncached_tokens.append(prompt - cached)
+                        run.ttft_s.append(ttft)
+                        run.per_replica[replica] = run.per_replica.get(replica, 0) + 1
+
+        threads = [
+            threading.Thread(target=worker, args=(reqs[c :: args.clients],)) for c in range(args.clients)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        run.wall_s = time.perf_counter() - t0
+    after = served(urls, key)
+    run.served = {u: after[u] - before[u] for u in urls}
+    run.sent.sort(key=lambda x: x[0])
     print(
-        f"{run.policy:28s} hit {run.hit_rate:6.1%}  mean TTFT {run.mean_ttft_s * 1000:7.0f} ms  "
-        f"per replica {sorted(run.per_replica.values())}",
+        f"{run.policy:28s} hit {run.hit_rate:6.1%}  TTFT p50 {run.ttft_p50_s * 1000:7.0f} ms  "
+        f"{run.output_tps:6.1f} tok/s  served {sorted(run.served.values())}  failed {run.failed}",
         flush=True,
     )
     return run
@@ -463,17 +542,24 @@ def write_report(runs: list[Run], args: argparse.Namespace, elapsed: float, note
         + (f" --capacity {args.capacity}" if args.capacity else "")
         + (" --kv-events" if args.kv_events else "")
         + (f" --shared-tier --shared-tier-modes {args.shared_tier_modes}" if args.shared_tier else "")
+        + (f" --routers {args.routers}" if args.routers else "")
+        + (f" --clients {args.clients}" if args.clients != 1 else "")
+        + (f" --max-tokens {args.max_tokens}" if args.max_tokens != 1 else "")
+        + (f" --dtype {args.dtype}" if args.dtype else "")
     )
+    dtype = args.dtype or "the replicas' default dtype"
     lines = [
         "# Cluster routing benchmark",
         "",
         f"`{cmd}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs shared with "
         f"other work, load average {os.getloadavg()[0]:.1f} at the end; {elapsed:.0f} s in all).",
         "",
-        f"{args.replicas} replicas of the embedded SmolLM2-135M (float32, prefill chunk {args.align}: the "
+        f"{args.replicas} replicas of the embedded SmolLM2-135M ({dtype}, "
+        f"prefill chunk {args.align}: the "
         f"hit granularity), {args.tenants} tenants (own API key, so own salt; own ~{args.system_words}-word "
         f"system prompt), {args.per_tenant} requests per tenant with a unique question, interleaved in a "
-        "seeded random order and sent one at a time through the router (streamed, max_tokens=1). Each row "
+        f"seeded random order and sent {args.clients} at a time through the router (streamed, "
+        f"max_tokens={args.max_tokens}). Each row "
         "uses fresh prefixes. Measured: hit rate = cached / prompt tokens from the responses' usage; TTFT "
         "client side, send to first content chunk. Predicted: the same requests at the same send times "
         "replayed by `prefixcache.analysis.simulate` with the same replica count and routing (the "
@@ -491,6 +577,21 @@ def write_report(runs: list[Run], args: argparse.Namespace, elapsed: float, note
         )
     if notes:
         lines += ["", "Simulator cost models: " + "; ".join(notes) + "."]
+    lines += [
+        "",
+        "Every row on the same replicas: requests each replica answered (from the replicas' own "
+        "`prefixcache_requests_total`), load spread = the busiest replica's requests over the mean "
+        "(1.00 is even), TTFT p50 client side, output tok/s = completion tokens over the row's wall time.",
+        "",
+        "| routing | hit rate | TTFT p50 | output tok/s | served per replica | load spread | failed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        per = ", ".join(str(v) for v in sorted(r.served.values(), reverse=True))
+        lines.append(
+            f"| {r.policy} | {pct(r.hit_rate)} | {ms(r.ttft_p50_s)} | {r.output_tps:.1f} | {per} "
+            f"| {r.spread:.2f} | {r.failed} |"
+        )
     lines += [
         "",
         "Reading it: the hit-rate predictions replay the same PrefixCache code, so for the routing rows "
@@ -519,7 +620,16 @@ def write_report(runs: list[Run], args: argparse.Namespace, elapsed: float, note
     for r in runs:
         d = asdict(r)
         d.pop("sent")
-        rows.append(d | {"hit_rate": r.hit_rate, "mean_ttft_s": r.mean_ttft_s})
+        rows.append(
+            d
+            | {
+                "hit_rate": r.hit_rate,
+                "mean_ttft_s": r.mean_ttft_s,
+                "ttft_p50_s": r.ttft_p50_s,
+                "output_tps": r.output_tps,
+                "spread": r.spread,
+            }
+        )
     args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.out}")
 

@@ -21,6 +21,7 @@ from typing import Annotated
 import typer
 
 from prefixcache.cache.config import DEFAULTS
+from prefixcache.commands.ext_routers import ROUTERS, EventSource, find_router, router_command, wait_models
 from prefixcache.commands.lifecycle import sigterm_as_interrupt
 from prefixcache.commands.redis_process import (
     check_redis_policy,
@@ -40,6 +41,12 @@ POLICIES = ("prefix-affinity", "cache-aware", "round-robin", "least-loaded")
 def _check_policy(value: str) -> str:
     if value not in POLICIES:
         raise typer.BadParameter(f"'{value}' is not a policy; use one of: {', '.join(POLICIES)}")
+    return value
+
+
+def _check_router(value: str) -> str:
+    if value not in ROUTERS:
+        raise typer.BadParameter(f"'{value}' is not a router; use one of: {', '.join(ROUTERS)}")
     return value
 
 
@@ -203,6 +210,13 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> Non
     raise RuntimeError(f"{url} was not healthy within {timeout_s:.0f}s")
 
 
+def model_name_of(model: str | None) -> str:
+    """The model id ``serve`` gives a model by default (what clients and routers must send)."""
+    from prefixcache.server.app import DEFAULT_MODEL_NAME
+
+    return DEFAULT_MODEL_NAME if model is None else Path(model).stem
+
+
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -298,17 +312,41 @@ def cluster(
             "by default: loopback PUB and replay sockets per replica).",
         ),
     ] = False,
+    router: Annotated[
+        str,
+        typer.Option(
+            callback=_check_router,
+            help="The router in front: prefixcache (this project's, --policy), smg (SMG cache_aware) or "
+            "vllm-router (kv_aware, fed the replicas' KV events); the last two come from "
+            "pip install 'prefixcache\\[routers]'.",
+        ),
+    ] = "prefixcache",
+    router_policy: Annotated[
+        str | None,
+        typer.Option(
+            help="The policy of --router smg or vllm-router, in its own names (default: smg cache_aware, "
+            "vllm-router kv_aware)."
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:
     """Try scale-out on one machine: redis-server on a free port (temp dir, no persistence), N
-    replicas on loopback sharing it (and one tenant-salt secret), and the router in front.
-    Ctrl-C stops everything."""
+    replicas on loopback sharing it (and one tenant-salt secret), and the router in front (this
+    project's, SMG or vllm-router). Ctrl-C stops everything."""
     import uvicorn
 
     from prefixcache.router import RouterConfig, create_router_app
     from prefixcache.router.kv_index import FeedSpec
 
     keys = router_keys(api_keys, host, allow_unauthenticated)
+    external = router != "prefixcache"
+    router_binary = ""
+    if external:
+        try:
+            router_binary = find_router(router)
+        except ValueError as e:
+            typer.echo(f"prefixcache cluster: {e}", err=True)
+            raise typer.Exit(2) from e
     start_own_redis = not no_redis and redis_url is None
     password = redis_password_from(redis_password_file) if start_own_redis else ""
     maxmemory = parse_bytes(redis_maxmemory)
@@ -345,7 +383,7 @@ def cluster(
         else:
             env.pop("PREFIXCACHE_REDIS_URL", None)
         urls: list[str] = []
-        events = policy == "cache-aware" and not no_kv_events
+        events = not no_kv_events and (router == "vllm-router" or (not external and policy == "cache-aware"))
         feeds: dict[str, FeedSpec] = {}
         for i in range(replicas):
             rp = free_port()
@@ -381,6 +419,23 @@ def cluster(
             urls.append(f"http://127.0.0.1:{rp}")
         for url, proc in zip(urls, procs[-replicas:], strict=True):
             wait_ready(url, proc, ready_timeout)
+        if external:
+            sources = [EventSource(u, f.endpoint, f.replay_endpoint) for u, f in feeds.items()]
+            name = model_name_of(model)
+            cmd = router_command(
+                router, router_binary, urls, host=host, port=port, policy=router_policy, events=sources,
+                model=name, log_level=log_level,
+            )  # fmt: skip
+            front = subprocess.Popen(cmd)
+            procs.append(front)
+            wait_models(f"http://{host}:{port}", front, ready_timeout)
+            typer.echo(
+                f"prefixcache cluster: {replicas} replicas {urls}, redis {redis_line}; {router} "
+                f"({cmd[cmd.index('--policy') + 1]}{', KV events' if events else ''}) on "
+                f"http://{host}:{port}. Ctrl-C stops all."
+            )
+            code = front.wait()
+            raise RuntimeError(f"{router} exited with status {code} (see its log above)")
         typer.echo(
             f"prefixcache cluster: {replicas} replicas {urls}, redis {redis_line}; "
             f"router ({policy}{', KV events' if events else ''}) on http://{host}:{port}. Ctrl-C stops all."

@@ -12,8 +12,11 @@ Routes (OpenAI shape unless noted):
     GET    /v1/cache/report            the caller's cache busting, found live
     POST   /v1/cache/pin               prefill + pin a prefix;    DELETE: unpin it
     GET    /v1/dashboard               the live dashboard's data; GET /dashboard: its page
-    GET    /metrics                    Prometheus text
+    GET    /metrics                    Prometheus text (prefixcache_ and vLLM's vllm: names)
     GET    /health                     liveness
+    POST   /tokenize, /detokenize      vLLM's token routes
+    POST   /v1/{chat/completions,completions,messages,responses}/render   vLLM's render routes
+    GET    /version, /server_info, /model_info, /v1/loads   what routers probe (vLLM, SGLang shapes)
 """
 
 from __future__ import annotations
@@ -32,15 +35,18 @@ from prefixcache.keygate import KeyGate, key_check
 from prefixcache.server import (
     routes_anthropic,
     routes_dashboard,
+    routes_engine_info,
     routes_openai,
     routes_ops,
     routes_responses,
+    routes_vllm,
 )
 from prefixcache.server.auth import Authenticator
 from prefixcache.server.bridge import Admission, EngineBridge
 from prefixcache.server.busting import DEFAULT_WINDOW, BustingWatch, LiveBusting
 from prefixcache.server.caller_text import CallerText, TextPolicy
 from prefixcache.server.dashboard import DEFAULT_INTERVAL_S, DashboardRecorder, DashboardSources
+from prefixcache.server.engine_load import LoadSnapshot, VllmGauges, load_snapshot
 from prefixcache.server.errors import install_error_handlers
 from prefixcache.server.limits import BodyLimit, default_max_body_bytes, refuse_body
 from prefixcache.server.metrics import Metrics
@@ -148,6 +154,7 @@ def create_app(
     if busting_window:
         busting = BustingWatch(LiveBusting(lambda: engine.tokenizer, window=busting_window))
         metrics.registry.register(busting.collector())
+    metrics.registry.register(_vllm_gauges(bridge, metrics, model_name))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -186,7 +193,15 @@ def create_app(
         ),
     )
     install_error_handlers(app)
-    routers = (routes_openai, routes_responses, routes_anthropic, routes_ops, routes_dashboard)
+    routers = (
+        routes_openai,
+        routes_responses,
+        routes_anthropic,
+        routes_ops,
+        routes_dashboard,
+        routes_vllm,
+        routes_engine_info,
+    )
     for module in routers:
         app.include_router(module.router)
     # No route has path parameters, so the path is the route template.
@@ -203,6 +218,19 @@ def _shared_tenants(api_keys: Mapping[str, str] | None) -> frozenset[str]:
     """The tenants of several keys (their callers share a namespace)."""
     counts = collections.Counter((api_keys or {}).values())
     return frozenset(t for t, n in counts.items() if n > 1)
+
+
+def _vllm_gauges(bridge: EngineBridge, metrics: Metrics, model_name: str) -> VllmGauges:
+    def stats() -> Any:
+        return bridge.cache.stats() if bridge.cache is not None else None
+
+    def load() -> LoadSnapshot:
+        return load_snapshot(bridge.admission.depth, bridge.max_n, stats())
+
+    def tokens() -> tuple[float, float]:
+        return metrics.total(metrics.prompt_tokens), metrics.total(metrics.completion_tokens)
+
+    return VllmGauges(model_name, load, stats, tokens)
 
 
 def _dashboard_sources(bridge: EngineBridge, engine: Any) -> DashboardSources:

@@ -12,6 +12,9 @@ been read but for it (see ``prefixcache.cache.reasons``).
 
 Per HTTP request: ``prefixcache_requests_total{route,status}``.
 
+vLLM's names for routers built for vLLM (``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``,
+...) are registered beside these by the app (``server/engine_load.py``).
+
 Read from the cache at scrape time: ``prefixcache_cache_blocks``, ``prefixcache_cache_bytes``,
 ``prefixcache_cache_hit_ratio`` (cached / prompt tokens since start), and
 ``prefixcache_evictions_total{reason}`` (``capacity``, ``ttl``, ``flush``).
@@ -177,6 +180,15 @@ class Metrics:
                 if sample.name.endswith("_total") and sample.value > 0:
                     out[sample.labels["reason"]] = int(sample.value)
         return out
+
+    @staticmethod
+    def total(counter: Counter) -> float:
+        """An unlabelled counter's value (its ``_total`` sample)."""
+        for family in counter.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    return float(sample.value)
+        return 0.0
 
     def count_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
