@@ -386,6 +386,35 @@ class PrefixCache:
         removed}. Tier I/O runs outside the cache's lock; blocks written after it starts stay."""
         return self._tier_stack.remove_namespace(ns.root)
 
+    def invalidate(self, ns: Namespace, keys: Sequence[BlockHash]) -> tuple[int, int]:
+        """Remove the blocks ``keys`` of namespace ``ns`` and every block cached after them (a
+        child's KV was computed from its parent's) from memory, as the exactness audit does with
+        blocks found to differ from a recomputation. A run is removed whole (its earlier blocks
+        are recomputed, never served wrong). Blocks a running request reads, or pinned, stay.
+        Returns (blocks removed, blocks of ``keys`` still stored)."""
+        bad = set(keys)
+        root = ns.root
+
+        def affected(run: Run) -> bool:
+            if run.namespace != root:
+                return False
+            node: Run | None = run
+            while node is not None:
+                if not bad.isdisjoint(node.keys):
+                    return True
+                node = node.up
+            return False
+
+        with self._lock:
+            removed = self.store.remove_where(affected, reason="verify")
+            left = len(self.store.snapshots(list(keys), missing_ok=True))
+        return removed, left
+
+    def remove_tier_keys(self, ns: Namespace, keys: Sequence[BlockHash]) -> dict[str, int]:
+        """Delete the entries ``keys`` of namespace ``ns`` from every tier that can remove single
+        entries: {tier name: entries removed}. Tier I/O: call it without holding the cache's lock."""
+        return self._tier_stack.remove_keys(ns.root, [bytes(k) for k in keys])
+
     def set_block_layout(self, layout: BlockLayout | None) -> None:
         """The shape and dtype every payload promoted from a tier must have (an engine sets its
         KV pool's block layout); an entry of another layout is a counted corrupt miss."""

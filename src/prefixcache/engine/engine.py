@@ -53,6 +53,7 @@ from prefixcache.engine.types import (
     QueueFullError,
     Request,
 )
+from prefixcache.engine.verify import Auditor, VerifyResult
 from prefixcache.engine.worker import Job
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class Engine:
         kv_reserve_tokens: int | None = None,
         reasons_bytes: int | None = None,
         miss_reasons: bool = True,
+        verify_rate: float = 0.0,
     ) -> None:
         """``model``: a .gguf path, an HF folder, a loaded :class:`ModelRunner` (shared weights),
         or None (embedded SmolLM2). ``runner``: ``auto`` (the own Llama runner where it can
@@ -123,7 +125,9 @@ class Engine:
         ``n``. ``kv_reserve_tokens``: KV pool room for running requests beyond the cache's budget
         (default 4x the context). ``reasons_bytes``: memory for explaining misses, taken from
         ``capacity_bytes`` (default: ``DEFAULTS.reasons_bytes``, at most an eighth of it; 0: none).
-        ``miss_reasons`` False: no reason per request at all (a benchmark's baseline)."""
+        ``miss_reasons`` False: no reason per request at all (a benchmark's baseline).
+        ``verify_rate``: the share of hits the live exactness audit recomputes and compares
+        (``engine/verify.py``; own runner with the cache on; 0: only :meth:`verify`)."""
         env_dtype()  # a bad $PREFIXCACHE_DTYPE fails before the model loads
         if isinstance(model, ModelRunner):
             base = model
@@ -178,6 +182,10 @@ class Engine:
             )
         else:
             self._worker = SequentialWorker(self, max_queue=max_queue)
+        #: The live exactness audit (own runner, cache on), or None.
+        self.auditor: Auditor | None = None
+        if isinstance(self._worker, BatchWorker) and self.cache is not None:
+            self.auditor = self._worker.auditor = Auditor(verify_rate)
 
     def _new_pool(self, reserve_tokens: int | None) -> tuple[Any, int]:
         """The KV pool: the cache's byte budget (pinned included) plus the running reserve."""
@@ -310,6 +318,49 @@ class Engine:
     ) -> int:
         ids = self.prompt_ids(messages, prompt)
         return self.cache.unpin(ids, self.namespace(tenant, salt)) if self.cache is not None else 0
+
+    def verify(
+        self,
+        messages: Any = None,
+        prompt: Any = None,
+        prompt_token_ids: Any = None,
+        *,
+        tenant: str = "default",
+        salt: bytes | str = b"",
+        timeout_s: float = 120.0,
+    ) -> VerifyResult:
+        """Check one prompt now: run it (one token, greedy) and, when it reads cached blocks,
+        recompute it with the cache bypassed and compare logits and KV bit for bit (the live
+        audit's check, see ``engine/verify.py``). Raises InvalidRequestError without an audit
+        (the Hugging Face runner, or the cache off); TimeoutError past ``timeout_s``."""
+        if self.auditor is None:
+            raise InvalidRequestError(
+                "the exactness audit needs the own Llama runner with the cache on; this engine has "
+                + ("no cache" if self.cache is None else "the Hugging Face runner")
+            )
+        from concurrent.futures import Future
+
+        job = self._prepare(
+            messages,
+            prompt,
+            prompt_token_ids,
+            SamplingParams(),
+            max_tokens=1,
+            stop=None,
+            tenant=tenant,
+            salt=salt,
+            ttl_s=None,
+            ttl_plan=None,
+            cancel=None,
+            return_logits=False,
+            n=1,
+            logprobs=None,
+        )
+        future: Future[VerifyResult] = Future()
+        job.request.verify = future
+        for _ in self._worker.submit(job):
+            pass
+        return future.result(timeout=timeout_s)
 
     # ------------------------------------------------------------------ requests
     @property

@@ -41,6 +41,7 @@ from prefixcache.engine.pool import KVPool, PoolBlock
 from prefixcache.engine.sampling import InvalidRequestError
 from prefixcache.engine.sequence import Choice, SequenceGroup
 from prefixcache.engine.types import PromptDone, Request, Usage
+from prefixcache.engine.verify import Auditor
 from prefixcache.engine.worker import Job, Worker
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -84,16 +85,20 @@ class BatchWorker(Worker):
         self.decoded_rows = 0
         self.step_s = 0.0
         self._closing = False
+        #: The live exactness audit (``engine/verify.py``), or None: it samples hits at their
+        #: prompt's end and recomputes them in the steps' spare budget.
+        self.auditor: Auditor | None = None
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
         while True:
-            self._intake(block=not self.running and not self.waiting)
+            audit = self.auditor is not None and self.auditor.busy
+            self._intake(block=not self.running and not self.waiting and not audit)
             if self._closing and not self.running and not self.waiting:
                 return
             self._drop_cancelled()
             self._admit()
-            if self.running:
+            if self.running or audit:
                 self._step()
             elif self.waiting:  # nothing can run yet (cannot happen with a sane reserve): poll
                 time.sleep(0.01)
@@ -124,6 +129,8 @@ class BatchWorker(Worker):
 
     # ------------------------------------------------------------------ admission
     def _admit(self) -> None:
+        if self.auditor is not None:
+            self.auditor.before_admit(self)
         if not self.waiting or self.rows >= self.max_batch:
             return
         cache = self.engine.cache
@@ -203,6 +210,8 @@ class BatchWorker(Worker):
         match: Match | None = None
         if cache is not None:
             keys, packed = self._keys(job)
+            if self.auditor is not None and self.auditor.holds_back(keys):
+                return None  # a block it would read was found wrong and is not removed yet
             if inflight:
                 cached = cache.cached_prefix(keys, packed)
                 if cached < len(keys) and keys[cached] in inflight and cached * B < n - 1:
@@ -283,10 +292,16 @@ class BatchWorker(Worker):
                     )
                 )
                 budget -= stop - group.computed
+        audit = self.auditor.segments(self, budget) if self.auditor is not None else []
+        if not plan and not audit:  # only the audit has work, and it must wait: poll
+            time.sleep(0.01)
+            return
         started = time.perf_counter()
         try:
-            logits = self.engine.runner.step(self.pool, [seg for _, _, seg in plan])
+            logits = self.engine.runner.step(self.pool, [seg for _, _, seg in plan] + audit)
         except BaseException as exc:  # every request of the step fails; the loop goes on
+            if self.auditor is not None:
+                self.auditor.step_failed(self)
             for group, _, _ in plan:
                 self._failed(group.job, exc)
                 self._end(group)
@@ -314,6 +329,8 @@ class BatchWorker(Worker):
             except BaseException as exc:  # this request fails alone; the loop goes on
                 self._failed(group.job, exc)
                 self._end(group)
+        if audit:
+            self.auditor.take(self, audit, logits[row:])  # type: ignore[union-attr]
 
     def _grow(self, blocks: list[PoolBlock], upto: int) -> None:
         """Extend a block table to cover positions ``[0, upto)``."""
@@ -339,6 +356,8 @@ class BatchWorker(Worker):
         group.first_token_at = time.perf_counter()
         if group.request.return_logits:
             group.first_logits = logits.clone()
+        if self.auditor is not None:  # before fork: the hit's blocks are the group's here
+            self.auditor.sample(self, group, logits)
         group.fork(self.pool, engine.tokenizer, engine.runner.eos_token_ids, engine.context_len)
         m = group.match
         cached, written = (m.usage.cached_tokens, m.usage.cache_write_tokens) if m is not None else (0, 0)

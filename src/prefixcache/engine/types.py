@@ -55,6 +55,8 @@ class Request:
     n: int = 1
     #: None: no logprobs; k >= 0: each generated token's logprob and its k best alternatives.
     logprobs: int | None = None
+    #: A future for the exactness audit's result of this request's hit (``Engine.verify``).
+    verify: Any = field(default=None, repr=False)
     #: Filled by the batch scheduler once: block keys and packed tokens of ``ids``.
     keys: list[Any] | None = field(default=None, repr=False)
     packed: bytes = field(default=b"", repr=False)

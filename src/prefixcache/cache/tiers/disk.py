@@ -176,6 +176,21 @@ class DiskTier:
         shutil.rmtree(doomed, ignore_errors=True)
         return removed
 
+    def remove_keys(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        """Delete the entries ``keys`` of the namespace root ``namespace`` (after the writes queued
+        so far): a block the exactness audit found wrong is never promoted again. Returns removed."""
+        self._writer.flush(30.0)
+        tag = self.codec.namespace_tag(namespace)
+        removed = 0
+        for key in keys:
+            path = self.entry_path(tag, key.hex())
+            with self._lock:
+                self._forget(key.hex())
+            if path.exists():
+                self._unlink(path)
+                removed += 1
+        return removed
+
     # ------------------------------------------------------------------ admin
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Wait until every queued write is on disk."""

@@ -108,6 +108,15 @@ class TierStack:
         Tier I/O: call it without holding the cache's lock."""
         return {tier.name: tier.remove_namespace(namespace) for tier in list(self.tiers)}
 
+    def remove_keys(self, namespace: bytes, keys: list[bytes]) -> dict[str, int]:
+        """Delete single entries from every tier that has ``remove_keys``: {tier name: removed}."""
+        out: dict[str, int] = {}
+        for tier in list(self.tiers):
+            remove = getattr(tier, "remove_keys", None)
+            if remove is not None:
+                out[tier.name] = remove(namespace, keys)
+        return out
+
     def _demote(self, event: str, block: Block) -> None:
         """The store's listener: a block evicted for capacity goes down to the write-back tiers."""
         if event == "evict" and block.evicted_reason == "capacity":
