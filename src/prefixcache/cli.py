@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from prefixcache.commands import analysis, cluster, engine, server
+from prefixcache.commands import analysis, cluster, engine, server, warm
 
 app = typer.Typer(
     name="prefixcache",
@@ -18,7 +18,7 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
-for _module in (engine, server, analysis, cluster):
+for _module in (engine, server, analysis, cluster, warm):
     _module.register(app)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -30,6 +29,7 @@ from prefixcache.commands.redis_process import (
     start_redis,
 )
 from prefixcache.commands.server import parse_bytes
+from prefixcache.commands.warm import cluster_secret
 
 POLICIES = ("prefix-affinity", "cache-aware", "round-robin", "least-loaded")
 
@@ -261,7 +261,8 @@ def cluster(
     procs: list[subprocess.Popen[bytes]] = []
     tmp = tempfile.mkdtemp(prefix="prefixcache-cluster-")
     env = dict(os.environ)
-    env.setdefault("PREFIXCACHE_SALT_SECRET", secrets.token_hex(32))
+    # One secret for all replicas; with --disk-cache the one kept there, so a restart is warm.
+    env.setdefault("PREFIXCACHE_SALT_SECRET", cluster_secret(disk_cache))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // replicas)))
     try:
         if start_own_redis:
