@@ -124,7 +124,10 @@ def test_gc_without_a_secret_is_a_clean_error(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "prefixcache", "cache", "gc", str(tmp_path)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "keeps no salt" in r.stderr
+    assert (
+        r.stderr.startswith("prefixcache cache gc: Invalid value for DIRECTORY: ")
+        and "keeps no salt" in r.stderr
+    )
 
 
 # ---------------------------------------------------------------------------- a real restart

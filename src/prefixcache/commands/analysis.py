@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from prefixcache.commands.options import duration, input_file, output_file, size
+
 if TYPE_CHECKING:
     from rich.progress import Progress
 
@@ -98,9 +100,11 @@ def synth(
         ),
     ] = None,
     requests: Annotated[
-        int | None, typer.Option("--requests", "-n", help="Total requests (sets the duration).")
+        int | None, typer.Option("--requests", "-n", min=1, help="Total requests (sets the duration).")
     ] = 10_000,
-    duration: Annotated[float | None, typer.Option(help="Seconds of traffic instead of --requests.")] = None,
+    duration: Annotated[
+        float | None, typer.Option(min=0.001, help="Seconds of traffic instead of --requests.")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed: same seed and specs, same file.")] = 0,
     tokenizer: Annotated[
         str, typer.Option(help="bytes (one token per byte: instant), default (SmolLM2) or a folder.")
@@ -111,6 +115,7 @@ def synth(
 
     from prefixcache.analysis.synth import DEFAULT_SCENARIO, parse_endpoint, synthesize
 
+    output_file(out, "OUT")
     try:
         specs = [parse_endpoint(s) for s in (endpoint or DEFAULT_SCENARIO)]
     except ValueError as exc:
@@ -147,17 +152,17 @@ def audit(
     ] = None,
     block_size: Annotated[
         int | None,
-        typer.Option(help="Tokens per cache block (default: the trace header's block_size, else 16)."),
+        typer.Option(min=1, help="Tokens per cache block (default: the trace header's block_size, else 16)."),
     ] = None,
     align: Annotated[
         int | None,
-        typer.Option(help="Hits end on a multiple of this many tokens (the engine's prefill chunk)."),
+        typer.Option(min=1, help="Hits end on a multiple of this many tokens (the engine's prefill chunk)."),
     ] = None,
     pricing: Annotated[
         str, typer.Option(help="anthropic | openai | self-hosted: prices savings and keep-warm.")
     ] = "anthropic",
     min_shared: Annotated[
-        int, typer.Option(help="A busting span must sit above at least this many shared tokens.")
+        int, typer.Option(min=0, help="A busting span must sit above at least this many shared tokens.")
     ] = 64,
 ) -> None:
     """Why the hit rate is what it is: cache-busting spans, prefix stability, TTL against traffic.
@@ -169,13 +174,17 @@ def audit(
     from rich.console import Console
 
     from prefixcache.analysis.audit import AuditConfig, audit_file
-    from prefixcache.analysis.costs import parse_duration
+    from prefixcache.analysis.costs import PROFILES
     from prefixcache.analysis.report import audit_html, print_audit, save_audit_plots, to_json
     from prefixcache.analysis.trace import TraceFormatError
 
     _check_file(trace)
+    if pricing not in PROFILES:
+        raise typer.BadParameter(f"{pricing!r}: choose from {', '.join(PROFILES)}", param_hint="--pricing")
+    output_file(html, "--html")
+    _check_folder(plots, "--plots")
     cfg = AuditConfig(
-        ttl_s=parse_duration(ttl),
+        ttl_s=duration(ttl),
         block_size=_block_size(trace, block_size),
         align_tokens=align,
         pricing=pricing,
@@ -206,16 +215,17 @@ def simulate(
     capacity: Annotated[str, typer.Option(help="Cache bytes per replica: 16GiB, 512MiB, inf.")] = "16GiB",
     block_size: Annotated[
         int | None,
-        typer.Option(help="Tokens per cache block (default: the trace header's block_size, else 16)."),
+        typer.Option(min=1, help="Tokens per cache block (default: the trace header's block_size, else 16)."),
     ] = None,
     align: Annotated[
         int | None,
         typer.Option(
+            min=1,
             help="Hits end on a multiple of this many tokens and only complete chunks are stored "
-            "(0.1's engine: 512). Default: the block size, as the engine does now."
+            "(0.1's engine: 512). Default: the block size, as the engine does now.",
         ),
     ] = None,
-    replicas: Annotated[int, typer.Option(help="Number of replicas, each with its own cache.")] = 1,
+    replicas: Annotated[int, typer.Option(min=1, help="Number of replicas, each with its own cache.")] = 1,
     routing: Annotated[
         str, typer.Option(help="round-robin | random | least-loaded | prefix-affinity | cache-aware")
     ] = "round-robin",
@@ -247,7 +257,7 @@ def simulate(
     pricing: Annotated[
         list[str] | None, typer.Option(help="Pricing profile(s), repeatable: anthropic, openai, self-hosted.")
     ] = None,
-    gpu_hour: Annotated[float, typer.Option(help="self-hosted: dollars per GPU-hour.")] = 2.0,
+    gpu_hour: Annotated[float, typer.Option(min=0.0, help="self-hosted: dollars per GPU-hour.")] = 2.0,
     sweep: Annotated[
         str | None,
         typer.Option(help="ttl=60,300,900,3600 or capacity=1GiB,4GiB (also replicas=, block_size=)."),
@@ -263,9 +273,9 @@ def simulate(
     """
     from rich.console import Console
 
-    from prefixcache.analysis.costs import PROFILES, parse_duration, parse_size
+    from prefixcache.analysis.costs import PROFILES
     from prefixcache.analysis.report import plot_sweep, print_sim, print_sweep, save_png, to_json
-    from prefixcache.analysis.simulate import ROUTINGS, SimConfig, load_keep_warm, parse_sweep, simulate_file
+    from prefixcache.analysis.simulate import ROUTINGS, SimConfig, load_keep_warm, simulate_file
     from prefixcache.analysis.simulate import simulate as run_sim
     from prefixcache.analysis.simulate import sweep as run_sweep
     from prefixcache.analysis.trace import TraceFormatError
@@ -280,12 +290,16 @@ def simulate(
     for p in profiles:
         if p not in PROFILES:
             raise typer.BadParameter(f"{p!r}: choose from {', '.join(PROFILES)}", param_hint="--pricing")
+    output_file(plot, "--plot")
+    if keep_warm and keep_warm != "auto":
+        input_file(Path(keep_warm), "--keep-warm", "keep-warm file (auto, or audit --json output)")
     model = _cost_model(prefill_tps, kv_bytes_per_token, calibration)
     _check_file(trace)
     block_size = _block_size(trace, block_size)
+    sweep_spec = _sweep(sweep) if sweep else None
     cfg = SimConfig(
-        ttl_s=parse_duration(ttl),
-        capacity_bytes=parse_size(capacity),
+        ttl_s=duration(ttl),
+        capacity_bytes=size(capacity),
         block_size=block_size,
         align_tokens=align,
         replicas=replicas,
@@ -320,20 +334,13 @@ def simulate(
         cfg.keep_warm = {e["endpoint"]: e["keep_warm_prefix_tokens"] for e in a.endpoints if e["keep_warm"]}
         console.print(f"keep-warm (auto): {', '.join(cfg.keep_warm) or 'no endpoint qualifies'}")
     elif keep_warm:
-        cfg.keep_warm = load_keep_warm(keep_warm, tr)
+        try:
+            cfg.keep_warm = load_keep_warm(keep_warm, tr)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise typer.BadParameter(f"{keep_warm}: {exc}", param_hint="--keep-warm") from None
     with _progress() as prog:
-        if sweep:
-            try:
-                name, raw = parse_sweep(sweep)
-            except ValueError as exc:
-                raise typer.BadParameter(str(exc), param_hint="--sweep") from None
-            field, conv = {
-                "ttl": ("ttl_s", parse_duration),
-                "capacity": ("capacity_bytes", parse_size),
-                "replicas": ("replicas", int),
-                "block_size": ("block_size", int),
-            }[name]
-            values = [conv(v) for v in raw]
+        if sweep_spec is not None:
+            name, raw, field, values = sweep_spec
             results = []
             for label, v in zip(raw, values, strict=True):
                 task = prog.add_task(f"{name}={label}", total=len(tr))
@@ -354,6 +361,36 @@ def simulate(
     if plot:
         save_png(plot_sweep(name, raw, [float(v) for v in values], results), plot)
         console.print(f"plot: {plot}", style="dim")
+
+
+def _sweep(spec: str) -> tuple[str, list[str], str, list[float]]:
+    """``ttl=60,300`` -> (name, raw labels, SimConfig field, values); one clean error otherwise."""
+    from prefixcache.analysis.simulate import parse_sweep
+
+    try:
+        name, raw = parse_sweep(spec)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--sweep") from None
+
+    def count(text: str) -> int:
+        if not text.strip().isdigit() or int(text) < 1:
+            raise typer.BadParameter(f"{name}={text!r}: write whole numbers from 1", param_hint="--sweep")
+        return int(text)
+
+    field, conv = {
+        "ttl": ("ttl_s", lambda v: duration(v, "--sweep")),
+        "capacity": ("capacity_bytes", lambda v: size(v, "--sweep")),
+        "replicas": ("replicas", count),
+        "block_size": ("block_size", count),
+    }[name]
+    return name, raw, field, [conv(v) for v in raw]
+
+
+def _check_folder(path: Path | None, hint: str) -> None:
+    if path is not None and path.exists() and not path.is_dir():
+        raise typer.BadParameter(f"{path} is a file, not a folder", param_hint=hint)
+    if path is not None and not path.expanduser().resolve().parent.is_dir():
+        raise typer.BadParameter(f"cannot create {path}: its parent folder does not exist", param_hint=hint)
 
 
 def _block_size(trace: Path, given: int | None) -> int:

@@ -21,6 +21,7 @@ import typer
 
 from prefixcache.cache.config import DEFAULTS
 from prefixcache.commands.lifecycle import sigterm_as_interrupt
+from prefixcache.commands.options import duration, free_port_or_fail, http_url, input_file
 from prefixcache.commands.redis_process import (
     check_redis_policy,
     free_port,
@@ -110,8 +111,10 @@ def route(
     from prefixcache.router.kv_index import parse_feed
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if keep_warm is not None and not keep_warm.exists():
-        raise typer.BadParameter(f"{keep_warm} does not exist", param_hint="--keep-warm")
+    replica = [http_url(r, "--replica") for r in replica]
+    if keep_warm is not None:
+        input_file(keep_warm, "--keep-warm", "keep-warm policy file")
+    free_port_or_fail(host, port)
     feeds = {}
     for spec in kv_events or []:
         try:
@@ -233,8 +236,8 @@ def cluster(
     ] = None,
     capacity: Annotated[str, typer.Option(help="Memory KV budget per replica.")] = "2GiB",
     ttl: Annotated[
-        float, typer.Option(min=1.0, help="Default cache TTL in seconds.")
-    ] = DEFAULTS.default_ttl_s,
+        str, typer.Option(help="Default cache TTL: 300, 90s, 5m, 1h.")
+    ] = f"{DEFAULTS.default_ttl_s:g}",
     ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for each replica to load.")] = 300.0,
     no_kv_events: Annotated[
         bool,
@@ -254,6 +257,11 @@ def cluster(
     from prefixcache.router import RouterConfig, create_router_app
     from prefixcache.router.kv_index import FeedSpec
 
+    duration(ttl)
+    parse_bytes(capacity)
+    if keep_warm is not None:
+        input_file(keep_warm, "--keep-warm", "keep-warm policy file")
+    free_port_or_fail(host, port)  # before any replica loads a model
     start_own_redis = not no_redis and redis_url is None
     password = redis_password_from(redis_password_file) if start_own_redis else ""
     maxmemory = parse_bytes(redis_maxmemory)

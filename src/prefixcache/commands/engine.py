@@ -168,9 +168,11 @@ def demo(
 
 def bench(
     lengths: Annotated[str, typer.Option(help="Comma-separated prefix lengths.")] = "256,512,1024,1536,2048",
-    tail: Annotated[int, typer.Option(help="Uncached tail tokens after the prefix.")] = 64,
-    repeats: Annotated[int, typer.Option(help="Repeats per figure (medians).")] = 3,
-    prefill_chunk: Annotated[int | None, typer.Option(help="Prefill chunk (default: the engine's).")] = None,
+    tail: Annotated[int, typer.Option(min=1, help="Uncached tail tokens after the prefix.")] = 64,
+    repeats: Annotated[int, typer.Option(min=1, help="Repeats per figure (medians).")] = 3,
+    prefill_chunk: Annotated[
+        int | None, typer.Option(min=1, help="Prefill chunk (default: the engine's).")
+    ] = None,
     out: Annotated[Path, typer.Option(help="Where engine.md, engine_ttft.png, calibration.json go.")] = Path(
         "benchmarks/results"
     ),
@@ -193,6 +195,8 @@ def bench(
     console = Console()
     try:
         sizes = [int(x) for x in lengths.split(",") if x.strip()]
+        if not sizes or min(sizes) < 1:
+            raise ValueError(lengths)
     except ValueError as exc:
         raise typer.BadParameter(
             "lengths must be integers, e.g. 256,512,1024", param_hint="--lengths"

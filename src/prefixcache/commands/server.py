@@ -10,6 +10,7 @@ import typer
 
 from prefixcache.cache.config import DEFAULTS
 from prefixcache.commands import kv_events as kv
+from prefixcache.commands.options import duration, free_port_or_fail
 from prefixcache.commands.warm import disk_secret, warn_stale
 
 _UNITS = {
@@ -127,8 +128,8 @@ def serve(
         ),
     ] = 32,
     ttl: Annotated[
-        float, typer.Option(min=1.0, help="Default cache TTL in seconds (refreshed on every hit).")
-    ] = DEFAULTS.default_ttl_s,
+        str, typer.Option(help="Default cache TTL (refreshed on every hit): 300, 90s, 5m, 1h.")
+    ] = f"{DEFAULTS.default_ttl_s:g}",
     capacity: Annotated[
         str, typer.Option(help="Byte budget of the KV cache, e.g. 2GiB or 512MB.")
     ] = f"{DEFAULTS.capacity_bytes >> 30}GiB",
@@ -294,7 +295,11 @@ def serve(
         raise typer.BadParameter(
             "--trace-keys-only writes no prompt content: drop --trace-text", param_hint="--trace-keys-only"
         )
+    ttl_s = duration(ttl)
+    if ttl_s < 1.0:
+        raise typer.BadParameter(f"{ttl!r} is shorter than a second", param_hint="--ttl")
     # Bound before the model loads: a taken port or a bad address fails at once.
+    free_port_or_fail(host, port)
     publisher = kv.open_publisher(
         kv_events_endpoint,
         kv_events_replay_endpoint,
@@ -314,7 +319,7 @@ def serve(
             capacity_bytes=capacity_bytes,
             reasons_bytes=min(parse_bytes(reasons_bytes), capacity_bytes // 8),
             miss_reasons=miss_reasons,
-            default_ttl_s=ttl,
+            default_ttl_s=ttl_s,
             max_queue=max_queue,
             max_batch=max_batch,
             threads=threads,
