@@ -109,9 +109,8 @@ def print_audit(res: AuditResult, console: Console) -> None:
                 f"{b['saving_tokens_if_moved_below']:,.0f} tok (${b['saving_usd_if_moved_below']:,.2f})",
             )
         console.print(bt)
-        console.print(
-            "[yellow]Fix:[/yellow] move each variable value below the stable content (end of the prompt)."
-        )
+        for name, line in fix_lines(res):
+            console.print(f"[yellow]Fix[/yellow] ([bold]{name}[/bold]): {line}")
     else:
         console.print("[green]No cache-busting spans found.[/green]")
     for e in res.endpoints:
@@ -134,6 +133,53 @@ def print_audit(res: AuditResult, console: Console) -> None:
                 f"token-equivalents, save {e['keep_warm_saved_tokens']:,.0f} "
                 f"({e['ttl_expired_requests']:,} requests lost to the TTL)."
             )
+
+
+def busting_stacks(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """An endpoint's busting rows grouped into stacks: values found in the same prompts (each
+    row's ``stacked_with``), top first."""
+    index = {(r["kind"], r["start_token"]): i for i, r in enumerate(rows)}
+    parent = list(range(len(rows)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for i, r in enumerate(rows):
+        for s in r.get("stacked_with", []):
+            j = index.get((s["kind"], s["start_token"]))
+            if j is not None:
+                parent[find(j)] = find(i)
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(find(i), []).append(r)
+    return sorted(groups.values(), key=lambda g: g[0]["start_token"])
+
+
+def fix_lines(res: AuditResult) -> list[tuple[str, str]]:
+    """(endpoint, what to do and what it saves) per stack of busting values: the terminal and the
+    HTML report say the same."""
+    out = []
+    for e in res.endpoints:
+        for stack in busting_stacks(e["busting"]):
+            names = ", ".join(f"{b['kind']} at token {b['start_token']}" for b in stack)
+            together = max(b["saving_tokens_if_all_moved_below"] for b in stack)
+            usd = max(b.get("saving_usd_if_all_moved_below", 0.0) for b in stack)
+            if len(stack) == 1:
+                line = (
+                    f"move the {names} below the stable content (end of the prompt): saves "
+                    f"{together:,.0f} tokens (${usd:,.2f})."
+                )
+            else:
+                alone = max(b["saving_tokens_if_moved_below"] for b in stack)
+                line = (
+                    f"move all {len(stack)} variable values ({names}) below the stable content (end of "
+                    f"the prompt): together they save {together:,.0f} tokens (${usd:,.2f}); moving one "
+                    f"alone saves at most {alone:,.0f}, since the others still vary above it."
+                )
+            out.append((e["endpoint"], line))
+    return out
 
 
 def plot_hit_rate_over_time(res: AuditResult, bins: int = 60) -> Figure:

@@ -93,8 +93,9 @@ def synth(
             "-e",
             help=(
                 "Endpoint spec, repeatable: name:rate=2,system=1500,user=48,output=128,"
-                "bust=timestamp|epoch|uuid|hex_id|counter,bust_at=top|middle|bottom,deploys=600;1800,"
-                "turns=3,tenant=acme,arrival=poisson|bursty|diurnal. Default: a five-endpoint scenario "
+                "bust=timestamp|epoch|uuid|hex_id|counter (stacked: timestamp+counter),"
+                "bust_at=top|middle|bottom,deploys=600;1800,turns=3,tenant=acme,"
+                "arrival=poisson|bursty|diurnal. Default: a five-endpoint scenario "
                 "(clean chat, timestamp at the top, uuid mid-prompt, deploys, a quiet one)."
             ),
         ),
