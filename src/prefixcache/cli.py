@@ -43,6 +43,26 @@ for _module in (engine, server, analysis, cluster, warm):
     _module.register(app)
 
 
+#: Below this many columns (or off a terminal) help is click's plain text: rich's boxed panels
+#: leave the help text a third of the width and cut environment variable names.
+RICH_HELP_MIN_COLUMNS = 120
+
+
+def _plain_help_when_narrow() -> None:
+    import shutil
+    import sys
+
+    if sys.stdout.isatty() and shutil.get_terminal_size().columns >= RICH_HELP_MIN_COLUMNS:
+        return
+    app.rich_markup_mode = None
+    for group in app.registered_groups:
+        if group.typer_instance is not None:
+            group.typer_instance.rich_markup_mode = None
+            for sub in group.typer_instance.registered_groups:
+                if sub.typer_instance is not None:
+                    sub.typer_instance.rich_markup_mode = None
+
+
 def main(argv: list[str] | None = None) -> None:
     """The console entry point: a usage error (a bad option, a missing file) is one line on
     stderr, ``prefixcache <command>: <what is wrong>``, with exit status 2; never a traceback."""
@@ -52,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     usage_error = typer.BadParameter.__mro__[1]  # UsageError
     click_exception = typer.BadParameter.__mro__[2]  # ClickException
 
+    _plain_help_when_narrow()
     try:
         code = app(args=argv, prog_name="prefixcache", standalone_mode=False)
     except usage_error as exc:

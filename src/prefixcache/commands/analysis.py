@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from prefixcache.analysis.tables import report_console
 from prefixcache.commands.options import duration, input_file, output_file, size
 
 if TYPE_CHECKING:
@@ -142,6 +143,13 @@ def audit(
     ttl: Annotated[str, typer.Option(help="Cache TTL: 300, 5m, 1h.")] = "300",
     html: Annotated[Path | None, typer.Option("--html", help="Write an HTML report with plots.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="table (fits the terminal: wide tables are stacked), markdown, csv or json.",
+        ),
+    ] = "table",
     plots: Annotated[
         Path | None, typer.Option(help="Also save the plots as PNG files in this folder.")
     ] = None,
@@ -172,13 +180,13 @@ def audit(
     uuid, hex_id, counter, other) above shared content with the tokens they cost, prefix versions,
     reuse gaps against the TTL and keep-warm candidates.
     """
-    from rich.console import Console
 
     from prefixcache.analysis.audit import AuditConfig, audit_file
     from prefixcache.analysis.costs import PROFILES
     from prefixcache.analysis.report import audit_html, print_audit, save_audit_plots, to_json
     from prefixcache.analysis.trace import TraceFormatError
 
+    json_out = _format(fmt, json_out)
     _check_file(trace)
     if pricing not in PROFILES:
         raise typer.BadParameter(f"{pricing!r}: choose from {', '.join(PROFILES)}", param_hint="--pricing")
@@ -197,11 +205,11 @@ def audit(
             res = audit_file(trace, cfg, tokenizer=tokenizer, progress=_Stages(prog))
         except TraceFormatError as exc:
             raise typer.BadParameter(str(exc), param_hint="TRACE") from None
-    console = Console()
+    console = report_console()
     if json_out:
         print(to_json(res.as_dict()))
     else:
-        print_audit(res, console)
+        print_audit(res, console, fmt)
     if html:
         audit_html(res, html)
         console.print(f"HTML report: {html}", style="dim")
@@ -264,6 +272,13 @@ def simulate(
         typer.Option(help="ttl=60,300,900,3600 or capacity=1GiB,4GiB (also replicas=, block_size=)."),
     ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="table (fits the terminal: wide tables are stacked), markdown, csv or json.",
+        ),
+    ] = "table",
     plot: Annotated[Path | None, typer.Option(help="With --sweep: save the curve as PNG.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random routing.")] = 0,
     tokenizer: Annotated[str | None, typer.Option(help="Tokenizer for text prompts.")] = None,
@@ -272,7 +287,6 @@ def simulate(
 
     What-if: another TTL, capacity, block size, replica count and routing policy, or keep-warm.
     """
-    from rich.console import Console
 
     from prefixcache.analysis.costs import PROFILES
     from prefixcache.analysis.report import plot_sweep, print_sim, print_sweep, save_png, to_json
@@ -281,6 +295,7 @@ def simulate(
     from prefixcache.analysis.simulate import sweep as run_sweep
     from prefixcache.analysis.trace import TraceFormatError
 
+    json_out = _format(fmt, json_out)
     if routing not in ROUTINGS:
         raise typer.BadParameter(f"choose one of {', '.join(ROUTINGS)}", param_hint="--routing")
     if plot and not sweep:
@@ -310,7 +325,7 @@ def simulate(
         pricing=profiles,
         gpu_hour=gpu_hour,
     )
-    console = Console(stderr=json_out)
+    console = report_console(stderr=json_out)
     if not sweep and not keep_warm:
         # One run, streamed: a reader process parses the file while this one replays.
         _check_file(trace)
@@ -322,7 +337,7 @@ def simulate(
         if json_out:
             print(to_json(results[0].as_dict()))
         else:
-            print_sim(results[0], console)
+            print_sim(results[0], console, fmt)
         return
     tr = _load(trace, tokenizer)
     if keep_warm == "auto":
@@ -356,9 +371,9 @@ def simulate(
         out = [r.as_dict() for r in results]
         print(to_json({"sweep": sweep, "results": out} if sweep else out[0]))
     elif sweep:
-        print_sweep(name, raw, results, console)
+        print_sweep(name, raw, results, console, fmt)
     else:
-        print_sim(results[0], console)
+        print_sim(results[0], console, fmt)
     if plot:
         save_png(plot_sweep(name, raw, [float(v) for v in values], results), plot)
         console.print(f"plot: {plot}", style="dim")
@@ -385,6 +400,15 @@ def _sweep(spec: str) -> tuple[str, list[str], str, list[float]]:
         "block_size": ("block_size", count),
     }[name]
     return name, raw, field, [conv(v) for v in raw]
+
+
+def _format(fmt: str, json_out: bool) -> bool:
+    """Whether to print JSON (``--json`` or ``--format json``); a bad ``--format`` is refused."""
+    from prefixcache.analysis.tables import FORMATS
+
+    if fmt not in FORMATS:
+        raise typer.BadParameter(f"{fmt!r}: choose one of {', '.join(FORMATS)}", param_hint="--format")
+    return json_out or fmt == "json"
 
 
 def _check_folder(path: Path | None, hint: str) -> None:

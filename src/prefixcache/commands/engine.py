@@ -182,17 +182,27 @@ def bench(
     ] = "llama,hf",
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="How to print the report: markdown (as written to engine.md, one line per row), "
+            "table (fits the terminal), csv, or json (the results file's content).",
+        ),
+    ] = "markdown",
 ) -> None:
     """Measure cold/warm/floor TTFT over prefix lengths, the 0%-hit overhead, exact vs
     single-pass prefill, decode and hashing+lookup time, for each runner in one run; print a
     table and write benchmarks/results/."""
-    from rich.console import Console
 
+    from prefixcache.analysis.tables import FORMATS, emit_markdown, report_console
     from prefixcache.engine.bench import markdown, run_bench, write_results
     from prefixcache.engine.engine import select_runner
     from prefixcache.engine.model import ModelRunner
 
-    console = Console()
+    if fmt not in FORMATS:
+        raise typer.BadParameter(f"{fmt!r}: choose one of {', '.join(FORMATS)}", param_hint="--format")
+    console = report_console()
     try:
         sizes = [int(x) for x in lengths.split(",") if x.strip()]
         if not sizes or min(sizes) < 1:
@@ -226,8 +236,11 @@ def bench(
             return
     command = "prefixcache " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     files = write_results(res, out, command)
-    console.print(markdown(res, command))
-    console.print("wrote " + ", ".join(str(f) for f in files))
+    if fmt == "json":
+        print(next(f for f in files if f.suffix == ".json").read_text(), end="")
+    else:
+        emit_markdown(console, markdown(res, command), fmt)
+    typer.echo("wrote " + ", ".join(str(f) for f in files), err=fmt in ("json", "csv"))
 
 
 def register(app: typer.Typer) -> None:
