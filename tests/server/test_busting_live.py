@@ -98,8 +98,13 @@ def test_clean_endpoints_raise_nothing_and_reports_stay_per_tenant(replayed) -> 
         "tokens_lost_per_request",
         "share_of_requests",
         "saving_tokens_if_moved_below",
+        "saving_tokens_if_all_moved_below",
+        "stacked_with",
         "saving_usd_if_moved_below",
+        "saving_usd_if_all_moved_below",
     ]
+    assert stamp["stacked_with"] == []  # alone: moving it saves what moving all saves
+    assert stamp["saving_tokens_if_moved_below"] == stamp["saving_tokens_if_all_moved_below"]
     assert stamp["share_of_requests"] == 1.0  # every pair in the window diverges at the stamp
 
 

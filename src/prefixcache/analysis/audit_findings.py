@@ -180,8 +180,9 @@ def busting_rows(
     usd_per_token = pricing.input_per_mtok / 1e6
     for row in rows:
         # (tokens x multiplier difference) x price, in this order: the output's floats depend on it
-        tokens_times_mult = row["saving_tokens_if_moved_below"] * (pricing.write_mult - pricing.read_mult)
-        row["saving_usd_if_moved_below"] = tokens_times_mult * usd_per_token
+        for what in ("moved_below", "all_moved_below"):
+            tokens_times_mult = row[f"saving_tokens_if_{what}"] * (pricing.write_mult - pricing.read_mult)
+            row[f"saving_usd_if_{what}"] = tokens_times_mult * usd_per_token
     return rows
 
 

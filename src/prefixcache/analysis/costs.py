@@ -177,7 +177,8 @@ def price(t: TokenTotals, p: Pricing, model: CostModel) -> CostBreakdown:
 
 
 def parse_size(text: str) -> int:
-    """``"2GiB"``, ``"512MB"``, ``"1e9"``, ``"inf"`` -> bytes (inf -> 2**62)."""
+    """``"2GiB"``, ``"512MB"``, ``"1e9"``, ``"inf"`` -> bytes (inf -> 2**62). ValueError, saying what
+    to write, for anything else (a negative or unknown unit included)."""
     s = text.strip().lower().replace(" ", "")
     if s in ("inf", "unbounded", "none"):
         return 1 << 62
@@ -190,21 +191,38 @@ def parse_size(text: str) -> int:
         "mb": 1e6,
         "gb": 1e9,
         "tb": 1e12,
+        "k": 1e3,
+        "m": 1e6,
+        "g": 1e9,
         "b": 1,
     }
-    for u, mult in units.items():
+    number, mult = s, 1.0
+    for u, m in units.items():
         if s.endswith(u):
-            return int(float(s[: -len(u)]) * mult)
-    return int(float(s))
+            number, mult = s[: -len(u)], float(m)
+            break
+    try:
+        value = float(number) * mult
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{text!r} is not a size: write e.g. 16GiB, 512MiB, 2GB, 1e9 or inf")
+    return int(value)
 
 
 def parse_duration(text: str) -> float:
-    """``"300"``, ``"5m"``, ``"1h"``, ``"90s"`` -> seconds."""
+    """``"300"``, ``"5m"``, ``"1h"``, ``"90s"`` -> seconds (more than 0). ValueError, saying what to
+    write, for anything else."""
     s = text.strip().lower()
     mult = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    if s and s[-1] in mult:
-        return float(s[:-1]) * mult[s[-1]]
-    return float(s)
+    number, m = (s[:-1], mult[s[-1]]) if s and s[-1] in mult else (s, 1)
+    try:
+        value = float(number) * m
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{text!r} is not a duration above 0: write e.g. 300, 90s, 5m or 1h")
+    return value
 
 
 def break_even_reuse(write_mult: float, read_mult: float) -> float:

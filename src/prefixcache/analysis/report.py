@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
 
 from prefixcache.analysis.report_checks import print_checks, ttft_text
+from prefixcache.analysis.tables import ReportTable
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -44,7 +45,7 @@ def _png(fig: Figure) -> bytes:
 
 
 # ------------------------------------------------------------------------------------ audit
-def print_audit(res: AuditResult, console: Console) -> None:
+def print_audit(res: AuditResult, console: Console, fmt: str = "table") -> None:
     """The audit as tables: overview, busting spans, stability and TTL, keep-warm."""
     console.print(
         f"[bold]Audit[/bold] {len(res.ts):,} requests, TTL {res.config.ttl_s:g} s, "
@@ -54,7 +55,7 @@ def print_audit(res: AuditResult, console: Console) -> None:
     )
     for missing in res.unavailable:
         console.print(f"[yellow]not available from this trace:[/yellow] {missing}")
-    t = Table(title="Endpoints", title_justify="left")
+    t = ReportTable(title="Endpoints")
     for col in (
         "endpoint",
         "requests",
@@ -72,7 +73,7 @@ def print_audit(res: AuditResult, console: Console) -> None:
     for e in res.endpoints:
         gp = e["reuse_gap_s"]["p50"]
         t.add_row(
-            e["endpoint"],
+            escape(e["endpoint"]),
             f"{e['requests']:,}",
             _pct(e["hit_rate"]),
             _pct(e["achievable_hit_rate"]),
@@ -84,10 +85,10 @@ def print_audit(res: AuditResult, console: Console) -> None:
             f"{e['ttl_expired_requests']:,}",
             "[green]yes[/green]" if e["keep_warm"] else "no",
         )
-    console.print(t)
+    t.emit(console, fmt)
     spans = [(e["endpoint"], b) for e in res.endpoints for b in e["busting"]]
     if spans:
-        bt = Table(title="Cache-busting spans (variable content above shared content)", title_justify="left")
+        bt = ReportTable(title="Cache-busting spans (variable content above shared content)")
         for col in (
             "endpoint",
             "token",
@@ -95,45 +96,115 @@ def print_audit(res: AuditResult, console: Console) -> None:
             "kind",
             "example",
             "tokens lost/request",
-            "saving if moved below",
+            "saving if moved alone",
+            "saving if all moved",
         ):
-            bt.add_column(col)
+            bt.add_column(col, justify="right" if col in ("token", "length") or "saving" in col else "left")
         for name, b in spans:
             bt.add_row(
-                name,
+                escape(name),
                 str(b["start_token"]),
                 str(b["length_tokens"]),
                 f"[bold red]{b['kind']}[/bold red]",
-                (b["examples"] or [""])[0][:40],
+                escape((b["examples"] or [""])[0][:40]),
                 f"{b['tokens_lost_per_request']:,.0f}",
-                f"{b['saving_tokens_if_moved_below']:,.0f} tok (${b['saving_usd_if_moved_below']:,.2f})",
+                _saving(b, "moved_below"),
+                _saving(b, "all_moved_below"),
             )
-        console.print(bt)
-        console.print(
-            "[yellow]Fix:[/yellow] move each variable value below the stable content (end of the prompt)."
-        )
+        bt.emit(console, fmt)
+        for name, line in fix_lines(res):
+            console.print(f"[yellow]Fix[/yellow] ([bold]{escape(name)}[/bold]): {escape(line)}")
     else:
         console.print("[green]No cache-busting spans found.[/green]")
+    for name, line in advice_lines(res):
+        console.print(f"[bold]{escape(name)}[/bold]: {escape(line)}")
+
+
+def advice_lines(res: AuditResult) -> list[tuple[str, str]]:
+    """(endpoint, advice) on prefix stability and keep-warm: the terminal and the HTML report say
+    the same."""
+    out = []
     for e in res.endpoints:
         if e["prefix_versions"] > 5:
             span = e["versions"][-1]["first_ts"] - e["versions"][0]["first_ts"]
-            console.print(
-                f"[bold]{e['endpoint']}[/bold]: {e['prefix_versions']} prefix versions, one every "
-                f"~{span / (e['prefix_versions'] - 1):,.0f} s: the stable prefix keeps changing."
+            out.append(
+                (
+                    e["endpoint"],
+                    f"{e['prefix_versions']} prefix versions, one every "
+                    f"~{span / (e['prefix_versions'] - 1):,.0f} s: the stable prefix keeps changing.",
+                )
             )
         elif e["prefix_versions"] > 1:
             vs = ", ".join(f"{v['requests']:,} req from ts {v['first_ts']:.0f}" for v in e["versions"])
-            console.print(
-                f"[bold]{e['endpoint']}[/bold]: {e['prefix_versions']} prefix versions ({vs}); "
-                f"each change re-prefills {e['stable_prefix_tokens']:,} tokens per replica."
+            out.append(
+                (
+                    e["endpoint"],
+                    f"{e['prefix_versions']} prefix versions ({vs}); "
+                    f"each change re-prefills {e['stable_prefix_tokens']:,} tokens per replica.",
+                )
             )
         if e["keep_warm"]:
-            console.print(
-                f"[bold]{e['endpoint']}[/bold]: keep warm: {e['keep_warm_refreshes']:,} refreshes of "
-                f"{e['keep_warm_prefix_tokens']:,} tokens cost {e['keep_warm_cost_tokens']:,.0f} "
-                f"token-equivalents, save {e['keep_warm_saved_tokens']:,.0f} "
-                f"({e['ttl_expired_requests']:,} requests lost to the TTL)."
+            out.append(
+                (
+                    e["endpoint"],
+                    f"keep warm: {e['keep_warm_refreshes']:,} refreshes of "
+                    f"{e['keep_warm_prefix_tokens']:,} tokens cost {e['keep_warm_cost_tokens']:,.0f} "
+                    f"token-equivalents, save {e['keep_warm_saved_tokens']:,.0f} "
+                    f"({e['ttl_expired_requests']:,} requests lost to the TTL).",
+                )
             )
+    return out
+
+
+def _saving(row: dict[str, Any], what: str) -> str:
+    return f"{row[f'saving_tokens_if_{what}']:,.0f} tok (${row[f'saving_usd_if_{what}']:,.2f})"
+
+
+def busting_stacks(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """An endpoint's busting rows grouped into stacks: values found in the same prompts (each
+    row's ``stacked_with``), top first."""
+    index = {(r["kind"], r["start_token"]): i for i, r in enumerate(rows)}
+    parent = list(range(len(rows)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for i, r in enumerate(rows):
+        for s in r.get("stacked_with", []):
+            j = index.get((s["kind"], s["start_token"]))
+            if j is not None:
+                parent[find(j)] = find(i)
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(find(i), []).append(r)
+    return sorted(groups.values(), key=lambda g: g[0]["start_token"])
+
+
+def fix_lines(res: AuditResult) -> list[tuple[str, str]]:
+    """(endpoint, what to do and what it saves) per stack of busting values: the terminal and the
+    HTML report say the same."""
+    out = []
+    for e in res.endpoints:
+        for stack in busting_stacks(e["busting"]):
+            names = ", ".join(f"{b['kind']} at token {b['start_token']}" for b in stack)
+            together = max(b["saving_tokens_if_all_moved_below"] for b in stack)
+            usd = max(b.get("saving_usd_if_all_moved_below", 0.0) for b in stack)
+            if len(stack) == 1:
+                line = (
+                    f"move the {names} below the stable content (end of the prompt): saves "
+                    f"{together:,.0f} tokens (${usd:,.2f})."
+                )
+            else:
+                alone = max(b["saving_tokens_if_moved_below"] for b in stack)
+                line = (
+                    f"move all {len(stack)} variable values ({names}) below the stable content (end of "
+                    f"the prompt): together they save {together:,.0f} tokens (${usd:,.2f}); moving one "
+                    f"alone saves at most {alone:,.0f}, since the others still vary above it."
+                )
+            out.append((e["endpoint"], line))
+    return out
 
 
 def plot_hit_rate_over_time(res: AuditResult, bins: int = 60) -> Figure:
@@ -270,7 +341,7 @@ th{{background:#eef}} img{{max-width:100%;border:1px solid #ddd}} .big{{font-siz
 
 
 # ------------------------------------------------------------------------------- simulate
-def print_sim(res: SimResult, console: Console) -> None:
+def print_sim(res: SimResult, console: Console, fmt: str = "table") -> None:
     c = res.config
     d = res.as_dict()
     console.print(
@@ -278,7 +349,7 @@ def print_sim(res: SimResult, console: Console) -> None:
         f"{c.capacity_bytes / 2**30:,.1f} GiB x {c.replicas} replica(s), routing {c.routing}, "
         f"block {c.block_size}" + (f", keep-warm {', '.join(c.keep_warm)}" if c.keep_warm else "")
     )
-    t = Table(show_header=False)
+    t = ReportTable(show_header=False)
     t.add_row("hit rate", f"[bold]{_pct(res.hit_rate)}[/bold]")
     t.add_row(
         "prompt / cached / prefilled tokens",
@@ -290,21 +361,21 @@ def print_sim(res: SimResult, console: Console) -> None:
         t.add_row(
             "keep-warm refreshes", f"{res.keep_warm_refreshes:,} ({d['keep_warm_read_tokens']:,} tokens read)"
         )
-    console.print(t)
-    et = Table(title="Per endpoint", title_justify="left")
+    t.emit(console, fmt)
+    et = ReportTable(title="Per endpoint")
     for col in ("endpoint", "requests", "hit rate", "TTFT p50", "TTFT p95"):
         et.add_column(col, justify="left" if col == "endpoint" else "right")
     for e in res.endpoints:
         et.add_row(
-            e["endpoint"],
+            escape(e["endpoint"]),
             f"{e['requests']:,}",
             _pct(e["hit_rate"]),
             f"{e['ttft_s']['p50']:.2f} s" + ("" if e["ttft_s"]["meaningful"] else " (saturated)"),
             f"{e['ttft_s']['p95']:.2f} s" + ("" if e["ttft_s"]["meaningful"] else " (saturated)"),
         )
-    console.print(et)
+    et.emit(console, fmt)
     if c.replicas > 1:
-        rt = Table(title="Per replica", title_justify="left")
+        rt = ReportTable(title="Per replica")
         for col in ("replica", "requests", "hit rate", "blocks", "evictions (capacity/ttl)"):
             rt.add_column(col, justify="right")
         for r in res.replicas:
@@ -316,8 +387,8 @@ def print_sim(res: SimResult, console: Console) -> None:
                 f"{r['blocks']:,}",
                 f"{ev.get('capacity', 0):,}/{ev.get('ttl', 0):,}",
             )
-        console.print(rt)
-    ct = Table(title="Cost", title_justify="left")
+        rt.emit(console, fmt)
+    ct = ReportTable(title="Cost")
     for col in (
         "pricing",
         "input",
@@ -341,12 +412,14 @@ def print_sim(res: SimResult, console: Console) -> None:
             x.no_cache_usd,
         )
         ct.add_row(x.profile, *(f"${v:,.2f}" for v in dollars), _pct(x.saving))
-    console.print(ct)
-    print_checks(res, console)
+    ct.emit(console, fmt)
+    print_checks(res, console, fmt)
 
 
-def print_sweep(name: str, labels: list[str], results: list[SimResult], console: Console) -> None:
-    t = Table(title=f"Sweep over {name}", title_justify="left")
+def print_sweep(
+    name: str, labels: list[str], results: list[SimResult], console: Console, fmt: str = "table"
+) -> None:
+    t = ReportTable(title=f"Sweep over {name}")
     for col in (
         "value",
         "hit rate",
@@ -366,7 +439,7 @@ def print_sweep(name: str, labels: list[str], results: list[SimResult], console:
             f"{d['ttft_s']['p95']:.2f} s",
             *(f"{x.total_usd:,.2f}" for x in r.costs),
         )
-    console.print(t)
+    t.emit(console, fmt)
 
 
 def plot_sweep(name: str, labels: list[str], values: list[float], results: list[SimResult]) -> Figure:

@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
+
+from prefixcache.analysis.tables import ReportTable
 
 if TYPE_CHECKING:
     from prefixcache.analysis.simulate import SimResult
@@ -22,10 +24,10 @@ def ttft_text(res: SimResult) -> str:
     return text
 
 
-def print_checks(res: SimResult, console: Console) -> None:
+def print_checks(res: SimResult, console: Console, fmt: str = "table") -> None:
     """The load table (and its warning) and the break-even table, where they say something."""
     load = res.load
-    lt = Table(title=f"Replica load (prefill at {res.config.cost.prefill_tps:g} tok/s)", title_justify="left")
+    lt = ReportTable(title=f"Replica load (prefill at {res.config.cost.prefill_tps:g} tok/s)")
     for col in ("replica", "offered prefill", "utilisation", ""):
         lt.add_column(col, justify="right")
     for r in res.replicas:
@@ -36,30 +38,29 @@ def print_checks(res: SimResult, console: Console) -> None:
             "n/a (one timestamp)" if u is None else f"{u:.1%}",
             "[bold red]SATURATED[/bold red]" if r["saturated"] else "",
         )
-    console.print(lt)
+    lt.emit(console, fmt)
     if load.get("warning"):
         console.print(f"[bold red]warning:[/bold red] {load['warning']}")
     for even in res.break_even:
         if not even["break_even_reuse"] and not even["break_even_reuse_1h"]:
             continue  # no write surcharge: caching never costs more
-        bt = Table(
+        bt = ReportTable(
             title=(
                 f"Break-even ({even['profile']}: writes {even['write_mult']:g}x, "
                 f"reads {even['read_mult']:g}x "
                 f"-> p* = {even['break_even_reuse']:.3f}; 1 h writes {even['write_long_mult']:g}x -> "
                 f"{even['break_even_reuse_1h']:.3f})"
             ),
-            title_justify="left",
         )
         for col in ("endpoint", "reuse p", "p*", "caching adds", "verdict"):
             bt.add_column(col, justify="left" if col in ("endpoint", "verdict") else "right")
         for e in even["endpoints"]:
             reuse = e["reuse_probability"]
             bt.add_row(
-                e["endpoint"],
+                escape(e["endpoint"]),
                 "n/a" if reuse is None else f"{reuse:.3f}",
                 f"{e['break_even_reuse']:.3f}",
                 f"{'-' if e['extra_input_usd'] < 0 else '+'}${abs(e['extra_input_usd']):,.2f}",
                 "[bold red]caching loses money[/bold red]" if e["loses_money"] else "pays",
             )
-        console.print(bt)
+        bt.emit(console, fmt)

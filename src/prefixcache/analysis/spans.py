@@ -56,11 +56,18 @@ class Finding:
     kind: str
     start_token: int
     length_tokens: int
-    shared_after: list[int] = field(default_factory=list)  # shared tokens below, per pair
+    # Per pair showing it: the shared tokens that all the pair's variable spans together keep out
+    # of the cache (what moving every one of them below the shared content gains) ...
+    shared_after: list[int] = field(default_factory=list)
+    # ... and what moving this span alone gains (nothing while another span sits above it).
+    alone_after: list[int] = field(default_factory=list)
     examples: list[tuple[float, str]] = field(default_factory=list)  # (ts, value)
+    stacked_with: list[tuple[str, int]] = field(default_factory=list)  # other spans of its pairs
 
     def as_dict(self, requests: int, sampled: int) -> dict[str, Any]:
         lost = float(np.mean(self.shared_after)) if self.shared_after else 0.0
+        alone = float(np.mean(self.alone_after)) if self.alone_after else lost
+        share = len(self.shared_after) / sampled if sampled else 0.0
         seen: list[str] = []
         for _, v in sorted(self.examples):
             if v not in seen:
@@ -71,11 +78,15 @@ class Finding:
             "kind": self.kind,
             "examples": seen[:3],
             "tokens_lost_per_request": lost,
-            "share_of_requests": len(self.shared_after) / sampled if sampled else 0.0,
-            "saving_tokens_if_moved_below": (
-                lost * requests * (len(self.shared_after) / sampled if sampled else 0.0)
-            ),
+            "share_of_requests": share,
+            "saving_tokens_if_moved_below": alone * requests * share,
+            "saving_tokens_if_all_moved_below": lost * requests * share,
+            "stacked_with": [{"kind": k, "start_token": t} for k, t in self.stacked_with],
         }
+
+
+#: Variable spans looked for in one pair, top to bottom.
+MAX_STACK = 8
 
 
 def resync(
@@ -107,10 +118,18 @@ def resync(
 
 
 def classify(tok: Tokenizer, tokens: np.ndarray, start: int, end: int) -> tuple[str, str, int, int]:
-    """Kind, value text, value start token and value end token of the span ``[start, end)``.
+    """Kind, value text, value start token and value end token of the span ``[start, end)``: the
+    first of :func:`classify_all`."""
+    return classify_all(tok, tokens, start, end)[0]
 
-    Decodes ``CONTEXT`` tokens on each side and picks the highest-priority regex match that
-    overlaps the span's characters; ``other`` (the span's own text) when none does.
+
+def classify_all(tok: Tokenizer, tokens: np.ndarray, start: int, end: int) -> list[tuple[str, str, int, int]]:
+    """Every value in the span ``[start, end)``, top first: (kind, text, start token, end token).
+
+    Decodes ``CONTEXT`` tokens on each side and takes, kind by kind in priority order, the regex
+    matches that overlap the span's characters and no value taken before (two values a few
+    tokens apart, ``Current time: ...`` then ``Request id: 7``, are two values); ``other`` (the
+    span's own text) when none does.
     """
     w0 = max(0, start - CONTEXT)
     w1 = min(len(tokens), end + CONTEXT)
@@ -122,13 +141,21 @@ def classify(tok: Tokenizer, tokens: np.ndarray, start: int, end: int) -> tuple[
         text = tok.decode(ids[:k])
         offs.append(len(text))
     cs, ce = offs[start - w0], offs[end - w0]
+    taken: list[tuple[int, int]] = []  # character ranges of the values found
+    out: list[tuple[str, str, int, int]] = []
     for kind, rx in _KINDS:
         for mt in rx.finditer(text):
-            if mt.start() < max(ce, cs + 1) and mt.end() > cs:
-                t0 = w0 + _token_at(offs, mt.start())
-                t1 = w0 + _token_at(offs, max(mt.end() - 1, mt.start())) + 1
-                return kind, mt.group(0), t0, t1
-    return "other", text[cs:ce].strip() or text[cs:ce], start, end
+            if not (mt.start() < max(ce, cs + 1) and mt.end() > cs):
+                continue
+            if any(mt.start() < b and mt.end() > a for a, b in taken):
+                continue
+            taken.append((mt.start(), mt.end()))
+            t0 = w0 + _token_at(offs, mt.start())
+            t1 = w0 + _token_at(offs, max(mt.end() - 1, mt.start())) + 1
+            out.append((kind, mt.group(0), t0, t1))
+    if not out:
+        return [("other", text[cs:ce].strip() or text[cs:ce], start, end)]
+    return sorted(out, key=lambda v: v[2])
 
 
 def _token_at(offs: list[int], ch: int) -> int:
@@ -146,7 +173,9 @@ def _token_at(offs: list[int], ch: int) -> int:
 @dataclass(slots=True)
 class Observation:
     """What one pair showed: a variable span of ``kind`` over tokens ``[start, start + length)``
-    of the request, above ``shared`` tokens it has in common with its reference again."""
+    of the request; ``shared``: the tokens it has in common with its reference again below all
+    the pair's spans together (what moving every one of them gains), ``alone``: what moving this
+    one alone gains (0 when another span sits above it)."""
 
     kind: str
     start: int
@@ -154,6 +183,11 @@ class Observation:
     shared: int
     ts: float
     value: str
+    alone: int = -1  # -1: as ``shared`` (a span on its own)
+
+    def __post_init__(self) -> None:
+        if self.alone < 0:
+            self.alone = self.shared
 
 
 class BustingDetector:
@@ -182,50 +216,145 @@ class BustingDetector:
         self.min_shared = min_shared
         self.probe = probe
         self.min_share = min_share
-        self.pairs: deque[Observation | None] = deque(maxlen=window)
+        self.pairs: deque[list[Observation] | None] = deque(maxlen=window)
         self._tok: Tokenizer | None = None
 
     def __len__(self) -> int:
         """Pairs in the window (those that showed nothing included)."""
         return len(self.pairs)
 
-    def add(self, p: Pair) -> Observation | None:
-        """Examine one pair and slide the window over it; returns what it showed (None: no span)."""
-        observation = self._observe(p)
-        self.pairs.append(observation)
-        return observation
+    def add(self, p: Pair) -> list[Observation]:
+        """Examine one pair and slide the window over it; returns what it showed (empty: no span)."""
+        observations = self._observe(p)
+        self.pairs.append(observations or None)
+        return observations
 
-    def _observe(self, p: Pair) -> Observation | None:
-        rs = resync(p.ref, p.tokens, p.diverge, probe=self.probe)
-        if rs is None:
-            return None
-        _, sb, shared = rs
-        if shared < self.min_shared:
-            return None
+    def _observe(self, p: Pair) -> list[Observation]:
+        """Every variable span of the pair above shared content, top first: after each span the
+        two prompts agree again for a run; a short run means another span follows (stacked
+        values), and the scan goes on until the prompts no longer agree again. The spans down to
+        the last one with at least ``min_shared`` tokens below it are the pair's stack."""
+        a, b = p.ref, p.tokens
+        da = db = p.diverge
+        spans: list[tuple[int, int, int]] = []  # (start, end) in the request, shared run after
+        for _ in range(MAX_STACK):
+            if da >= len(a) or db >= len(b):
+                break
+            rs = resync(a[da:], b[db:], 0, probe=self.probe)
+            if rs is None:
+                break
+            sa, sb, run = rs
+            spans.append((db, db + max(sb, 1), run))
+            da, db = da + sa + run, db + sb + run
+        long_runs = [i for i, (_, _, run) in enumerate(spans) if run >= self.min_shared]
+        if not long_runs:
+            return []
+        spans = spans[: long_runs[-1] + 1]
+        together = sum(run for _, _, run in spans)
         if self._tok is None:
             self._tok = self.tok_loader()
-        kind, value, t0, t1 = classify(self._tok, p.tokens, p.diverge, p.diverge + max(sb, 1))
-        return Observation(kind, t0, t1 - t0, shared, p.ts, value)
+        # The values in the spans, each once (a value the prompts happen to agree inside, a uuid's
+        # constant middle, spans two spans), with the spans it covers.
+        values: dict[tuple[int, int], tuple[str, str, int, int]] = {}
+        for i, (start, end, _) in enumerate(spans):
+            for kind, value, t0, t1 in classify_all(self._tok, p.tokens, start, end):
+                covered = [k for k, (s0, s1, _) in enumerate(spans) if t0 < s1 and t1 > s0] or [i]
+                if (t0, t1) not in values:
+                    values[(t0, t1)] = (kind, value, covered[0], covered[-1])
+        ordered = sorted(values.items())
+        out: list[Observation] = []
+        for n, ((t0, t1), (kind, value, _, last)) in enumerate(ordered):
+            # Moving this one alone gains the runs down to the next value, and only if it is the
+            # top one (every other value still varies above the shared content).
+            if n > 0:
+                alone = 0
+            elif n + 1 == len(ordered):
+                alone = together
+            else:
+                alone = sum(run for _, _, run in spans[last : ordered[1][1][2]])
+            out.append(Observation(kind, t0, t1 - t0, together, p.ts, value, alone))
+        return out
 
     def findings(self) -> list[Finding]:
-        """The spans seen often enough in the window, by start token (ties: first seen first)."""
+        """The spans seen often enough in the window, by start token (ties: first seen first). One
+        value is one finding even where its first token moves by one from prompt to prompt (a
+        tokenizer merging the value's first characters with the text before them)."""
         groups: dict[tuple[str, int], Finding] = {}
-        for o in self.pairs:
-            if o is None:
+        members: list[list[tuple[str, int]]] = []  # per pair: the groups its spans fell in
+        for obs in self.pairs:
+            if not obs:
                 continue
-            f = groups.get((o.kind, o.start))
-            if f is None:
-                f = groups[(o.kind, o.start)] = Finding(o.kind, o.start, max(o.length, 1))
-            f.length_tokens = max(f.length_tokens, o.length)
-            # The shared run below the span is what the span keeps out of the cache.
-            f.shared_after.append(o.shared)
-            f.examples.append((o.ts, o.value))
+            keys = []
+            for o in obs:
+                f = groups.get((o.kind, o.start))
+                if f is None:
+                    f = groups[(o.kind, o.start)] = Finding(o.kind, o.start, max(o.length, 1))
+                f.length_tokens = max(f.length_tokens, o.length)
+                f.shared_after.append(o.shared)
+                f.alone_after.append(o.alone)
+                f.examples.append((o.ts, o.value))
+                keys.append((o.kind, o.start))
+            members.append(keys)
+        merged = _merge_overlapping(groups)
         need = max(2, int(self.min_share * len(self.pairs)))
-        out = [f for f in groups.values() if len(f.shared_after) >= need]
-        for f in out:
+        out = {k: f for k, f in merged.items() if len(f.shared_after) >= need}
+        for f in out.values():
             if f.kind == "counter" and not _increasing(f.examples):
                 f.kind = "other"
-        return sorted(out, key=lambda f: f.start_token)
+        alias = {k: _root(k, merged, groups) for k in groups}
+        for key, f in out.items():
+            seen_with: dict[tuple[str, int], int] = {}
+            for keys in members:
+                roots = {alias[k] for k in keys}
+                if key in roots:
+                    for r in roots - {key}:
+                        seen_with[r] = seen_with.get(r, 0) + 1
+            f.stacked_with = sorted(
+                (
+                    (out[r].kind, out[r].start_token)
+                    for r, n in seen_with.items()
+                    if r in out and 2 * n >= len(f.shared_after)
+                ),
+                key=lambda kt: kt[1],
+            )
+        return sorted(out.values(), key=lambda f: f.start_token)
+
+
+def _merge_overlapping(groups: dict[tuple[str, int], Finding]) -> dict[tuple[str, int], Finding]:
+    """Groups of one kind whose token ranges overlap, merged into the one seen most often (its
+    start and key kept); the others are emptied and dropped."""
+    ordered = sorted(groups.items(), key=lambda kv: -len(kv[1].shared_after))
+    kept: dict[tuple[str, int], Finding] = {}
+    for key, f in ordered:
+        host = next(
+            (
+                h
+                for h in kept.values()
+                if h.kind == f.kind
+                and f.start_token < h.start_token + h.length_tokens
+                and h.start_token < f.start_token + f.length_tokens
+            ),
+            None,
+        )
+        if host is None:
+            kept[key] = f
+            continue
+        host.length_tokens = max(host.length_tokens, f.length_tokens)
+        host.shared_after += f.shared_after
+        host.alone_after += f.alone_after
+        host.examples += f.examples
+        f.start_token = -1 - host.start_token  # marks the merged group: see _root
+    return kept
+
+
+def _root(
+    key: tuple[str, int], merged: dict[tuple[str, int], Finding], groups: dict[tuple[str, int], Finding]
+) -> tuple[str, int]:
+    """The key of the merged group that ``key``'s observations ended in."""
+    if key in merged:
+        return key
+    f = groups[key]
+    return (f.kind, -1 - f.start_token)
 
 
 def find_busting(

@@ -49,7 +49,7 @@ class EndpointSpec:
     system: int = 1024  # system prompt length in tokens
     user: int = 48  # mean user message length in tokens
     output: int = 128  # mean output tokens
-    bust: str | None = None  # one of BUST_KINDS
+    bust: str | None = None  # one of BUST_KINDS, or several stacked one below the other: timestamp+counter
     bust_at: str = "top"  # "top", "middle" or "bottom" (after it: the fixed layout) of the system prompt
     deploys: tuple[float, ...] = ()  # seconds from the start when the system prompt changes
     turns: int = 1  # turns per conversation (multi-turn chats when > 1)
@@ -78,8 +78,10 @@ def parse_endpoint(text: str) -> EndpointSpec:
             spec.deploys = tuple(float(v) for v in val.split(";") if v)
         else:
             setattr(spec, key, val or None)
-    if spec.bust is not None and spec.bust not in BUST_KINDS:
-        raise ValueError(f"bust={spec.bust!r}: choose one of {', '.join(BUST_KINDS)}")
+    if spec.bust is not None and not set(spec.bust.split("+")) <= set(BUST_KINDS):
+        raise ValueError(
+            f"bust={spec.bust!r}: choose one of {', '.join(BUST_KINDS)}, or stack some: timestamp+counter"
+        )
     if spec.bust_at not in ("top", "middle", "bottom"):
         raise ValueError(f"bust_at={spec.bust_at!r}: choose top, middle or bottom")
     if spec.arrival not in ARRIVALS:
@@ -206,17 +208,22 @@ def synthesize(
             seg_lines.append((tail, ids[cut:]))
             vs.append((head, tail, cut))
         versions.append(vs)
-        if spec.bust:
-            planted.append(
-                {"endpoint": spec.name, "kind": spec.bust, "at": spec.bust_at, "start_token": None}
-            )
+        for kind in spec.bust.split("+") if spec.bust else ():
+            planted.append({"endpoint": spec.name, "kind": kind, "at": spec.bust_at, "start_token": None})
 
     # Planted positions go in the header, so compute them first: the label before the value is
     # constant ("Current time: "), the value starts right after it.
+    # Stacked values follow one another: each starts after the whole of the ones above it.
+    above: dict[str, int] = {}
     for p in planted:
         ei = [e.name for e in endpoints].index(p["endpoint"])
-        label, _ = _split_value(_bust_value(endpoints[ei].bust or "", start_ts, 0, rng))
-        p["start_token"] = versions[ei][0][2] + len(enc(label))
+        value = _bust_value(p["kind"], start_ts, 0, rng)
+        label, _ = _split_value(value)
+        offset = above.get(p["endpoint"], versions[ei][0][2])
+        p["start_token"] = offset + len(enc(label))
+        if p["kind"] == "counter":  # the first request's counter, 1001 (its width)
+            value = _bust_value(p["kind"], start_ts, 1001, rng)
+        above[p["endpoint"]] = offset + len(enc(value))
     counters = [0] * len(endpoints)
     convs: list[dict[str, Any] | None] = [None] * len(endpoints)
     r = np.random.default_rng([seed, 11])
@@ -231,7 +238,8 @@ def synthesize(
             parts: list[Any] = [head] if cut else []
             if spec.bust:
                 counters[ei] += 1
-                parts.append(enc(_bust_value(spec.bust, start_ts + t, 1000 + counters[ei], r)))
+                for kind in spec.bust.split("+"):
+                    parts.append(enc(_bust_value(kind, start_ts + t, 1000 + counters[ei], r)))
             parts.append(tail)
             conv = convs[ei]
             user = _user_ids(r, spec.user)

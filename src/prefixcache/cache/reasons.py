@@ -30,7 +30,16 @@ from prefixcache.cache.blocks import Segment
 from prefixcache.cache.ghosts import GhostRecord, RecentPrompts
 from prefixcache.cache.keys import BlockHash, unpack_tokens
 
-__all__ = ["CONTEXT_TOKENS", "CacheReason", "Continuation", "Reason", "classify", "continuation_of"]
+__all__ = [
+    "CONTEXT_TOKENS",
+    "CacheReason",
+    "Continuation",
+    "Reason",
+    "classify",
+    "continuation_of",
+    "missed_tokens",
+    "readable_tokens",
+]
 
 #: Tokens kept on each side of a divergence (the server decodes them).
 CONTEXT_TOKENS = 8
@@ -45,6 +54,26 @@ class Reason(StrEnum):
     FLUSHED = "flushed"
     BELOW_MINIMUM = "below_minimum"
     TIER_UNAVAILABLE = "tier_unavailable"
+
+
+def readable_tokens(prompt_tokens: int, block_size: int, align: int | None = None) -> int:
+    """Tokens of a prompt a cache read may return: its full blocks but the one holding the last
+    prompt token (always computed), rounded down to the hit alignment (``align`` tokens)."""
+    per_align = max((align or block_size) // block_size, 1)
+    return max(prompt_tokens - 1, 0) // block_size // per_align * per_align * block_size
+
+
+def missed_tokens(
+    other_tokens: int, prompt_tokens: int, cached_tokens: int, block_size: int, align: int | None = None
+) -> int:
+    """``cache_missed_tokens`` of a request that left a cached prompt of ``other_tokens`` tokens
+    (docs/server.md): the readable tokens the two prompts could have shared (the fewer of
+    theirs) less the ``cached_tokens`` the request read. The same figure for the ``prefixcache``
+    object and Anthropic's ``cache_missed_input_tokens``."""
+    shared = min(
+        readable_tokens(other_tokens, block_size, align), readable_tokens(prompt_tokens, block_size, align)
+    )
+    return max(shared - cached_tokens, 0)
 
 
 #: A ghost's removal reason -> the request's reason.
@@ -151,9 +180,11 @@ def classify(
             if len(other) < (n + 1) * step or not other.startswith(head):
                 continue
             index = _first_difference(ours, other[n * step : (n + 1) * step])
-            if index is not None and n * block_size + index > best_index:
+            # (at an equal divergence the recent prompt wins: it is the whole cached prompt, where
+            # the live run may be only its first prefill chunk's blocks)
+            if index is not None and n * block_size + index >= best_index:
                 best_index, best_other = n * block_size + index, other[n * step :]
-                best_blocks = len(other) // step
+                best_blocks = max(len(other) // 4 - 1, 0) // block_size  # its readable blocks
     if best_index < 0:
         return CacheReason(Reason.NEW_PREFIX)
     t = best_index

@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from prefixcache.analysis.tables import report_console
+from prefixcache.commands.options import duration, input_file, output_file, size
+
 if TYPE_CHECKING:
     from rich.progress import Progress
 
@@ -91,16 +94,19 @@ def synth(
             "-e",
             help=(
                 "Endpoint spec, repeatable: name:rate=2,system=1500,user=48,output=128,"
-                "bust=timestamp|epoch|uuid|hex_id|counter,bust_at=top|middle|bottom,deploys=600;1800,"
-                "turns=3,tenant=acme,arrival=poisson|bursty|diurnal. Default: a five-endpoint scenario "
+                "bust=timestamp|epoch|uuid|hex_id|counter (stacked: timestamp+counter),"
+                "bust_at=top|middle|bottom,deploys=600;1800,turns=3,tenant=acme,"
+                "arrival=poisson|bursty|diurnal. Default: a five-endpoint scenario "
                 "(clean chat, timestamp at the top, uuid mid-prompt, deploys, a quiet one)."
             ),
         ),
     ] = None,
     requests: Annotated[
-        int | None, typer.Option("--requests", "-n", help="Total requests (sets the duration).")
+        int | None, typer.Option("--requests", "-n", min=1, help="Total requests (sets the duration).")
     ] = 10_000,
-    duration: Annotated[float | None, typer.Option(help="Seconds of traffic instead of --requests.")] = None,
+    duration: Annotated[
+        float | None, typer.Option(min=0.001, help="Seconds of traffic instead of --requests.")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed: same seed and specs, same file.")] = 0,
     tokenizer: Annotated[
         str, typer.Option(help="bytes (one token per byte: instant), default (SmolLM2) or a folder.")
@@ -111,6 +117,7 @@ def synth(
 
     from prefixcache.analysis.synth import DEFAULT_SCENARIO, parse_endpoint, synthesize
 
+    output_file(out, "OUT")
     try:
         specs = [parse_endpoint(s) for s in (endpoint or DEFAULT_SCENARIO)]
     except ValueError as exc:
@@ -136,6 +143,13 @@ def audit(
     ttl: Annotated[str, typer.Option(help="Cache TTL: 300, 5m, 1h.")] = "300",
     html: Annotated[Path | None, typer.Option("--html", help="Write an HTML report with plots.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="table (fits the terminal: wide tables are stacked), markdown, csv or json.",
+        ),
+    ] = "table",
     plots: Annotated[
         Path | None, typer.Option(help="Also save the plots as PNG files in this folder.")
     ] = None,
@@ -147,17 +161,17 @@ def audit(
     ] = None,
     block_size: Annotated[
         int | None,
-        typer.Option(help="Tokens per cache block (default: the trace header's block_size, else 16)."),
+        typer.Option(min=1, help="Tokens per cache block (default: the trace header's block_size, else 16)."),
     ] = None,
     align: Annotated[
         int | None,
-        typer.Option(help="Hits end on a multiple of this many tokens (the engine's prefill chunk)."),
+        typer.Option(min=1, help="Hits end on a multiple of this many tokens (the engine's prefill chunk)."),
     ] = None,
     pricing: Annotated[
         str, typer.Option(help="anthropic | openai | self-hosted: prices savings and keep-warm.")
     ] = "anthropic",
     min_shared: Annotated[
-        int, typer.Option(help="A busting span must sit above at least this many shared tokens.")
+        int, typer.Option(min=0, help="A busting span must sit above at least this many shared tokens.")
     ] = 64,
 ) -> None:
     """Why the hit rate is what it is: cache-busting spans, prefix stability, TTL against traffic.
@@ -166,16 +180,20 @@ def audit(
     uuid, hex_id, counter, other) above shared content with the tokens they cost, prefix versions,
     reuse gaps against the TTL and keep-warm candidates.
     """
-    from rich.console import Console
 
     from prefixcache.analysis.audit import AuditConfig, audit_file
-    from prefixcache.analysis.costs import parse_duration
+    from prefixcache.analysis.costs import PROFILES
     from prefixcache.analysis.report import audit_html, print_audit, save_audit_plots, to_json
     from prefixcache.analysis.trace import TraceFormatError
 
+    json_out = _format(fmt, json_out)
     _check_file(trace)
+    if pricing not in PROFILES:
+        raise typer.BadParameter(f"{pricing!r}: choose from {', '.join(PROFILES)}", param_hint="--pricing")
+    output_file(html, "--html")
+    _check_folder(plots, "--plots")
     cfg = AuditConfig(
-        ttl_s=parse_duration(ttl),
+        ttl_s=duration(ttl),
         block_size=_block_size(trace, block_size),
         align_tokens=align,
         pricing=pricing,
@@ -187,11 +205,11 @@ def audit(
             res = audit_file(trace, cfg, tokenizer=tokenizer, progress=_Stages(prog))
         except TraceFormatError as exc:
             raise typer.BadParameter(str(exc), param_hint="TRACE") from None
-    console = Console()
+    console = report_console()
     if json_out:
         print(to_json(res.as_dict()))
     else:
-        print_audit(res, console)
+        print_audit(res, console, fmt)
     if html:
         audit_html(res, html)
         console.print(f"HTML report: {html}", style="dim")
@@ -206,16 +224,17 @@ def simulate(
     capacity: Annotated[str, typer.Option(help="Cache bytes per replica: 16GiB, 512MiB, inf.")] = "16GiB",
     block_size: Annotated[
         int | None,
-        typer.Option(help="Tokens per cache block (default: the trace header's block_size, else 16)."),
+        typer.Option(min=1, help="Tokens per cache block (default: the trace header's block_size, else 16)."),
     ] = None,
     align: Annotated[
         int | None,
         typer.Option(
+            min=1,
             help="Hits end on a multiple of this many tokens and only complete chunks are stored "
-            "(0.1's engine: 512). Default: the block size, as the engine does now."
+            "(0.1's engine: 512). Default: the block size, as the engine does now.",
         ),
     ] = None,
-    replicas: Annotated[int, typer.Option(help="Number of replicas, each with its own cache.")] = 1,
+    replicas: Annotated[int, typer.Option(min=1, help="Number of replicas, each with its own cache.")] = 1,
     routing: Annotated[
         str, typer.Option(help="round-robin | random | least-loaded | prefix-affinity | cache-aware")
     ] = "round-robin",
@@ -247,12 +266,19 @@ def simulate(
     pricing: Annotated[
         list[str] | None, typer.Option(help="Pricing profile(s), repeatable: anthropic, openai, self-hosted.")
     ] = None,
-    gpu_hour: Annotated[float, typer.Option(help="self-hosted: dollars per GPU-hour.")] = 2.0,
+    gpu_hour: Annotated[float, typer.Option(min=0.0, help="self-hosted: dollars per GPU-hour.")] = 2.0,
     sweep: Annotated[
         str | None,
         typer.Option(help="ttl=60,300,900,3600 or capacity=1GiB,4GiB (also replicas=, block_size=)."),
     ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="table (fits the terminal: wide tables are stacked), markdown, csv or json.",
+        ),
+    ] = "table",
     plot: Annotated[Path | None, typer.Option(help="With --sweep: save the curve as PNG.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random routing.")] = 0,
     tokenizer: Annotated[str | None, typer.Option(help="Tokenizer for text prompts.")] = None,
@@ -261,15 +287,15 @@ def simulate(
 
     What-if: another TTL, capacity, block size, replica count and routing policy, or keep-warm.
     """
-    from rich.console import Console
 
-    from prefixcache.analysis.costs import PROFILES, parse_duration, parse_size
+    from prefixcache.analysis.costs import PROFILES
     from prefixcache.analysis.report import plot_sweep, print_sim, print_sweep, save_png, to_json
-    from prefixcache.analysis.simulate import ROUTINGS, SimConfig, load_keep_warm, parse_sweep, simulate_file
+    from prefixcache.analysis.simulate import ROUTINGS, SimConfig, load_keep_warm, simulate_file
     from prefixcache.analysis.simulate import simulate as run_sim
     from prefixcache.analysis.simulate import sweep as run_sweep
     from prefixcache.analysis.trace import TraceFormatError
 
+    json_out = _format(fmt, json_out)
     if routing not in ROUTINGS:
         raise typer.BadParameter(f"choose one of {', '.join(ROUTINGS)}", param_hint="--routing")
     if plot and not sweep:
@@ -280,12 +306,16 @@ def simulate(
     for p in profiles:
         if p not in PROFILES:
             raise typer.BadParameter(f"{p!r}: choose from {', '.join(PROFILES)}", param_hint="--pricing")
+    output_file(plot, "--plot")
+    if keep_warm and keep_warm != "auto":
+        input_file(Path(keep_warm), "--keep-warm", "keep-warm file (auto, or audit --json output)")
     model = _cost_model(prefill_tps, kv_bytes_per_token, calibration)
     _check_file(trace)
     block_size = _block_size(trace, block_size)
+    sweep_spec = _sweep(sweep) if sweep else None
     cfg = SimConfig(
-        ttl_s=parse_duration(ttl),
-        capacity_bytes=parse_size(capacity),
+        ttl_s=duration(ttl),
+        capacity_bytes=size(capacity),
         block_size=block_size,
         align_tokens=align,
         replicas=replicas,
@@ -295,7 +325,7 @@ def simulate(
         pricing=profiles,
         gpu_hour=gpu_hour,
     )
-    console = Console(stderr=json_out)
+    console = report_console(stderr=json_out)
     if not sweep and not keep_warm:
         # One run, streamed: a reader process parses the file while this one replays.
         _check_file(trace)
@@ -307,7 +337,7 @@ def simulate(
         if json_out:
             print(to_json(results[0].as_dict()))
         else:
-            print_sim(results[0], console)
+            print_sim(results[0], console, fmt)
         return
     tr = _load(trace, tokenizer)
     if keep_warm == "auto":
@@ -320,20 +350,13 @@ def simulate(
         cfg.keep_warm = {e["endpoint"]: e["keep_warm_prefix_tokens"] for e in a.endpoints if e["keep_warm"]}
         console.print(f"keep-warm (auto): {', '.join(cfg.keep_warm) or 'no endpoint qualifies'}")
     elif keep_warm:
-        cfg.keep_warm = load_keep_warm(keep_warm, tr)
+        try:
+            cfg.keep_warm = load_keep_warm(keep_warm, tr)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise typer.BadParameter(f"{keep_warm}: {exc}", param_hint="--keep-warm") from None
     with _progress() as prog:
-        if sweep:
-            try:
-                name, raw = parse_sweep(sweep)
-            except ValueError as exc:
-                raise typer.BadParameter(str(exc), param_hint="--sweep") from None
-            field, conv = {
-                "ttl": ("ttl_s", parse_duration),
-                "capacity": ("capacity_bytes", parse_size),
-                "replicas": ("replicas", int),
-                "block_size": ("block_size", int),
-            }[name]
-            values = [conv(v) for v in raw]
+        if sweep_spec is not None:
+            name, raw, field, values = sweep_spec
             results = []
             for label, v in zip(raw, values, strict=True):
                 task = prog.add_task(f"{name}={label}", total=len(tr))
@@ -348,12 +371,51 @@ def simulate(
         out = [r.as_dict() for r in results]
         print(to_json({"sweep": sweep, "results": out} if sweep else out[0]))
     elif sweep:
-        print_sweep(name, raw, results, console)
+        print_sweep(name, raw, results, console, fmt)
     else:
-        print_sim(results[0], console)
+        print_sim(results[0], console, fmt)
     if plot:
         save_png(plot_sweep(name, raw, [float(v) for v in values], results), plot)
         console.print(f"plot: {plot}", style="dim")
+
+
+def _sweep(spec: str) -> tuple[str, list[str], str, list[float]]:
+    """``ttl=60,300`` -> (name, raw labels, SimConfig field, values); one clean error otherwise."""
+    from prefixcache.analysis.simulate import parse_sweep
+
+    try:
+        name, raw = parse_sweep(spec)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--sweep") from None
+
+    def count(text: str) -> int:
+        if not text.strip().isdigit() or int(text) < 1:
+            raise typer.BadParameter(f"{name}={text!r}: write whole numbers from 1", param_hint="--sweep")
+        return int(text)
+
+    field, conv = {
+        "ttl": ("ttl_s", lambda v: duration(v, "--sweep")),
+        "capacity": ("capacity_bytes", lambda v: size(v, "--sweep")),
+        "replicas": ("replicas", count),
+        "block_size": ("block_size", count),
+    }[name]
+    return name, raw, field, [conv(v) for v in raw]
+
+
+def _format(fmt: str, json_out: bool) -> bool:
+    """Whether to print JSON (``--json`` or ``--format json``); a bad ``--format`` is refused."""
+    from prefixcache.analysis.tables import FORMATS
+
+    if fmt not in FORMATS:
+        raise typer.BadParameter(f"{fmt!r}: choose one of {', '.join(FORMATS)}", param_hint="--format")
+    return json_out or fmt == "json"
+
+
+def _check_folder(path: Path | None, hint: str) -> None:
+    if path is not None and path.exists() and not path.is_dir():
+        raise typer.BadParameter(f"{path} is a file, not a folder", param_hint=hint)
+    if path is not None and not path.expanduser().resolve().parent.is_dir():
+        raise typer.BadParameter(f"cannot create {path}: its parent folder does not exist", param_hint=hint)
 
 
 def _block_size(trace: Path, given: int | None) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -23,6 +22,7 @@ import typer
 from prefixcache.cache.config import DEFAULTS
 from prefixcache.commands.ext_routers import ROUTERS, EventSource, find_router, router_command, wait_models
 from prefixcache.commands.lifecycle import sigterm_as_interrupt
+from prefixcache.commands.options import duration, free_port_or_fail, http_url, input_file
 from prefixcache.commands.redis_process import (
     check_redis_policy,
     free_port,
@@ -31,6 +31,7 @@ from prefixcache.commands.redis_process import (
     start_redis,
 )
 from prefixcache.commands.server import parse_bytes
+from prefixcache.commands.warm import cluster_secret
 
 #: ``--max-connections``' default (uvicorn answers 503 beyond it, before any route runs).
 DEFAULT_MAX_CONNECTIONS = 1024
@@ -143,8 +144,10 @@ def route(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keys = router_keys(api_keys, host, allow_unauthenticated)
-    if keep_warm is not None and not keep_warm.exists():
-        raise typer.BadParameter(f"{keep_warm} does not exist", param_hint="--keep-warm")
+    replica = [http_url(r, "--replica") for r in replica]
+    if keep_warm is not None:
+        input_file(keep_warm, "--keep-warm", "keep-warm policy file")
+    free_port_or_fail(host, port)
     feeds = {}
     for spec in kv_events or []:
         try:
@@ -301,8 +304,8 @@ def cluster(
     ] = None,
     capacity: Annotated[str, typer.Option(help="Memory KV budget per replica.")] = "2GiB",
     ttl: Annotated[
-        float, typer.Option(min=1.0, help="Default cache TTL in seconds.")
-    ] = DEFAULTS.default_ttl_s,
+        str, typer.Option(help="Default cache TTL: 300, 90s, 5m, 1h.")
+    ] = f"{DEFAULTS.default_ttl_s:g}",
     ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for each replica to load.")] = 300.0,
     no_kv_events: Annotated[
         bool,
@@ -347,6 +350,11 @@ def cluster(
         except ValueError as e:
             typer.echo(f"prefixcache cluster: {e}", err=True)
             raise typer.Exit(2) from e
+    duration(ttl)
+    parse_bytes(capacity)
+    if keep_warm is not None:
+        input_file(keep_warm, "--keep-warm", "keep-warm policy file")
+    free_port_or_fail(host, port)  # before any replica loads a model
     start_own_redis = not no_redis and redis_url is None
     password = redis_password_from(redis_password_file) if start_own_redis else ""
     maxmemory = parse_bytes(redis_maxmemory)
@@ -354,7 +362,8 @@ def cluster(
     procs: list[subprocess.Popen[bytes]] = []
     tmp = tempfile.mkdtemp(prefix="prefixcache-cluster-")
     env = dict(os.environ)
-    env.setdefault("PREFIXCACHE_SALT_SECRET", secrets.token_hex(32))
+    # One secret for all replicas; with --disk-cache the one kept there, so a restart is warm.
+    env.setdefault("PREFIXCACHE_SALT_SECRET", cluster_secret(disk_cache))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // replicas)))
     try:
         if start_own_redis:

@@ -169,9 +169,11 @@ def demo(
 
 def bench(
     lengths: Annotated[str, typer.Option(help="Comma-separated prefix lengths.")] = "256,512,1024,1536,2048",
-    tail: Annotated[int, typer.Option(help="Uncached tail tokens after the prefix.")] = 64,
-    repeats: Annotated[int, typer.Option(help="Repeats per figure (medians).")] = 3,
-    prefill_chunk: Annotated[int | None, typer.Option(help="Prefill chunk (default: the engine's).")] = None,
+    tail: Annotated[int, typer.Option(min=1, help="Uncached tail tokens after the prefix.")] = 64,
+    repeats: Annotated[int, typer.Option(min=1, help="Repeats per figure (medians).")] = 3,
+    prefill_chunk: Annotated[
+        int | None, typer.Option(min=1, help="Prefill chunk (default: the engine's).")
+    ] = None,
     out: Annotated[Path, typer.Option(help="Where engine.md, engine_ttft.png, calibration.json go.")] = Path(
         "benchmarks/results"
     ),
@@ -181,19 +183,31 @@ def bench(
     ] = "llama,hf",
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="How to print the report: markdown (as written to engine.md, one line per row), "
+            "table (fits the terminal), csv, or json (the results file's content).",
+        ),
+    ] = "markdown",
 ) -> None:
     """Measure cold/warm/floor TTFT over prefix lengths, the 0%-hit overhead, exact vs
     single-pass prefill, decode and hashing+lookup time, for each runner in one run; print a
     table and write benchmarks/results/."""
-    from rich.console import Console
 
+    from prefixcache.analysis.tables import FORMATS, emit_markdown, report_console
     from prefixcache.engine.bench import markdown, run_bench, write_results
     from prefixcache.engine.engine import select_runner
     from prefixcache.engine.model import ModelRunner, env_dtype
 
-    console = Console()
+    if fmt not in FORMATS:
+        raise typer.BadParameter(f"{fmt!r}: choose one of {', '.join(FORMATS)}", param_hint="--format")
+    console = report_console()
     try:
         sizes = [int(x) for x in lengths.split(",") if x.strip()]
+        if not sizes or min(sizes) < 1:
+            raise ValueError(lengths)
     except ValueError as exc:
         raise typer.BadParameter(
             "lengths must be integers, e.g. 256,512,1024", param_hint="--lengths"
@@ -224,8 +238,11 @@ def bench(
             return
     command = "prefixcache " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     files = write_results(res, out, command)
-    console.print(markdown(res, command))
-    console.print("wrote " + ", ".join(str(f) for f in files))
+    if fmt == "json":
+        print(next(f for f in files if f.suffix == ".json").read_text(), end="")
+    else:
+        emit_markdown(console, markdown(res, command), fmt)
+    typer.echo("wrote " + ", ".join(str(f) for f in files), err=fmt in ("json", "csv"))
 
 
 def register(app: typer.Typer) -> None:

@@ -10,6 +10,8 @@ import typer
 
 from prefixcache.cache.config import DEFAULTS
 from prefixcache.commands import kv_events as kv
+from prefixcache.commands.options import duration, free_port_or_fail
+from prefixcache.commands.warm import disk_secret, warn_stale
 
 _UNITS = {
     "": 1,
@@ -134,8 +136,8 @@ def serve(
         ),
     ] = 32,
     ttl: Annotated[
-        float, typer.Option(min=1.0, help="Default cache TTL in seconds (refreshed on every hit).")
-    ] = DEFAULTS.default_ttl_s,
+        str, typer.Option(help="Default cache TTL (refreshed on every hit): 300, 90s, 5m, 1h.")
+    ] = f"{DEFAULTS.default_ttl_s:g}",
     capacity: Annotated[
         str, typer.Option(help="Byte budget of the KV cache, e.g. 2GiB or 512MB.")
     ] = f"{DEFAULTS.capacity_bytes >> 30}GiB",
@@ -189,7 +191,8 @@ def serve(
         typer.Option(
             envvar="PREFIXCACHE_SALT_SECRET",
             help="Secret for the per-tenant cache salts (replicas sharing a cache tier need the same). "
-            "Default: random per process. Prefer the environment or --salt-secret-file: argv is visible "
+            "Default: with --disk-cache the one kept in DIR/salt-secret, else random per process. "
+            "Prefer the environment or --salt-secret-file: argv is visible "
             "to every local user.",
         ),
     ] = None,
@@ -240,7 +243,8 @@ def serve(
         typer.Option(
             "--disk-cache",
             envvar="PREFIXCACHE_DISK_CACHE",
-            help="Disk tier directory: a restarted server is warm for what it persisted.",
+            help="Disk tier directory: a restarted server is warm for what it persisted (without a "
+            "given salt secret, one is kept in DIR/salt-secret, created 0600).",
         ),
     ] = None,
     disk_cache_size: Annotated[str, typer.Option(help="Disk tier byte budget, e.g. 8GiB.")] = "8GiB",
@@ -257,7 +261,7 @@ def serve(
 
     import uvicorn
 
-    from prefixcache.cache.tiers import attach_tiers, flush_tiers, register_prometheus
+    from prefixcache.cache.tiers import DiskTier, attach_tiers, flush_tiers, register_prometheus
     from prefixcache.commands.lifecycle import sigterm_as_interrupt
     from prefixcache.engine import Engine
     from prefixcache.engine.runtime import describe_runtime
@@ -284,7 +288,9 @@ def serve(
     redis_url = _redis_url(
         redis_url, redis_url_file, on_argv=redis_source is not None and redis_source.name == "COMMANDLINE"
     )
-    # One secret for the tenant salts and the tier entries' MAC key (random when none is given).
+    # One secret for the tenant salts and the tier entries' MAC key: the one given, else the disk
+    # tier's persisted one (a restart stays warm), else random per process.
+    salt_secret = disk_secret(disk_cache, salt_secret, redis_url)
     secret = resolve_secret(salt_secret)
     # No secret reaches a log: the tiers log their Redis URL, exceptions may quote a header.
     secrets = [*(keys or {}), salt_secret or "", redis_password(redis_url) or ""]
@@ -304,7 +310,11 @@ def serve(
         raise typer.BadParameter(
             "--trace-keys-only writes no prompt content: drop --trace-text", param_hint="--trace-keys-only"
         )
+    ttl_s = duration(ttl)
+    if ttl_s < 1.0:
+        raise typer.BadParameter(f"{ttl!r} is shorter than a second", param_hint="--ttl")
     # Bound before the model loads: a taken port or a bad address fails at once.
+    free_port_or_fail(host, port)
     publisher = kv.open_publisher(
         kv_events_endpoint,
         kv_events_replay_endpoint,
@@ -324,7 +334,7 @@ def serve(
             capacity_bytes=capacity_bytes,
             reasons_bytes=min(parse_bytes(reasons_bytes), capacity_bytes // 8),
             miss_reasons=miss_reasons,
-            default_ttl_s=ttl,
+            default_ttl_s=ttl_s,
             max_queue=max_queue,
             max_batch=max_batch,
             threads=threads,
@@ -334,7 +344,7 @@ def serve(
             publisher.close()
         raise typer.BadParameter(str(e)) from e
     if engine.cache is not None:
-        attach_tiers(
+        added = attach_tiers(
             engine.cache,
             secret=secret,
             redis_max_ttl_s=redis_max_ttl,
@@ -343,6 +353,9 @@ def serve(
             redis_url=redis_url,
             redis_sync_writes=redis_sync_writes,
         )
+        for tier in added:
+            if isinstance(tier, DiskTier):
+                warn_stale(tier)
     name = model_name or (DEFAULT_MODEL_NAME if model is None else Path(model).stem)
     app = create_app(
         engine,

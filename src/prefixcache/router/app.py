@@ -33,6 +33,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from prefixcache import __version__
 from prefixcache.keygate import KeyGate, key_check
 from prefixcache.limits import BodyLimit, RejectedBody
 from prefixcache.router import dashboard
@@ -170,7 +171,7 @@ def create_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspo
                 if kv_index is not None:
                     kv_index.close()
 
-    app = FastAPI(title="prefixcache router", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="prefixcache router", version=__version__, lifespan=lifespan)
     app.state.router = router
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, refuse=_refuse)
     if config.api_keys:  # the key checked before the body is read, on every non-public path

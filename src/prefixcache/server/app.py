@@ -31,6 +31,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from prefixcache import __version__
 from prefixcache.keygate import KeyGate, key_check
 from prefixcache.server import (
     routes_anthropic,
@@ -172,7 +173,7 @@ def create_app(
     app = FastAPI(
         lifespan=lifespan,
         title="prefixcache",
-        version="0.1.0",
+        version=__version__,
         summary="OpenAI- and Anthropic-compatible inference with exact prefix caching.",
     )
     app.state.prefixcache = ServerState(

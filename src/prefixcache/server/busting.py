@@ -118,7 +118,7 @@ class LiveBusting:
             if reference is None:
                 return []
             observation = state.detector.add(Pair(state.requests - 1, ts, prompt, reference, diverge))
-            if observation is None and not state.active:
+            if not observation and not state.active:
                 return []  # nothing new, and the window held no finding
             findings = state.detector.findings()
             state.active = len(findings)

@@ -15,9 +15,11 @@ earlier message edited, removed or reordered; appending turns is no change);
 ``previous_message_not_found`` when the id is not in the caller's record (another tenant's ids
 are never found); ``unavailable`` when the structure matches but the cache cannot say more
 (a tier was down, or the prompt renders differently, e.g. another ``tool_choice``).
-``cache_missed_input_tokens``: the previous prompt's readable tokens (its full blocks, the last
-token excepted) less those this request read. Our own ``prefixcache`` object says exactly why
-the read ended (expired, evicted, ...), which a structural comparison cannot.
+``cache_missed_input_tokens``: the readable tokens (full blocks, the last token excepted) the
+previous prompt and this one could have shared, the fewer of the two, less those this request
+read: the ``prefixcache`` object's ``cache_missed_tokens`` (docs/server.md). Our own
+``prefixcache`` object says exactly why the read ended (expired, evicted, ...), which a
+structural comparison cannot.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from prefixcache.cache.reasons import Reason
+from prefixcache.cache.reasons import Reason, missed_tokens
 from prefixcache.cache.stats import Usage
 from prefixcache.server.schemas_anthropic import MessagesRequest
 
@@ -74,14 +76,14 @@ def fingerprint(body: MessagesRequest, prompt_tokens: int) -> Fingerprint:
 
 
 def compare(
-    previous: Fingerprint | None, now: Fingerprint, usage: Usage, block_size: int
+    previous: Fingerprint | None, now: Fingerprint, usage: Usage, block_size: int, align: int | None = None
 ) -> dict[str, Any] | None:
     """Anthropic's ``diagnostics`` object for a request compared with ``previous`` (None: the
-    id was not found), or None when nothing diverged."""
+    id was not found), or None when nothing diverged. ``cache_missed_input_tokens`` is
+    :func:`~prefixcache.cache.reasons.missed_tokens`, as the ``prefixcache`` object's figure."""
     if previous is None:
         return {"cache_miss_reason": {"type": "previous_message_not_found"}}
-    readable = max(previous.prompt_tokens - 1, 0) // block_size * block_size
-    missed = max(readable - usage.cached_tokens, 0)
+    missed = missed_tokens(previous.prompt_tokens, now.prompt_tokens, usage.cached_tokens, block_size, align)
     for kind, changed in (
         ("model_changed", previous.model != now.model),
         ("system_changed", previous.system != now.system),

@@ -77,7 +77,10 @@ def diagnostics_field(
     result = None
     if previous_id is not None:
         previous = state.diagnostics.find(tenant.name, previous_id)
-        result = compare(previous, now, usage, state.bridge.block_size)
+        align = getattr(state.bridge.engine, "alignment", None)
+        result = compare(
+            previous, now, usage, state.bridge.block_size, align if isinstance(align, int) else None
+        )
     state.diagnostics.remember(tenant.name, rid, now)
     return {"diagnostics": result}
 
