@@ -84,6 +84,23 @@ def select_runner(base: ModelRunner, runner: str = "auto", dtype: str | None = N
     return base
 
 
+def quantized_runner(base: ModelRunner, runner: ModelRunner, weights: str) -> ModelRunner:
+    """``runner`` with ``weights`` (``float`` or ``q4``), built once per (base, runner)."""
+    from prefixcache.engine.quant import WEIGHT_FORMATS, quantize_runner
+
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}; got {weights!r}")
+    if weights == "float":
+        return runner
+    if not isinstance(runner, LlamaRunner):
+        raise ValueError("--weights q4 needs the own runner (a Llama-family model, runner auto or llama)")
+    made = base.__dict__.setdefault("_q4_runners", {})
+    key = (id(runner), runner.dtype_name)
+    if key not in made:
+        made[key] = quantize_runner(runner, getattr(base, "source_path", None))
+    return made[key]
+
+
 CancelSignal = threading.Event | Callable[[], bool] | None
 
 
@@ -111,6 +128,7 @@ class Engine:
         kv_reserve_tokens: int | None = None,
         reasons_bytes: int | None = None,
         miss_reasons: bool = True,
+        weights: str = "float",
     ) -> None:
         """``model``: a .gguf path, an HF folder, a loaded :class:`ModelRunner` (shared weights),
         or None (embedded SmolLM2). ``runner``: ``auto`` (the own Llama runner where it can
@@ -123,7 +141,9 @@ class Engine:
         ``n``. ``kv_reserve_tokens``: KV pool room for running requests beyond the cache's budget
         (default 4x the context). ``reasons_bytes``: memory for explaining misses, taken from
         ``capacity_bytes`` (default: ``DEFAULTS.reasons_bytes``, at most an eighth of it; 0: none).
-        ``miss_reasons`` False: no reason per request at all (a benchmark's baseline)."""
+        ``miss_reasons`` False: no reason per request at all (a benchmark's baseline).
+        ``weights``: ``float`` (the model's weights in ``dtype``) or ``q4`` (a GGUF's own Q4_1
+        groups through the int4 kernel, own runner on CPU: see ``engine/quant.py``)."""
         env_dtype()  # a bad $PREFIXCACHE_DTYPE fails before the model loads
         if isinstance(model, ModelRunner):
             base = model
@@ -131,6 +151,8 @@ class Engine:
             load_dtype = dtype if (runner == "hf" and dtype) else "float32"
             base = ModelRunner.load(model, dtype=load_dtype, threads=threads)
         self.runner = select_runner(base, runner, dtype)
+        if weights != "float":
+            self.runner = quantized_runner(base, self.runner, weights)
         if cache is not None:
             block_size = cache.block_size
         chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK
