@@ -28,6 +28,14 @@ DtypeOpt = Annotated[
         "CPUs with bf16 instructions and on CUDA, else float32; the hf runner: float32)."
     ),
 ]
+WeightsOpt = Annotated[
+    str,
+    typer.Option(
+        help="float (the model's weights in the compute dtype) or q4 (the GGUF's own 4-bit Q4_1 "
+        "groups through torch's int4 kernel: faster single-stream decode, another model "
+        "numerically with its own cache namespace; own runner, CPU)."
+    ),
+]
 RunnerOpt = Annotated[
     str,
     typer.Option(
@@ -55,6 +63,7 @@ def generate(
     model: ModelOpt = None,
     runner: RunnerOpt = "auto",
     dtype: DtypeOpt = None,
+    weights: WeightsOpt = "float",
     threads: ThreadsOpt = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Run with the prefix cache off.")] = False,
     as_json: Annotated[
@@ -70,7 +79,9 @@ def generate(
     if prompt is None and user is None:
         raise typer.BadParameter("pass a prompt, or --user (and optionally --system)", param_hint="PROMPT")
     try:
-        engine = Engine(model, runner=runner, dtype=dtype, threads=threads, enable_cache=not no_cache)
+        engine = Engine(
+            model, runner=runner, dtype=dtype, threads=threads, enable_cache=not no_cache, weights=weights
+        )
         if prompt is not None and user is None:
             r = engine.generate(
                 prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
@@ -182,6 +193,7 @@ def bench(
         str, typer.Option(help="Comma-separated runners to measure in this run: llama, hf.")
     ] = "llama,hf",
     dtype: DtypeOpt = None,
+    weights: WeightsOpt = "float",
     threads: ThreadsOpt = None,
     fmt: Annotated[
         str,
@@ -191,6 +203,13 @@ def bench(
             "table (fits the terminal), csv, or json (the results file's content).",
         ),
     ] = "markdown",
+    llamacpp_python: Annotated[
+        Path | None,
+        typer.Option(
+            help="A Python interpreter with llama-cpp-python (e.g. /work/peers/llama/bin/python): adds "
+            "a llama.cpp column on the same GGUF and thread count (a skip line when it is missing)."
+        ),
+    ] = None,
 ) -> None:
     """Measure cold/warm/floor TTFT over prefix lengths, the 0%-hit overhead, exact vs
     single-pass prefill, decode and hashing+lookup time, for each runner in one run; print a
@@ -198,7 +217,8 @@ def bench(
 
     from prefixcache.analysis.tables import FORMATS, emit_markdown, report_console
     from prefixcache.engine.bench import markdown, run_bench, write_results
-    from prefixcache.engine.engine import select_runner
+    from prefixcache.engine.bench_peer import peer_lines, run_llamacpp
+    from prefixcache.engine.engine import quantized_runner, select_runner
     from prefixcache.engine.model import ModelRunner, env_dtype
 
     if fmt not in FORMATS:
@@ -221,9 +241,15 @@ def bench(
         try:
             env_dtype()  # a bad $PREFIXCACHE_DTYPE fails before the model loads
             base = ModelRunner.load(model, threads=threads)
+
+            def chosen(kind: str) -> ModelRunner:
+                if kind == "hf":
+                    return select_runner(base, kind, None)
+                return quantized_runner(base, select_runner(base, kind, dtype), weights)
+
             res = [
                 run_bench(
-                    select_runner(base, kind, dtype if kind == "llama" else None),
+                    chosen(kind),
                     kind=kind,
                     lengths=sizes,
                     tail=tail,
@@ -238,10 +264,27 @@ def bench(
             return
     command = "prefixcache " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     files = write_results(res, out, command)
+    text = markdown(res, command)
+    if llamacpp_python is not None:
+        own = res[0]
+        with console.status("llama.cpp: decode and cold prefill on the same GGUF"):
+            peer = run_llamacpp(
+                llamacpp_python,
+                getattr(base, "source_path", None) or Path(),
+                threads=own.threads,
+                vocab=min(base.vocab_size, 40_000),
+                prefill_tokens=own.prefill_tokens,
+                repeats=repeats,
+            )
+        section = "\n".join(peer_lines(peer, own.decode_tps, own.single_pass_tps, weights == "q4"))
+        text += "\n" + section
+        (out / "engine.md").write_text(text)
+        (out / "llamacpp.json").write_text(json.dumps(peer.as_dict(), indent=2) + "\n")
+        files.append(out / "llamacpp.json")
     if fmt == "json":
         print(next(f for f in files if f.suffix == ".json").read_text(), end="")
     else:
-        emit_markdown(console, markdown(res, command), fmt)
+        emit_markdown(console, text, fmt)
     typer.echo("wrote " + ", ".join(str(f) for f in files), err=fmt in ("json", "csv"))
 
 

@@ -179,6 +179,13 @@ def serve(
             "else bfloat16 on CPUs with bf16 instructions and on CUDA, float32 elsewhere."
         ),
     ] = None,
+    weights: Annotated[
+        str,
+        typer.Option(
+            help="float (the model's weights in the compute dtype) or q4 (the GGUF's 4-bit Q4_1 groups "
+            "through torch's int4 kernel: faster single streams, its own cache namespace)."
+        ),
+    ] = "float",
     max_batch: Annotated[
         int, typer.Option(min=1, help="Requests computed together in each engine step.")
     ] = 16,
@@ -331,6 +338,7 @@ def serve(
             prefill_chunk=prefill_chunk,
             runner=runner,
             dtype=dtype,
+            weights=weights,
             capacity_bytes=capacity_bytes,
             reasons_bytes=min(parse_bytes(reasons_bytes), capacity_bytes // 8),
             miss_reasons=miss_reasons,

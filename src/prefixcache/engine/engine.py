@@ -85,6 +85,23 @@ def select_runner(base: ModelRunner, runner: str = "auto", dtype: str | None = N
     return base
 
 
+def quantized_runner(base: ModelRunner, runner: ModelRunner, weights: str) -> ModelRunner:
+    """``runner`` with ``weights`` (``float`` or ``q4``), built once per (base, runner)."""
+    from prefixcache.engine.quant import WEIGHT_FORMATS, quantize_runner
+
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}; got {weights!r}")
+    if weights == "float":
+        return runner
+    if not isinstance(runner, LlamaRunner):
+        raise ValueError("--weights q4 needs the own runner (a Llama-family model, runner auto or llama)")
+    made = base.__dict__.setdefault("_q4_runners", {})
+    key = (id(runner), runner.dtype_name)
+    if key not in made:
+        made[key] = quantize_runner(runner, getattr(base, "source_path", None))
+    return made[key]
+
+
 CancelSignal = threading.Event | Callable[[], bool] | None
 
 
@@ -113,6 +130,7 @@ class Engine:
         reasons_bytes: int | None = None,
         miss_reasons: bool = True,
         verify_rate: float = 0.0,
+        weights: str = "float",
     ) -> None:
         """``model``: a .gguf path, an HF folder, a loaded :class:`ModelRunner` (shared weights),
         or None (embedded SmolLM2). ``runner``: ``auto`` (the own Llama runner where it can
@@ -127,7 +145,9 @@ class Engine:
         ``capacity_bytes`` (default: ``DEFAULTS.reasons_bytes``, at most an eighth of it; 0: none).
         ``miss_reasons`` False: no reason per request at all (a benchmark's baseline).
         ``verify_rate``: the share of hits the live exactness audit recomputes and compares
-        (``engine/verify.py``; own runner with the cache on; 0: only :meth:`verify`)."""
+        (``engine/verify.py``; own runner with the cache on; 0: only :meth:`verify`).
+        ``weights``: ``float`` (the model's weights in ``dtype``) or ``q4`` (a GGUF's own Q4_1
+        groups through the int4 kernel, own runner on CPU: see ``engine/quant.py``)."""
         env_dtype()  # a bad $PREFIXCACHE_DTYPE fails before the model loads
         if isinstance(model, ModelRunner):
             base = model
@@ -135,6 +155,8 @@ class Engine:
             load_dtype = dtype if (runner == "hf" and dtype) else "float32"
             base = ModelRunner.load(model, dtype=load_dtype, threads=threads)
         self.runner = select_runner(base, runner, dtype)
+        if weights != "float":
+            self.runner = quantized_runner(base, self.runner, weights)
         if cache is not None:
             block_size = cache.block_size
         chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK

@@ -12,11 +12,10 @@ before it: never on the chunk it is in, how many rows the step has, or which req
 step. That is what makes every full 16-token block reusable and storable with bitwise-exact hits
 (see docs/engine.md for the measurements behind each rule):
 
-- Row counts: every GEMM runs on a multiple of 4 rows (padding rows are zeros). Measured on
-  torch 2.13 CPU (MKL): float32 ``F.linear``/``bmm`` rows agree bitwise for those counts at any
-  offset, and differ for 1-3, 5-7 and 9-11 rows (M=1 is a GEMV, other small counts other
-  kernels); bfloat16 agrees everywhere. ``tests/engine/test_invariance.py`` checks every count
-  the runner uses. Reductions over a row (RMSNorm, softmax sums) have many outputs, so torch runs
+- Row counts: every weight product runs in pieces of fixed shape per row class (decode rows,
+  prefill rows), as ``engine/gemm.py`` measures and explains: torch's CPU GEMMs pick their kernel
+  from the row count. ``tests/engine/test_gemm.py`` checks every count the runner uses.
+- Reductions over a row (RMSNorm, softmax sums) have many outputs, so torch runs
   each one whole on one thread.
 - Attention reads keys in tiles of ``TILE`` positions at absolute multiples of ``TILE``. Scores
   ``q @ K^T`` reduce over ``head_dim`` only; the row max is exact in any order; ``exp`` is
@@ -41,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache.cache.keys import KV_LAYOUT_VERSION, model_fingerprint
+from prefixcache.engine.gemm import gemm_rule
 from prefixcache.engine.kernels import KernelsUnavailableError, NativeKernels
 from prefixcache.engine.kernels import mode as kernels_mode
 from prefixcache.engine.kernels import resolve as resolve_kernels
@@ -57,7 +57,7 @@ SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
 
 def padded_rows(n: int) -> int:
-    """Rows a GEMM runs for ``n`` real rows: a multiple of 4 (see the module doc)."""
+    """Rows a GEMM runs for ``n`` real rows under the CUDA rule: a multiple of 4 (``engine/gemm.py``)."""
     return max(4, (n + 3) // 4 * 4)
 
 
@@ -202,6 +202,7 @@ class LlamaRunner(ModelRunner):
             cos, sin = inner.rotary_emb(probe, positions)
         self.cos = cos[0].to(dt).contiguous()  # [context, head_dim]
         self.sin = sin[0].to(dt).contiguous()
+        self.gemm = gemm_rule(dt, self.device)  # how every weight product keeps rows invariant
         self.model = None  # the Hugging Face modules are not used past this point
         self.lock = base.lock  # runners built from one base share the cores
         self.native, self.kernels = self._pick_kernels(kernels)
@@ -255,10 +256,10 @@ class LlamaRunner(ModelRunner):
 
     def fingerprint(self, block_size: int, prefill_chunk: int = 0) -> str:
         """The model part of the cache namespace: weights, dtype, block size, the invariant
-        layout (tile), the kernel set (``torch`` or the native kernels' version, ISA and source)
-        and device/threads (kernels may differ across them). The prefill chunk is not part of
-        it: chunking does not change a row's bits."""
-        layout = f"{KV_LAYOUT_VERSION}|paged|{self.attention}{TILE}|{self.kernels}|{self.device.type}"
+        layout (tile), the kernel set (``torch`` or the native kernels' version, ISA and source),
+        the GEMM rule and device/threads (kernels may differ across them). The prefill chunk is not
+        part of it: chunking does not change a row's bits."""
+        layout = f"{KV_LAYOUT_VERSION}|paged|{self.attention}{TILE}|{self.kernels}|{self.gemm.tag()}|{self.device.type}"
         if self.device.type == "cpu":
             layout += f"|t{self.threads}"
         return model_fingerprint(self.weights_id, self.dtype_name, block_size, layout)
@@ -310,7 +311,8 @@ class LlamaRunner(ModelRunner):
                 last_rows.append(len(tokens) - 1)
             assert len(tokens) > n0, "a segment has no tokens"
         n = len(tokens)
-        R = padded_rows(n)
+        R = self.gemm.padded(n)
+        rows = self.gemm.rows(segments, R)
         ids = torch.zeros(R, dtype=torch.long)
         ids[:n] = torch.tensor(tokens, dtype=torch.long)
         pos = torch.zeros(R, dtype=torch.long)
@@ -324,7 +326,7 @@ class LlamaRunner(ModelRunner):
         x = self.embed[ids]  # [R, hidden]
         for li, lw in enumerate(self.layers):
             h = self._rms(x, lw["ln1"])
-            qkv = F.linear(h, lw["qkv"], lw["qkv_b"])  # [R, (H + 2 KV) * D]
+            qkv = self.gemm.linear(h, lw["qkv"], lw["qkv_b"], rows)  # [R, (H + 2 KV) * D]
             q = qkv[:, : H * D].view(R, H, D)
             k = qkv[:, H * D : (H + KV) * D].view(R, KV, D)
             v = qkv[:, (H + KV) * D :].view(R, KV, D)
@@ -338,17 +340,17 @@ class LlamaRunner(ModelRunner):
             attend = self._attend if self.attention == "invariant" else self._attend_sdpa
             for plan in plans:
                 attn[plan.rows] = attend(q, plan, kp, vp)
-            x = x + F.linear(attn.view(R, H * D), lw["o"], lw["o_b"])
+            x = x + self.gemm.linear(attn.view(R, H * D), lw["o"], lw["o_b"], rows)
             h = self._rms(x, lw["ln2"])
-            gate, up = F.linear(h, lw["gu"], lw["gu_b"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, lw["down"], lw["down_b"])
+            gate, up = self.gemm.linear(h, lw["gu"], lw["gu_b"], rows).chunk(2, dim=-1)
+            x = x + self.gemm.linear(F.silu(gate) * up, lw["down"], lw["down_b"], rows)
         if not last_rows:
             return torch.empty(0, self.vocab_size)
         want = len(last_rows)
-        sel = torch.zeros(padded_rows(want), dtype=torch.long)
+        sel = torch.zeros(self.gemm.padded(want), dtype=torch.long)
         sel[:want] = torch.tensor(last_rows, dtype=torch.long)
         h = self._rms(x[sel.to(dev)], self.norm)
-        return F.linear(h, self.lm_head)[:want].float()
+        return self.gemm.linear(h, self.lm_head, None, self.gemm.logits_rows(len(sel)))[:want].float()
 
     # ------------------------------------------------------------------ pieces
     def _rms(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:

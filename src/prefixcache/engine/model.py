@@ -277,7 +277,9 @@ class ModelRunner:
         dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
         hf.to(dev).eval()
         log.info("loaded %s (%s, %s) in %.1f s", path.name, dtype, dev, time.perf_counter() - t0)
-        return cls(hf, tok, weights_id=f"sha256:{sha}", name=path.stem, dtype=dtype, threads=threads)
+        runner = cls(hf, tok, weights_id=f"sha256:{sha}", name=path.stem, dtype=dtype, threads=threads)
+        runner.source_path = path  # the file or folder loaded (``--weights q4`` reads a GGUF's groups)
+        return runner
 
     @classmethod
     def tiny(cls, seed: int = 0, *, threads: int | None = None, **config: Any) -> ModelRunner:

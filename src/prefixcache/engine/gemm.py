@@ -1,0 +1,148 @@
+"""Row-invariant GEMMs: every weight product of the own runner goes through :meth:`GemmRule.linear`.
+
+    rule = gemm_rule(torch.bfloat16, torch.device("cpu"))
+    rows = rule.rows(segments)                     # the step's row classes, once per step
+    y = rule.linear(x, weight, bias, rows)         # == F.linear's math, row-invariant bits
+
+A row's bits must not depend on how many rows share its GEMM or where it sits among them. torch's
+CPU GEMMs pick their kernel (and so the reduction order) from the row count ``M``; measured on
+torch 2.13 (``benchmarks/gemm_invariance.py`` reprints the table; ``tests/engine/test_gemm.py``
+re-checks every rule the runner uses):
+
+- bfloat16, AVX512-BF16 (oneDNN): every ``M`` from 1 to 32 gives the rows of the one-row
+  product; from 33 rows on other kernels take over, and ``M`` = 48, 64, 100, 128, 256 and 512
+  each differ somewhere from the one-row product and from each other (by one bf16 ulp).
+- float32, AVX512 (MKL): ``M`` = 1-15 differ from a 1,024-row product, and with 2 threads so do
+  64, 100 and 128; on AVX2 machines ``M`` = 4, 8 and every ``M`` >= 12 agreed.
+- A fixed ``M`` gives the same bits for a row wherever it sits among the ``M`` rows (checked at
+  offsets), for every ``M`` tried.
+
+So rows are computed in **pieces of fixed shape** per row class: decode rows (and the logits rows)
+in pieces of at most ``decode_piece`` rows, unpadded where every count up to that is invariant
+(bfloat16) or padded to exactly ``decode_piece`` (float32); prefill rows in pieces of exactly
+``prefill_piece`` rows (the last padded with zero rows). Prefill rows and decode rows never share
+a piece, and each class always uses its own shapes, so a prompt row has the same bits in a
+one-row tail as in a 512-row chunk, and a decode row the same bits alone as in a batch of 16.
+On CUDA the rule is the previous one (one GEMM over a multiple of 4 rows); :meth:`GemmRule.tag`
+names the rule in the cache namespace, so engines with different rules never share blocks.
+
+Weights may be dense tensors or :class:`prefixcache.engine.quant.Q4Weight` (4-bit, see that
+module): both go through the same pieces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+#: Rows of a prefill piece on the CPU: large enough for the big-M kernels' throughput, small
+#: enough that a short tail (a 64-token question after a cached system prompt) wastes little.
+PREFILL_PIECE = 128
+#: The largest row count for which bfloat16 GEMM rows equal the one-row product (measured).
+BF16_DECODE_PIECE = 32
+#: float32 decode rows: padded to exactly this many (invariant on AVX2 and AVX512 machines).
+F32_DECODE_PIECE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """A step's row layout: ``runs`` of consecutive rows of one class, ``(start, stop, decode)``."""
+
+    total: int
+    runs: tuple[tuple[int, int, bool], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GemmRule:
+    """How the runner computes a weight product so that rows stay invariant (module doc)."""
+
+    prefill_piece: int
+    decode_piece: int
+    pad_decode: bool
+    legacy: bool = False  # CUDA: one GEMM over a multiple of 4 rows
+
+    def tag(self) -> str:
+        """The rule's part of the cache namespace."""
+        if self.legacy:
+            return "gemm-pad4"
+        return f"gemm-p{self.prefill_piece}-d{self.decode_piece}{'p' if self.pad_decode else ''}"
+
+    def padded(self, n: int) -> int:
+        """Rows the step's activations have for ``n`` real rows."""
+        return max(4, (n + 3) // 4 * 4) if self.legacy else n
+
+    def rows(self, segments: Sequence[Any], total: int | None = None) -> Rows:
+        """The layout of a step's rows: segments in order, each decode or prefill; the rows past
+        the real ones (the legacy rule's padding) join the last run."""
+        runs: list[tuple[int, int, bool]] = []
+        at = 0
+        for seg in segments:
+            n = len(seg.tokens)
+            if runs and runs[-1][2] == bool(seg.decode):
+                runs[-1] = (runs[-1][0], at + n, runs[-1][2])
+            else:
+                runs.append((at, at + n, bool(seg.decode)))
+            at += n
+        total = at if total is None else total
+        if runs and total > at:
+            runs[-1] = (runs[-1][0], total, runs[-1][2])
+        return Rows(total, tuple(runs))
+
+    def logits_rows(self, n: int) -> Rows:
+        """The layout of ``n`` logits rows (the last row of each segment): decode-class pieces."""
+        return Rows(n, ((0, n, True),))
+
+    def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, rows: Rows) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` for ``x`` of ``rows.total`` rows, in fixed-shape pieces."""
+        own = getattr(weight, "linear", None)
+        if own is None:
+
+            def mm(a: torch.Tensor, decode: bool) -> torch.Tensor:
+                return F.linear(a, weight, bias)
+
+        else:
+            mm = own if bias is None else (lambda a, decode: own(a, decode) + bias)
+        if self.legacy:
+            return mm(x, bool(rows.runs) and rows.runs[0][2])
+        if len(rows.runs) == 1 and self._whole(rows.runs[0]):
+            return mm(x, rows.runs[0][2])
+        outs = []
+        for start, stop, decode in rows.runs:
+            outs.extend(self._pieces(x, start, stop, decode, mm))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    # ------------------------------------------------------------------ pieces
+    def _whole(self, run: tuple[int, int, bool]) -> bool:
+        """Whether one call over the run already has a piece's shape."""
+        start, stop, decode = run
+        n = stop - start
+        if decode:
+            return n <= self.decode_piece and (not self.pad_decode or n == self.decode_piece)
+        return n == self.prefill_piece
+
+    def _pieces(self, x: torch.Tensor, start: int, stop: int, decode: bool, mm: Any) -> list[torch.Tensor]:
+        size = self.decode_piece if decode else self.prefill_piece
+        pad = self.pad_decode if decode else True
+        outs = []
+        for a in range(start, stop, size):
+            b = min(a + size, stop)
+            part = x[a:b]
+            if pad and b - a < size:
+                part = torch.cat([part, part.new_zeros(size - (b - a), part.shape[1])])
+                outs.append(mm(part, decode)[: b - a])
+            else:
+                outs.append(mm(part, decode))
+        return outs
+
+
+def gemm_rule(dtype: torch.dtype, device: torch.device) -> GemmRule:
+    """The rule for a runner computing in ``dtype`` on ``device`` (module doc)."""
+    if device.type != "cpu":
+        return GemmRule(prefill_piece=0, decode_piece=0, pad_decode=True, legacy=True)
+    if dtype == torch.bfloat16:
+        return GemmRule(PREFILL_PIECE, BF16_DECODE_PIECE, pad_decode=False)
+    return GemmRule(PREFILL_PIECE, F32_DECODE_PIECE, pad_decode=True)

@@ -1,0 +1,136 @@
+"""4-bit weights (``--weights q4``): the GGUF's own Q4_1 groups, computed by torch's int4 kernel.
+
+    runner = quantize_runner(LlamaRunner.from_model_runner(base), base.source_path)
+
+The embedded SmolLM2 GGUF stores every projection as Q4_1: groups of 32 input weights, each
+``w = d * q + m`` with a 4-bit ``q`` and float16 ``d``, ``m``. Those groups are read from the file
+(the ``gguf`` package) and packed for ``torch.ops.aten._weight_int4pack_mm_for_cpu``, whose
+weights are ``(q - 8) * scale + zero``: ``scale = d`` and ``zero = m + 8 d``, per group and output
+row. Decode rows (and so single-stream decode, which reads every weight once a token) go through
+that kernel, a quarter of the bf16 bytes; its rows are invariant for every row count measured
+(1-32, 64, 128, 512: each row equals the one-row product). Prefill rows use the same 4-bit values
+dequantized once into the compute dtype (the int4 kernel's cost grows with the row count, a
+dense GEMM's barely), in the runner's fixed-shape pieces (``engine/gemm.py``). The embedding and
+``lm_head`` (Q8_0 in the file) stay in the compute dtype.
+
+It is another model numerically, so the runner's ``weights_id`` names the format and its cache
+namespace differs from the float weights'. ``benchmarks/bench_quality.py`` reports its greedy
+agreement with the float weights and the perplexity of both on ``benchmarks/data/quality.txt``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+WEIGHT_FORMATS = ("float", "q4")
+#: The name the 4-bit format carries in ``weights_id`` (and so in the cache namespace).
+Q4_TAG = "q4_1-int4pack"
+GROUP = 32
+_Q4_1 = 3  # GGMLQuantizationType.Q4_1
+
+
+class Q4Weight:
+    """One weight ``[N, K]`` in 4 bits: the int4 kernel's packed form for decode rows, the same
+    values dequantized into ``dtype`` for prefill rows. ``linear(x, decode)`` is ``x @ W^T``."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> None:
+        """``q``: int32 ``[N, K]`` in 0..15; ``d``, ``m``: float32 ``[N, K / 32]``."""
+        n, k = q.shape
+        self.shape = (n, k)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        zero = m + 8 * d
+        self.scales_zeros = torch.stack([d.t(), zero.t()], -1).to(dtype).contiguous()  # [K/32, N, 2]
+        full = q.float().view(n, k // GROUP, GROUP) * d[..., None] + m[..., None]
+        self.dense = full.view(n, k).to(dtype).contiguous()
+
+    def linear(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        if not decode:
+            return torch.nn.functional.linear(x, self.dense)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.contiguous(), self.packed, GROUP, self.scales_zeros
+        )
+
+
+def read_q4_1(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Every Q4_1 tensor of the GGUF at ``path``: name -> (q int32 [N, K], d, m float32 [N, K/32])."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as exc:  # pragma: no cover - a dependency of the project
+        raise ValueError("--weights q4 needs the gguf package: pip install gguf") from exc
+    out = {}
+    for t in GGUFReader(str(path)).tensors:
+        if int(t.tensor_type) != _Q4_1:
+            continue
+        raw = np.asarray(t.data, dtype=np.uint8)
+        n = raw.shape[0]
+        blocks = raw.reshape(n, -1, 20)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., 4:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, -1).astype(np.int32)
+        out[t.name] = (torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+    return out
+
+
+def _unpermute(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary row order of a q/k projection (rows only; groups are along K)."""
+    n = x.shape[0]
+    return x.reshape(heads, n // heads // 2, 2, *x.shape[1:]).transpose(1, 2).reshape(x.shape)
+
+
+def quantize_runner(runner: Any, path: Path | None) -> Any:
+    """A copy of ``runner`` (a LlamaRunner) whose projections are the GGUF's Q4_1 groups.
+
+    Raises ``ValueError`` saying what to pass when the model has no Q4_1 projections."""
+    if runner.device.type != "cpu":
+        raise ValueError("--weights q4 runs on the CPU (torch's int4 kernel for CPUs); drop it on CUDA")
+    if path is None or not Path(path).is_file() or Path(path).suffix.lower() != ".gguf":
+        raise ValueError("--weights q4 needs a GGUF model with Q4_1 weights (the embedded SmolLM2 is one)")
+    tensors = read_q4_1(Path(path))
+    heads, kv_heads, dt = runner.num_heads, runner.num_kv_heads, runner.dtype
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    out = copy.copy(runner)
+    out.layers = []
+    for i, lw in enumerate(runner.layers):
+        try:
+            parts = {n: tensors[f"blk.{i}.{n}.weight"] for n in names}
+        except KeyError as exc:
+            raise ValueError(
+                f"{Path(path).name} has no Q4_1 tensor {exc.args[0]}: --weights q4 needs Q4_1 projections"
+            ) from None
+        parts["attn_q"] = tuple(_unpermute(t, heads) for t in parts["attn_q"])  # type: ignore[assignment]
+        parts["attn_k"] = tuple(_unpermute(t, kv_heads) for t in parts["attn_k"])  # type: ignore[assignment]
+
+        def fused(*keys: str, parts: dict[str, Any] = parts) -> Q4Weight:
+            q, d, m = (torch.cat([parts[k][j] for k in keys]) for j in range(3))
+            return Q4Weight(q, d, m, dt)
+
+        layer = dict(lw)
+        layer["qkv"] = fused("attn_q", "attn_k", "attn_v")
+        layer["o"] = fused("attn_output")
+        layer["gu"] = fused("ffn_gate", "ffn_up")
+        layer["down"] = fused("ffn_down")
+        _check(layer["qkv"], lw["qkv"], f"layer {i} q/k/v")
+        out.layers.append(layer)
+    out.weights_id = f"{runner.weights_id}+{Q4_TAG}"
+    out.weights_format = "q4_1"
+    out._own_runners = {}
+    log.info("4-bit weights: %d layers from %s's Q4_1 groups", len(out.layers), Path(path).name)
+    return out
+
+
+def _check(q4: Q4Weight, dense: torch.Tensor | None, what: str) -> None:
+    """The dequantized groups must be exactly the float weights the model loaded from the same
+    file: a wrong row order or nibble order would otherwise pass unnoticed."""
+    if dense is None:
+        return
+    if q4.dense.shape != dense.shape or not torch.equal(q4.dense, dense.to(q4.dense.dtype)):
+        raise ValueError(f"the GGUF's Q4_1 groups of {what} do not match the loaded weights")

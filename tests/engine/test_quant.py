@@ -1,0 +1,86 @@
+"""4-bit weights (``weights="q4"``, ``engine/quant.py``): the int4 kernel computes the Q4_1 groups'
+product, its rows are invariant (row counts 1-17, 32, 64, 512), an engine on them is exact (cache
+on == off, batched == alone) and lives in its own cache namespace."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_invariance import _check_invariance
+
+from prefixcache.engine.engine import Engine
+from prefixcache.engine.gemm import Rows, gemm_rule
+from prefixcache.engine.llama import LlamaRunner
+from prefixcache.engine.quant import GROUP, Q4Weight
+
+
+def _random_q4(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> Q4Weight:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+    d = torch.rand(n, k // GROUP, generator=gen) * 0.01
+    m = -8 * d + torch.randn(n, k // GROUP, generator=gen) * 0.001
+    return Q4Weight(q, d, m, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_int4_kernel_computes_the_groups_product_with_invariant_rows(dtype: torch.dtype) -> None:
+    w = _random_q4(960, 576, dtype)
+    x = torch.randn(600, 576, generator=torch.Generator().manual_seed(1)).to(dtype)
+    rule = gemm_rule(dtype, torch.device("cpu"))
+    one = torch.cat([rule.linear(x[i : i + 1], w, None, Rows(1, ((0, 1, True),))) for i in range(40)])
+    for m in [*range(1, 18), 32, 64, 512]:
+        for off in (0, 5):
+            got = rule.linear(x[off : off + m], w, None, Rows(m, ((0, m, True),)))
+            k = min(m, 40 - off)
+            assert torch.equal(got[:k], one[off : off + k]), (m, off)
+    want = F.linear(x[:64].float(), w.dense.float())
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    assert torch.allclose(one[:40].float(), want[:40], atol=tol, rtol=tol)
+
+
+def test_bad_weight_formats_are_refused_with_what_to_pass(tiny_runner) -> None:
+    with pytest.raises(ValueError, match="weights must be one of float, q4"):
+        Engine(tiny_runner, prefill_chunk=16, weights="q8")
+    with pytest.raises(ValueError, match="needs a GGUF model with Q4_1 weights"):
+        Engine(tiny_runner, prefill_chunk=16, weights="q4")
+    with pytest.raises(ValueError, match="needs the own runner"):
+        Engine(tiny_runner, prefill_chunk=16, weights="q4", runner="hf")
+
+
+@pytest.mark.model
+def test_q4_smollm2_is_exact_invariant_and_in_its_own_namespace(real_runner) -> None:
+    q4 = Engine(real_runner, weights="q4")
+    plain = Engine(real_runner)
+    off = Engine(real_runner, weights="q4", enable_cache=False)
+    try:
+        assert isinstance(q4.runner, LlamaRunner) and q4.runner.weights_format == "q4_1"
+        assert q4.fingerprint != plain.fingerprint  # another model numerically: never shares blocks
+        assert _check_invariance(q4.runner, 611, 1) == []
+        system = "You are a terse assistant for a bicycle shop. Answer in one short sentence. " * 6
+        msgs = [
+            [{"role": "system", "content": system}, {"role": "user", "content": q}]
+            for q in ("Do you fix flat tyres?", "When do you open?", "Do you sell helmets?", "Hi")
+        ]
+        alone = [off.generate(messages=m, max_tokens=12) for m in msgs]
+        q4.generate(messages=msgs[0], max_tokens=1)  # the system prompt's blocks are now cached
+        got: dict[int, object] = {}
+
+        def ask(i: int) -> None:
+            got[i] = q4.generate(messages=msgs[i], max_tokens=12)
+
+        workers = [threading.Thread(target=ask, args=(i,)) for i in range(len(msgs))]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join(300)
+        for i, ref in enumerate(alone):
+            r = got[i]
+            assert r.tokens == ref.tokens, i  # type: ignore[attr-defined]
+            assert r.usage.cached_tokens > 0  # type: ignore[attr-defined]
+        assert plain.generate(messages=msgs[0], max_tokens=1).usage.cached_tokens == 0
+    finally:
+        for e in (q4, plain, off):
+            e.close()
