@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.prefixcache-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install serve test demo bench lint cluster clean
+.PHONY: install kernels serve test demo bench lint cluster clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,13 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --disable-pip-version-check -q -e '.[dev,routers]'
 	touch $(STAMP)
 
-install: $(STAMP)
+# The own CPU kernels, compiled here from source into $$PREFIXCACHE_HOME/kernels (a few seconds;
+# keyed by source, compiler and ISA, so this is a no-op when nothing changed). Without a compiler
+# the engine runs the torch path and says so in one log line.
+kernels: $(STAMP)
+	$(PY) -m prefixcache.engine.kernels || echo "kernels not built: the torch path will run"
+
+install: $(STAMP) kernels
 
 serve: install
 	$(VENV)/bin/prefixcache serve --host $(HOST) --port $(PORT)

@@ -41,10 +41,8 @@ import torch.nn.functional as F
 
 from prefixcache.cache.keys import KV_LAYOUT_VERSION, model_fingerprint
 from prefixcache.engine.gemm import gemm_rule
-from prefixcache.engine.kernels import KernelsUnavailableError, NativeKernels
 from prefixcache.engine.kernels import mode as kernels_mode
-from prefixcache.engine.kernels import resolve as resolve_kernels
-from prefixcache.engine.llama_native import DTYPE_CODES, native_step
+from prefixcache.engine.llama_native import native_step, pick_kernels
 from prefixcache.engine.model import ModelRunner
 from prefixcache.engine.pool import KVPool
 
@@ -205,19 +203,7 @@ class LlamaRunner(ModelRunner):
         self.gemm = gemm_rule(dt, self.device)  # how every weight product keeps rows invariant
         self.model = None  # the Hugging Face modules are not used past this point
         self.lock = base.lock  # runners built from one base share the cores
-        self.native, self.kernels = self._pick_kernels(kernels)
-
-    def _pick_kernels(self, kernels: str | None) -> tuple[NativeKernels | None, str]:
-        """(the native kernels or None, the kernel set's id for the namespace)."""
-        if self.device.type != "cpu" or self.dtype not in DTYPE_CODES or self.attention != "invariant":
-            if kernels == "native":
-                raise KernelsUnavailableError(
-                    f"the native kernels compute float32/bfloat16 invariant attention on the CPU; "
-                    f"this runner is {self.dtype_name} on {self.device.type} ({self.attention})"
-                )
-            return None, "torch"
-        native, _reason = resolve_kernels(kernels)
-        return native, ("torch" if native is None else native.id)
+        self.native, self.kernels = pick_kernels(self, kernels)
 
     @classmethod
     def from_model_runner(
@@ -259,7 +245,8 @@ class LlamaRunner(ModelRunner):
         layout (tile), the kernel set (``torch`` or the native kernels' version, ISA and source),
         the GEMM rule and device/threads (kernels may differ across them). The prefill chunk is not
         part of it: chunking does not change a row's bits."""
-        layout = f"{KV_LAYOUT_VERSION}|paged|{self.attention}{TILE}|{self.kernels}|{self.gemm.tag()}|{self.device.type}"
+        parts = (KV_LAYOUT_VERSION, "paged", f"{self.attention}{TILE}", self.kernels, self.gemm.tag())
+        layout = "|".join((*parts, self.device.type))
         if self.device.type == "cpu":
             layout += f"|t{self.threads}"
         return model_fingerprint(self.weights_id, self.dtype_name, block_size, layout)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from prefixcache.engine.kernels import NativeKernels
+from prefixcache.engine.kernels import KernelsUnavailableError, NativeKernels, resolve
 from prefixcache.engine.pool import KVPool
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -27,6 +27,28 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: Kernel dtype codes (pc_kernels.c).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def pick_kernels(runner: LlamaRunner, kernels: str | None) -> tuple[NativeKernels | None, str]:
+    """(the native kernels or None, the kernel set's id for the cache namespace) for ``runner``:
+    ``kernels`` is auto|native|torch (None: ``PREFIXCACHE_KERNELS``)."""
+    inter = runner.layers[0]["down"].shape[1] if runner.layers[0]["down"] is not None else 0
+    shapes = (runner.head_dim, runner.hidden, inter)
+    if (
+        runner.device.type != "cpu"
+        or runner.dtype not in DTYPE_CODES
+        or runner.attention != "invariant"
+        or any(n % 16 for n in shapes)
+    ):
+        if kernels == "native":
+            raise KernelsUnavailableError(
+                "the native kernels compute float32/bfloat16 invariant attention on the CPU, "
+                f"head_dim/hidden/MLP width multiples of 16; this runner is {runner.dtype_name} on "
+                f"{runner.device.type} ({runner.attention}), shapes {shapes}"
+            )
+        return None, "torch"
+    native, _reason = resolve(kernels)
+    return native, ("torch" if native is None else native.id)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -85,9 +85,12 @@ def resolve(requested: str | None = None) -> tuple[NativeKernels | None, str]:
         if want in _state:
             return _state[want]
         if want == "torch":
+            asked = (
+                f"{ENV}=torch" if os.environ.get(ENV, "").strip().lower() == "torch" else "kernels='torch'"
+            )
             result: tuple[NativeKernels | None, str] = (
                 None,
-                f"{ENV}=torch" if requested is None else "forced",
+                asked,
             )
         else:
             try:

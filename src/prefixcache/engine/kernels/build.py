@@ -22,7 +22,16 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("pc_kernels.c")
 #: No fast-math, no contraction of a*b+c into FMA by the compiler (the source writes its FMAs).
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-fast-math")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fPIC",
+    "-shared",
+    "-fopenmp",
+    "-ffp-contract=off",
+    "-fno-fast-math",
+    "-Wno-psabi",
+)
 _ISA_MACROS = ("__AVX512BF16__", "__AVX512F__", "__AVX2__", "__FMA__", "__aarch64__", "__ARM_NEON")
 
 
@@ -103,7 +112,3 @@ def build(force: bool = False) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
-
-
-if __name__ == "__main__":  # pragma: no cover - `python -m prefixcache.engine.kernels.build`
-    print(build())

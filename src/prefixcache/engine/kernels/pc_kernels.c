@@ -11,7 +11,7 @@
  *   absolute multiples of 16), so how the compiler vectorises changes nothing;
  * - FMA only where written as fmaf() (exact, the same bits in hardware or software), no
  *   contraction (-ffp-contract=off), no fast-math;
- * - one exp (pc_exp16) for softmax, its rescaling and SiLU;
+ * - one exp (vexp) for softmax, its rescaling and SiLU;
  * - no special case for one row, for short contexts or for decode against prefill.
  * A query row's attention reads only keys at positions <= its own; fully masked tiles are never
  * read for it and masked keys inside its last tile are never touched.
@@ -22,6 +22,9 @@
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
 #endif
 
 #define PC_VERSION 1
@@ -41,6 +44,93 @@ enum { DT_F32 = 0, DT_BF16 = 1 };
 #define PC_ISA "generic"
 #endif
 
+/* 16-lane vectors (GCC vector extensions): lane-wise IEEE arithmetic, lowered to one zmm
+ * (AVX512), two ymm (AVX2) or scalars. FMA and rounding go through the helpers below so that
+ * every ISA computes the same operations. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+static inline v16 vsplat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline v16 vload(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void vstore(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline v16 vsel(v16i mask, v16 a, v16 b) { /* mask ? a : b */
+    return (v16)(((v16i)a & mask) | ((v16i)b & ~mask));
+}
+static inline v16 vmax(v16 a, v16 b) { return vsel(a > b, a, b); }
+static inline v16 vmin(v16 a, v16 b) { return vsel(a < b, a, b); }
+
+static inline v16 vfma(v16 a, v16 b, v16 c) { /* a * b + c, one rounding */
+#if defined(__AVX512F__)
+    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX2__) && defined(__FMA__)
+    union { v16 v; __m256 h[2]; } x = {a}, y = {b}, z = {c}, r;
+    r.h[0] = _mm256_fmadd_ps(x.h[0], y.h[0], z.h[0]);
+    r.h[1] = _mm256_fmadd_ps(x.h[1], y.h[1], z.h[1]);
+    return r.v;
+#else
+    v16 r;
+    for (int l = 0; l < 16; l++) r[l] = fmaf(a[l], b[l], c[l]);
+    return r;
+#endif
+}
+
+/* exp, lane-wise: the one exp of this file (softmax, its rescaling, SiLU). Cody-Waite reduction
+ * by ln 2 (round to nearest by the 1.5 * 2^23 trick), a degree-6 polynomial, 2^k by the exponent
+ * field. Below -87.33 (and -inf) exactly +0; above 88.72 saturated. */
+static inline v16 vexp(v16 x) {
+    const v16i zero = x < -87.33654f;
+    x = vmin(vmax(x, vsplat(-87.33654f)), vsplat(88.72283f));
+    const v16 k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    v16 t = vfma(k, vsplat(-0.693359375f), x);
+    t = vfma(k, vsplat(2.12194440e-4f), t);
+    v16 p = vsplat(1.9875691500e-4f);
+    p = vfma(p, t, vsplat(1.3981999507e-3f));
+    p = vfma(p, t, vsplat(8.3334519073e-3f));
+    p = vfma(p, t, vsplat(4.1665795894e-2f));
+    p = vfma(p, t, vsplat(1.6666665459e-1f));
+    p = vfma(p, t, vsplat(5.0000001201e-1f));
+    p = vfma(p, t * t, t) + 1.0f;
+    const v16u e = (v16u)((__builtin_convertvector(k, v16i) + 126) << 23); /* 2^(k-1) */
+    const v16 r = (p * (v16)e) * 2.0f;
+    return (v16)((v16i)r & ~zero);
+}
+
+/* Lane sums in one fixed tree: lane l + lane l+8, then +4, +2, +1. */
+static inline float vhsum(v16 v) {
+    v = v + __builtin_shuffle(v, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v = v + __builtin_shuffle(v, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+    v = v + __builtin_shuffle(v, (v16i){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+    v = v + __builtin_shuffle(v, (v16i){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+    return v[0];
+}
+
+/* Lane maximum (exact in any order). */
+static inline float vhmax(v16 v) {
+    v = vmax(v, __builtin_shuffle(v, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    v = vmax(v, __builtin_shuffle(v, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}));
+    v = vmax(v, __builtin_shuffle(v, (v16i){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1}));
+    v = vmax(v, __builtin_shuffle(v, (v16i){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0}));
+    return v[0];
+}
+
+/* out lane j = vhsum(p[j]) for 16 vectors (the same tree, four levels of pairwise merges). */
+static inline v16 vhsum16(const v16 *p) {
+    v16 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], (v16i){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+               __builtin_shuffle(p[2 * i], p[2 * i + 1], (v16i){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    for (int i = 0; i < 4; i++)
+        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], (v16i){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+               __builtin_shuffle(a[2 * i], a[2 * i + 1], (v16i){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+    for (int i = 0; i < 2; i++)
+        c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], (v16i){0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
+               __builtin_shuffle(b[2 * i], b[2 * i + 1], (v16i){2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+    return __builtin_shuffle(c[0], c[1], (v16i){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
+           __builtin_shuffle(c[0], c[1], (v16i){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+}
+
 const char *pc_isa(void) { return PC_ISA; }
 int pc_version(void) { return PC_VERSION; }
 int pc_openmp(void) {
@@ -52,27 +142,27 @@ int pc_openmp(void) {
 }
 
 /* ------------------------------------------------------------------ conversions */
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
+static inline v16 bf16x16_to_f32(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    return (v16)(__builtin_convertvector(h, v16u) << 16);
 }
 
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stays NaN */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)(v.u >> 16);
+static inline void f32x16_to_bf16(uint16_t *p, v16 x) { /* round to nearest even; NaN stays NaN */
+    const v16u u = (v16u)x;
+    const v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
+    const v16u r = (v16u)vsel(nan, (v16)((u >> 16) | 0x40u), (v16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16));
+    const v16h h = __builtin_convertvector(r, v16h);
+    memcpy(p, &h, sizeof h);
 }
 
-/* n values of dtype dt at src (element offset off) -> float32 dst */
+/* n values (n % 16 == 0) of dtype dt at src + off -> float32 dst */
 static inline void load_row(int dt, const void *src, int64_t off, float *dst, int64_t n) {
     if (dt == DT_F32) {
         memcpy(dst, (const float *)src + off, (size_t)n * sizeof(float));
     } else {
-        const uint16_t *s = (const uint16_t *)src + off;
-        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+        const uint16_t *p = (const uint16_t *)src + off;
+        for (int64_t i = 0; i < n; i += LANES) vstore(dst + i, bf16x16_to_f32(p + i));
     }
 }
 
@@ -80,98 +170,59 @@ static inline void store_row(int dt, void *dst, int64_t off, const float *src, i
     if (dt == DT_F32) {
         memcpy((float *)dst + off, src, (size_t)n * sizeof(float));
     } else {
-        uint16_t *d = (uint16_t *)dst + off;
-        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+        uint16_t *p = (uint16_t *)dst + off;
+        for (int64_t i = 0; i < n; i += LANES) f32x16_to_bf16(p + i, vload(src + i));
     }
 }
 
 /* Round float32 values to what dtype dt holds (identity for float32). */
 static inline void round_to(int dt, float *x, int64_t n) {
-    if (dt == DT_BF16)
-        for (int64_t i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
-}
-
-/* ------------------------------------------------------------------ exp */
-/* exp of 16 lanes in place: Cody-Waite reduction by ln 2, a degree-6 polynomial, 2^n by the
- * exponent field. Inputs below -87.33 (and -inf) give exactly +0; above 88.72 saturate. */
-static void pc_exp16(float *x) {
-    float r[LANES], n[LANES];
-    union { uint32_t u[LANES]; float f[LANES]; } s;
-    int zero[LANES];
-    for (int l = 0; l < LANES; l++) {
-        float v = x[l];
-        zero[l] = v < -87.33654f;
-        v = v < -87.33654f ? -87.33654f : v;
-        v = v > 88.72283f ? 88.72283f : v;
-        float k = floorf(v * 1.44269504088896341f + 0.5f);
-        float t = fmaf(k, -0.693359375f, v);
-        t = fmaf(k, 2.12194440e-4f, t);
-        n[l] = k;
-        r[l] = t;
+    if (dt != DT_BF16) return;
+    for (int64_t i = 0; i < n; i += LANES) {
+        uint16_t h[LANES];
+        f32x16_to_bf16(h, vload(x + i));
+        vstore(x + i, bf16x16_to_f32(h));
     }
-    for (int l = 0; l < LANES; l++) {
-        float t = r[l];
-        float p = 1.9875691500e-4f;
-        p = fmaf(p, t, 1.3981999507e-3f);
-        p = fmaf(p, t, 8.3334519073e-3f);
-        p = fmaf(p, t, 4.1665795894e-2f);
-        p = fmaf(p, t, 1.6666665459e-1f);
-        p = fmaf(p, t, 5.0000001201e-1f);
-        p = fmaf(p, t * t, t);
-        r[l] = p + 1.0f;
-        s.u[l] = (uint32_t)((int32_t)n[l] + 126) << 23; /* 2^(n-1): n reaches 128 at the top */
-    }
-    for (int l = 0; l < LANES; l++) x[l] = zero[l] ? 0.0f : (r[l] * s.f[l]) * 2.0f;
-}
-
-/* ------------------------------------------------------------------ fixed-order sums */
-/* sum over i < n of a[i] * b[i] (b == NULL: a[i] * a[i]): 16 lanes (lane = i mod 16, each an
- * fmaf chain in ascending i), then a fixed tree. */
-static float dot_fixed(const float *a, const float *b, int64_t n) {
-    float part[LANES] = {0};
-    int64_t i = 0;
-    if (b == NULL) b = a;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) part[l] = fmaf(a[i + l], b[i + l], part[l]);
-    for (int l = 0; i + l < n; l++) part[l] = fmaf(a[i + l], b[i + l], part[l]);
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; l++) part[l] = part[l] + part[l + w];
-    return part[0];
 }
 
 static int threads_or(int nt) { return nt > 0 ? nt : 1; }
 
+static float *falloc(int64_t n) { /* 64-byte aligned, n rounded up to whole vectors */
+    return (float *)aligned_alloc(64, (size_t)((n + LANES - 1) / LANES * LANES) * sizeof(float));
+}
+
 /* ------------------------------------------------------------------ RMSNorm + residual */
-/* For each of `rows` rows of `hidden` values (dtype dt):
+/* For each of `rows` rows of `hidden` values (dtype dt; hidden % 16 == 0):
  *   delta != NULL: x = round(x + delta)  (in place; the residual stream)
- *   out = round(w * round(x * (1 / sqrt(mean(x^2) + eps))))
- * w may be NULL (no weight). */
+ *   out = round(w * round(x * (1 / sqrt(mean(x^2) + eps))))   (w NULL: no weight)
+ * mean(x^2): 16 lanes (lane = i mod 16, fmaf chains in ascending i), then vhsum's tree. */
 void pc_rms_residual(int dt, int64_t rows, int64_t hidden, void *x, const void *delta, const void *w,
                      float eps, void *out, int nthreads) {
     #pragma omp parallel num_threads(threads_or(nthreads))
     {
-        float *buf = (float *)malloc(sizeof(float) * (size_t)hidden * 3);
-        float *xr = buf, *dr = buf + hidden, *wr = buf + 2 * hidden;
+        float *xr = falloc(hidden), *dr = falloc(hidden), *wr = falloc(hidden);
         if (w != NULL) load_row(dt, w, 0, wr, hidden);
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             load_row(dt, x, r * hidden, xr, hidden);
             if (delta != NULL) {
                 load_row(dt, delta, r * hidden, dr, hidden);
-                for (int64_t i = 0; i < hidden; i++) xr[i] = xr[i] + dr[i];
+                for (int64_t i = 0; i < hidden; i += LANES) vstore(xr + i, vload(xr + i) + vload(dr + i));
                 round_to(dt, xr, hidden);
                 store_row(dt, x, r * hidden, xr, hidden);
             }
-            float ms = dot_fixed(xr, NULL, hidden) / (float)hidden;
-            float inv = 1.0f / sqrtf(ms + eps);
-            for (int64_t i = 0; i < hidden; i++) xr[i] = xr[i] * inv;
+            v16 part = vsplat(0.0f);
+            for (int64_t i = 0; i < hidden; i += LANES) part = vfma(vload(xr + i), vload(xr + i), part);
+            const float inv = 1.0f / sqrtf(vhsum(part) / (float)hidden + eps);
+            for (int64_t i = 0; i < hidden; i += LANES) vstore(xr + i, vload(xr + i) * inv);
             round_to(dt, xr, hidden);
-            if (w != NULL) {
-                for (int64_t i = 0; i < hidden; i++) xr[i] = wr[i] * xr[i];
-            }
+            if (w != NULL)
+                for (int64_t i = 0; i < hidden; i += LANES) vstore(xr + i, vload(wr + i) * vload(xr + i));
             store_row(dt, out, r * hidden, xr, hidden);
         }
-        free(buf);
+        free(xr);
+        free(dr);
+        free(wr);
     }
 }
 
@@ -188,8 +239,7 @@ void pc_rope_kv(int dt, int64_t rows, int64_t H, int64_t KV, int64_t D, const vo
     const int64_t width = (H + 2 * KV) * D, half = D / 2;
     #pragma omp parallel num_threads(threads_or(nthreads))
     {
-        float *buf = (float *)malloc(sizeof(float) * (size_t)(width + 3 * D));
-        float *xr = buf, *c = buf + width, *s = c + D, *o = s + D;
+        float *xr = falloc(width), *c = falloc(D), *s = falloc(D), *o = falloc(D);
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             load_row(dt, qkv, r * width, xr, width);
@@ -209,30 +259,31 @@ void pc_rope_kv(int dt, int64_t rows, int64_t H, int64_t KV, int64_t D, const vo
             for (int64_t h = 0; h < KV; h++)
                 store_row(dt, values, h * head_stride + slots[r] * D, xr + (H + KV + h) * D, D);
         }
-        free(buf);
+        free(xr);
+        free(c);
+        free(s);
+        free(o);
     }
 }
 
 /* ------------------------------------------------------------------ SwiGLU */
-/* gu: [rows, 2 I] (gate | up), out: [rows, I] = round(silu(gate) * up), silu(g) = g / (1 + exp(-g)). */
+/* gu: [rows, 2 I] (gate | up; I % 16 == 0), out: [rows, I] = round(silu(gate) * up),
+ * silu(g) = g / (1 + exp(-g)). */
 void pc_swiglu(int dt, int64_t rows, int64_t I, const void *gu, void *out, int nthreads) {
     #pragma omp parallel num_threads(threads_or(nthreads))
     {
-        float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * I + LANES));
-        float *g = buf, *u = buf + I;
+        float *g = falloc(2 * I);
+        const float *u = g + I;
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             load_row(dt, gu, r * 2 * I, g, 2 * I);
             for (int64_t i = 0; i < I; i += LANES) {
-                float e[LANES];
-                int64_t n = I - i < LANES ? I - i : LANES;
-                for (int l = 0; l < LANES; l++) e[l] = l < n ? -g[i + l] : 0.0f;
-                pc_exp16(e);
-                for (int l = 0; l < n; l++) g[i + l] = (g[i + l] / (1.0f + e[l])) * u[i + l];
+                const v16 x = vload(g + i);
+                vstore(g + i, (x / (vexp(-x) + 1.0f)) * vload(u + i));
             }
             store_row(dt, out, r * I, g, I);
         }
-        free(buf);
+        free(g);
     }
 }
 
@@ -241,18 +292,66 @@ void pc_swiglu(int dt, int64_t rows, int64_t I, const void *gu, void *out, int n
  * positions seg[4i+2], seg[4i+2] + 1, ...; its block table is tables[seg[4i+3] ...] (pool block
  * indices of positions 0, B, 2B, ...). keys/values: one layer of the pool, [KV, blocks, B, D]
  * (head_stride = blocks * B * D elements). q: [rows, H, D] float32, scaled. out: [rows, H, D] dt.
+ * D % 16 == 0.
  *
  * Work item: (segment, KV head, block of up to QB rows); its G * rows query heads share one
- * pass over the keys (each 16-key tile converted to float32 once, keys transposed). Per query:
- * tiles ascending; scores s_j = sum_d q[d] k_j[d] (fmaf chain, d ascending); m' = max(m, max_j s_j);
- * a = exp(m - m'); p_j = exp(s_j - m'); l = l a + sum_j p_j (j ascending);
- * acc = acc a + sum_j p_j v_j (fmaf, j ascending); out = acc / l. */
+ * pass over the keys (each 16-key tile converted to float32 once). Per query, tiles ascending:
+ *   s_j = q . k_j   (16 lanes over d, fmaf chains in ascending d, then vhsum's tree)
+ *   m' = max(m, max_j s_j);  a = exp(m - m');  p_j = exp(s_j - m')
+ *   l = l a + sum_j p_j   (vhsum's tree; lanes past the row's position are exact zeros)
+ *   acc = acc a + sum_j p_j v_j   (fmaf, j ascending, only j <= the row's position)
+ * out = acc / l. Tiles past the row's position are never read for it. */
+/* ng queries (the query heads of one row that share a KV head) against one 16-key tile (kt,
+ * vt: [16][D] float32; nv of the keys visible to the row): the online-softmax update of each
+ * query's (m, l, acc) described above. dv = D / 16. Each key's and value's vectors are loaded
+ * once for all ng queries; every query's arithmetic is the same as if it were alone. */
+static inline __attribute__((always_inline)) void query_tile(const int64_t dv, const int64_t ng, const float *qq,
+                                                             int64_t qstride, const float *kt, const float *vt,
+                                                             const int64_t nv, float *m, float *l, float *acc,
+                                                             v16 *part) {
+    v16 qr[ng][dv], ar[ng][dv];
+    for (int64_t g = 0; g < ng; g++)
+        for (int64_t c = 0; c < dv; c++) qr[g][c] = vload(qq + g * qstride + c * LANES);
+    for (int j = 0; j < LANES; j++) {
+        const float *kj = kt + j * dv * LANES;
+        v16 a[ng];
+        for (int64_t g = 0; g < ng; g++) a[g] = vsplat(0.0f);
+        for (int64_t c = 0; c < dv; c++) {
+            const v16 kc = vload(kj + c * LANES);
+            for (int64_t g = 0; g < ng; g++) a[g] = vfma(qr[g][c], kc, a[g]);
+        }
+        for (int64_t g = 0; g < ng; g++) part[g * LANES + j] = a[g];
+    }
+    const v16i visible = (v16i){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} < (int32_t)nv;
+    float e[ng][LANES];
+    for (int64_t g = 0; g < ng; g++) {
+        const v16 sc = vsel(visible, vhsum16(part + g * LANES), vsplat(-INFINITY));
+        const float mx = vhmax(sc), mt = mx > m[g] ? mx : m[g];
+        const v16 eg = vexp(sc - mt);
+        const float alpha = vexp(vsplat(m[g] - mt))[0]; /* 0 on the first tile (m = -inf) */
+        l[g] = l[g] * alpha + vhsum(eg);
+        m[g] = mt;
+        vstore(e[g], eg);
+        const v16 va = vsplat(alpha);
+        for (int64_t c = 0; c < dv; c++) ar[g][c] = vload(acc + g * dv * LANES + c * LANES) * va;
+    }
+    for (int64_t j = 0; j < nv; j++) {
+        const float *vj = vt + j * dv * LANES;
+        for (int64_t c = 0; c < dv; c++) {
+            const v16 vc = vload(vj + c * LANES);
+            for (int64_t g = 0; g < ng; g++) ar[g][c] = vfma(vsplat(e[g][j]), vc, ar[g][c]);
+        }
+    }
+    for (int64_t g = 0; g < ng; g++)
+        for (int64_t c = 0; c < dv; c++) vstore(acc + g * dv * LANES + c * LANES, ar[g][c]);
+}
+
 #define QB 16
 
 void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, const void *keys,
                   const void *values, int64_t head_stride, int64_t B, int64_t nseg, const int64_t *seg,
                   const int32_t *tables, void *out, int nthreads) {
-    const int64_t G = H / KV;
+    const int64_t G = H / KV, DV = D / LANES;
     int64_t nblocks = 0;
     for (int64_t i = 0; i < nseg; i++) nblocks += (seg[4 * i + 1] + QB - 1) / QB;
     int64_t *work = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)(nblocks > 0 ? nblocks : 1));
@@ -269,12 +368,11 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
     #pragma omp parallel num_threads(threads_or(nthreads))
     {
         const int64_t Q = QB * G;
-        float *kt = (float *)malloc(sizeof(float) * (size_t)(D * LANES)); /* [D][16] */
-        float *vt = (float *)malloc(sizeof(float) * (size_t)(LANES * D)); /* [16][D] */
-        float *acc = (float *)malloc(sizeof(float) * (size_t)(Q * D));
-        float *m = (float *)malloc(sizeof(float) * (size_t)Q);
-        float *l = (float *)malloc(sizeof(float) * (size_t)Q);
-        float *row = (float *)malloc(sizeof(float) * (size_t)D);
+        float *kt = falloc(LANES * D); /* [16][D] */
+        float *vt = falloc(LANES * D);
+        float *acc = falloc(Q * D);
+        float *m = falloc(Q), *l = falloc(Q), *row = falloc(D);
+        v16 *part = (v16 *)falloc(LANES * LANES * (G > 4 ? G : 4));
         #pragma omp for schedule(dynamic, 1)
         for (int64_t wi = 0; wi < nwork; wi++) {
             const int64_t item = wi / KV, kvh = wi % KV;
@@ -294,55 +392,36 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
                 for (int64_t j = 0; j < nk; j++) {
                     const int64_t p = t0 + j;
                     const int64_t off = kvh * head_stride + ((int64_t)table[p / B] * B + p % B) * D;
-                    load_row(dt, keys, off, row, D);
-                    for (int64_t d = 0; d < D; d++) kt[d * LANES + j] = row[d];
+                    load_row(dt, keys, off, kt + j * D, D);
                     load_row(dt, values, off, vt + j * D, D);
                 }
-                for (int64_t j = nk; j < LANES; j++)
-                    for (int64_t d = 0; d < D; d++) kt[d * LANES + j] = 0.0f;
+                if (nk < LANES) memset(kt + nk * D, 0, sizeof(float) * (size_t)((LANES - nk) * D));
                 for (int64_t ri = 0; ri < nr; ri++) {
                     const int64_t p = pos0 + ri;
                     if (t0 > p) continue; /* fully masked for this row: never read */
                     const int64_t nv = p - t0 + 1 < LANES ? p - t0 + 1 : LANES;
-                    for (int64_t g = 0; g < G; g++) {
-                        const int64_t qi = ri * G + g;
-                        const float *qq = q + ((row0 + ri) * H + kvh * G + g) * D;
-                        float s[LANES] = {0};
-                        for (int64_t d = 0; d < D; d++) {
-                            const float qd = qq[d];
-                            const float *kd = kt + d * LANES;
-                            for (int l2 = 0; l2 < LANES; l2++) s[l2] = fmaf(qd, kd[l2], s[l2]);
-                        }
-                        float mt = m[qi];
-                        for (int64_t j = 0; j < nv; j++) mt = s[j] > mt ? s[j] : mt;
-                        float e[LANES], a[LANES];
-                        for (int l2 = 0; l2 < LANES; l2++) {
-                            e[l2] = l2 < nv ? s[l2] - mt : -INFINITY;
-                            a[l2] = -INFINITY;
-                        }
-                        a[0] = m[qi] - mt; /* -inf on the first tile: alpha = 0 */
-                        pc_exp16(e);
-                        pc_exp16(a);
-                        const float alpha = a[0];
-                        float sum = l[qi] * alpha;
-                        for (int64_t j = 0; j < nv; j++) sum = sum + e[j];
-                        l[qi] = sum;
-                        m[qi] = mt;
-                        float *ac = acc + qi * D;
-                        for (int64_t d = 0; d < D; d++) ac[d] = ac[d] * alpha;
-                        for (int64_t j = 0; j < nv; j++) {
-                            const float pj = e[j];
-                            const float *vj = vt + j * D;
-                            for (int64_t d = 0; d < D; d++) ac[d] = fmaf(pj, vj[d], ac[d]);
-                        }
-                    }
+                    const int64_t qi = ri * G;
+                    const float *qq = q + ((row0 + ri) * H + kvh * G) * D;
+#define PC_TILE(dv_, ng_) query_tile(dv_, ng_, qq, D, kt, vt, nv, m + qi, l + qi, acc + qi * D, part)
+                    /* constant shapes keep a row's vectors in registers; other shapes one query at a time */
+                    if (DV == 4 && G == 3) PC_TILE(4, 3);
+                    else if (DV == 4 && G == 2) PC_TILE(4, 2);
+                    else if (DV == 4 && G == 4) PC_TILE(4, 4);
+                    else if (DV == 8 && G == 2) PC_TILE(8, 2);
+                    else if (DV == 8 && G == 4) PC_TILE(8, 4);
+                    else if (DV == 1 && G == 2) PC_TILE(1, 2);
+                    else
+                        for (int64_t g = 0; g < G; g++)
+                            query_tile(DV, 1, qq + g * D, D, kt, vt, nv, m + qi + g, l + qi + g, acc + (qi + g) * D,
+                                       part);
+#undef PC_TILE
                 }
             }
             for (int64_t ri = 0; ri < nr; ri++)
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t qi = ri * G + g;
-                    const float inv = l[qi];
-                    for (int64_t d = 0; d < D; d++) row[d] = acc[qi * D + d] / inv;
+                    const v16 inv = vsplat(l[qi]);
+                    for (int64_t c = 0; c < DV; c++) vstore(row + c * LANES, vload(acc + qi * D + c * LANES) / inv);
                     store_row(dt, out, ((row0 + ri) * H + kvh * G + g) * D, row, D);
                 }
         }
@@ -352,6 +431,7 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
         free(m);
         free(l);
         free(row);
+        free(part);
     }
     free(work);
 }
