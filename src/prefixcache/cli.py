@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from prefixcache.commands import analysis, cluster, engine, server
+from prefixcache.commands import analysis, cluster, engine, kv_events, server
 
 app = typer.Typer(
     name="prefixcache",
@@ -18,7 +18,7 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
-for _module in (engine, server, analysis, cluster):
+for _module in (engine, server, analysis, cluster, kv_events):
     _module.register(app)
 
 

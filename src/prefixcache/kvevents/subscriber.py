@@ -24,18 +24,22 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from prefixcache.kvevents.wire import END_SEQ, KVEventBatch, decoder
+from prefixcache.kvevents.wire import END_SEQ, REPLAY_WINDOW, KVEventBatch, decoder
 
 log = logging.getLogger(__name__)
 
 _END = int.from_bytes(END_SEQ, "big", signed=True)
+#: The largest message a feed accepts (a batch of 4,096 events of 16-token blocks is ~0.5 MB).
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+#: Replay requests one catch-up makes at most (each answers a window of the publisher's buffer).
+MAX_REPLAY_ROUNDS = 64
 
 
 @dataclass(slots=True)
@@ -62,13 +66,23 @@ class EventFeed:
         on_lost: Callable[[str], None] | None = None,
         replay_timeout_s: float = 1.0,
         context: zmq.Context | None = None,
+        curve: Mapping[int, bytes] | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        replay_window: int = REPLAY_WINDOW,
     ) -> None:
+        """``curve``: CURVE client options (:func:`~prefixcache.kvevents.security.client_options`);
+        ``max_message_bytes``: a larger message is dropped by ZeroMQ (the connection is reset);
+        ``replay_window``: the publisher's most batches per replay answer (an answer that long
+        is followed by another request from where it ended)."""
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
         self.on_batch = on_batch
         self.on_lost = on_lost or (lambda reason: None)
         self.replay_timeout_ms = int(replay_timeout_s * 1000)
+        self.curve = dict(curve or {})
+        self.max_message_bytes = max_message_bytes
+        self.replay_window = replay_window
         self.stats = FeedStats()
         self._ctx = context or zmq.Context.instance()
         self._decode = decoder()
@@ -86,9 +100,16 @@ class EventFeed:
             self._thread.join(timeout_s)
 
     # ------------------------------------------------------------------ the thread
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        for option, value in self.curve.items():
+            sock.setsockopt(option, value)
+        return sock
+
     def _run(self) -> None:
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
+        sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
         poller = zmq.Poller()
@@ -144,8 +165,7 @@ class EventFeed:
         self.stats.last_seq = -1
 
     def _replay_socket(self) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = self._socket(zmq.DEALER)
         assert self.replay_endpoint is not None
         sock.connect(self.replay_endpoint)
         return sock
@@ -174,11 +194,21 @@ class EventFeed:
         """Apply the buffered batches from ``start`` that continue the sequence, below ``before``
         (None: all). Returns the socket to use next (a fresh one after a timeout, so that a late
         answer is never read as the next one's)."""
-        batches = self._fetch(sock, start)
-        if batches is None:
-            sock.close(linger=0)
-            return self._replay_socket()
-        self._apply_run(batches, before)
+        for _ in range(MAX_REPLAY_ROUNDS):  # a publisher answers a bounded window: ask on from its end
+            batches = self._fetch(sock, start)
+            if batches is None:
+                sock.close(linger=0)
+                return self._replay_socket()
+            last = self.stats.last_seq
+            self._apply_run(batches, before)
+            cut = len(batches) >= self.replay_window  # a full window: the publisher may hold more
+            if (
+                not cut
+                or self.stats.last_seq == last
+                or (before is not None and batches[-1][0] >= before - 1)
+            ):
+                break
+            start = self.stats.last_seq + 1
         return sock
 
     def _apply_run(self, batches: list[tuple[int, bytes]], before: int | None) -> None:

@@ -229,7 +229,7 @@ def _kv_index(config: RouterConfig) -> KVIndex | None:
     unknown = sorted(set(feeds) - urls)
     if unknown:
         raise ValueError(f"--kv-events names {unknown[0]}, which is not a --replica; give its exact URL")
-    return KVIndex(feeds, config.chunk_chars)
+    return KVIndex(feeds, config.chunk_chars, curve=config.kv_events_curve)
 
 
 def kv_metrics(kv_index: KVIndex) -> list[Any]:

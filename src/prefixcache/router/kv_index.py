@@ -169,9 +169,16 @@ class KVIndex:
     write, the router reads)."""
 
     def __init__(
-        self, feeds: Mapping[str, FeedSpec], chunk_chars: int, clock: Callable[[], float] = time.monotonic
+        self,
+        feeds: Mapping[str, FeedSpec],
+        chunk_chars: int,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        curve: Mapping[int, bytes] | None = None,
     ) -> None:
+        """``curve``: CURVE client options for every feed (:mod:`prefixcache.kvevents.security`)."""
         self.specs = dict(feeds)
+        self.curve = curve
         self.clock = clock
         self.anchors = BlockAnchors(chunk_chars)
         self.replicas = {url: ReplicaBlocks() for url in self.specs}
@@ -187,6 +194,7 @@ class KVIndex:
                 topic=spec.topic,
                 on_batch=lambda seq, batch, url=url: self.apply(url, seq, batch),
                 on_lost=lambda reason, url=url: self.lost(url),
+                curve=self.curve,
             ).start()
 
     def close(self) -> None:
