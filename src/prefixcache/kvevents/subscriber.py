@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -48,9 +48,12 @@ class FeedStats:
     replayed: int = 0  # of which from the replay socket
     gaps: int = 0  # jumps in the live sequence
     lost: int = 0  # ranges no replay could fill
-    undecodable: int = 0
+    undecodable: int = 0  # messages that could not be decoded or applied (the feed goes on)
     restarts: int = 0  # the publisher's sequence went back (it restarted)
     last_seq: int = -1
+    disconnects: int = 0  # connections to the publisher lost (and made again)
+    last_applied_at: float | None = None  # time.monotonic() of the last batch applied
+    lag_s: float = 0.0  # how old the last live batch was when it arrived (its ts against our clock)
 
 
 class EventFeed:
@@ -88,6 +91,7 @@ class EventFeed:
         self._decode = decoder()
         self._recent: OrderedDict[int, float] = OrderedDict()  # seq -> ts of recently applied batches
         self._stop = threading.Event()
+        self._warnings = 0
         self._thread = threading.Thread(target=self._run, name=f"kv-events {endpoint}", daemon=True)
 
     def start(self) -> EventFeed:
@@ -111,7 +115,7 @@ class EventFeed:
     def _run(self) -> None:
         sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -121,11 +125,22 @@ class EventFeed:
             while not self._stop.is_set():
                 ready = dict(poller.poll(100))
                 if monitor in ready:
-                    recv_monitor_message(monitor)
-                    if replay is not None:  # (re)connected: the publisher may have restarted
+                    event = recv_monitor_message(monitor)["event"]
+                    if event == zmq.EVENT_DISCONNECTED:
+                        # ZeroMQ does not reconnect after a protocol error (a message over
+                        # max_message_bytes): connect again ourselves.
+                        self.stats.disconnects += 1
+                        sub.disconnect(self.endpoint)
+                        sub.connect(self.endpoint)
+                    elif replay is not None:  # (re)connected: the publisher may have restarted
                         replay = self._verify(replay)
                 if sub in ready:
-                    replay = self._receive(sub.recv_multipart(), replay)
+                    frames = sub.recv_multipart()
+                    try:
+                        replay = self._receive(frames, replay)
+                    except Exception as e:  # any frame, any error (RecursionError too): the feed goes on
+                        self.stats.undecodable += 1
+                        self._warn("a message could not be applied (%s: %s)", type(e).__name__, e)
         except zmq.ZMQError:
             if not self._stop.is_set():
                 log.exception("kv events: the feed from %s failed", self.endpoint)
@@ -242,29 +257,48 @@ class EventFeed:
         number with the same timestamp."""
         try:
             ts = self._decode.decode(payload).ts
-        except msgspec.DecodeError:
-            return True  # nothing to apply either way
+        except Exception:  # (DecodeError, RecursionError, ...): nothing to apply either way
+            return True
         return self._recent.get(seq) == ts
 
     def _apply(self, seq: int, payload: bytes, *, replayed: bool) -> None:
         self.stats.last_seq = seq
         try:
             batch = self._decode.decode(payload)
-        except msgspec.DecodeError as e:  # (ValidationError is a DecodeError)
+        except Exception as e:  # DecodeError, ValidationError, RecursionError on deep nesting, ...
             self.stats.undecodable += 1
-            self._lost(f"batch {seq} could not be decoded: {e}")
+            self._lost(f"batch {seq} could not be decoded: {type(e).__name__}: {str(e)[:200]}")
             return
         self._recent[seq] = batch.ts
         while len(self._recent) > 4096:
             self._recent.popitem(last=False)
         self.stats.batches += 1
         self.stats.replayed += int(replayed)
+        self.stats.last_applied_at = time.monotonic()
+        self.stats.lag_s = max(time.time() - float(batch.ts), 0.0) if not replayed else self.stats.lag_s
         try:
             self.on_batch(seq, batch)
-        except Exception:  # the consumer's bug must not stop the feed
-            log.exception("kv events: applying batch %d failed", seq)
+        except Exception as e:  # a batch the consumer cannot apply (or its bug): counted, the feed goes on
+            self.stats.undecodable += 1
+            self._lost(f"batch {seq} could not be applied: {type(e).__name__}: {str(e)[:200]}")
+
+    @property
+    def alive(self) -> bool:
+        """Whether the feed's thread runs (False before :meth:`start` and after it died or closed)."""
+        return self._thread.is_alive()
+
+    def _warn(self, message: str, *args: object) -> None:
+        """A warning, the first ten and then every hundredth (a hostile stream must not flood the log)."""
+        self._warnings += 1
+        if self._warnings <= 10 or self._warnings % 100 == 0:
+            log.warning(
+                "kv events from %s: " + message + " [%d so far]", self.endpoint, *args, self._warnings
+            )
 
     def _lost(self, reason: str) -> None:
         self.stats.lost += 1
-        log.warning("kv events from %s: %s", self.endpoint, reason)
-        self.on_lost(reason)
+        self._warn("%s", reason)
+        try:
+            self.on_lost(reason)
+        except Exception:
+            log.exception("kv events: the lost-batch callback failed")

@@ -244,6 +244,7 @@ def kv_metrics(kv_index: KVIndex) -> list[Any]:
         ("lost", "Sequence ranges no replay could fill.", True),
         ("blocks", "Blocks the replica holds by its events.", False),
         ("synced", "1 while the router's view of the replica is complete.", False),
+        ("undecodable", "Event messages that could not be decoded or applied (the feed went on).", True),
     ]
     fams: list[Any] = []
     for name, doc, counter in spec:
