@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from prefixcache.commands import analysis, cluster, engine, server, warm
+from prefixcache.commands import analysis, cluster, engine, kv_events, server, warm
 
 app = typer.Typer(
     name="prefixcache",
@@ -39,7 +39,7 @@ def _root(
     """An LLM inference engine, server and toolkit built around exact prompt (prefix) caching."""
 
 
-for _module in (engine, server, analysis, cluster, warm):
+for _module in (engine, server, analysis, cluster, warm, kv_events):
     _module.register(app)
 
 

@@ -30,6 +30,7 @@ from prefixcache.commands.redis_process import (
     redis_password_from,
     start_redis,
 )
+from prefixcache.commands.router_security import curve_client, router_keys
 from prefixcache.commands.server import parse_bytes
 from prefixcache.commands.warm import cluster_secret
 
@@ -109,6 +110,22 @@ def route(
             "cache-aware only. Replicas without one are tracked by the approximate record.",
         ),
     ] = None,
+    kv_events_curve_server_key: Annotated[
+        Path | None,
+        typer.Option(
+            "--kv-events-curve-server-key",
+            help="CURVE: the replicas' publisher public key (the file serve's "
+            "--kv-events-curve-secret-file pairs with); needs --kv-events-curve-secret-file.",
+        ),
+    ] = None,
+    kv_events_curve_secret_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--kv-events-curve-secret-file",
+            help="CURVE: the router's secret key (mode 0600; its public key goes in the replicas' "
+            "--kv-events-curve-clients).",
+        ),
+    ] = None,
     api_keys: Annotated[
         Path | None,
         typer.Option(
@@ -169,6 +186,7 @@ def route(
         max_body_bytes=parse_bytes(max_body_bytes),
         kv_events=feeds,
         api_keys=keys,
+        kv_events_curve=curve_client(kv_events_curve_server_key, kv_events_curve_secret_file),
     )
     try:
         app = create_router_app(config)
@@ -179,22 +197,6 @@ def route(
     sigterm_as_interrupt()
     with contextlib.suppress(KeyboardInterrupt):
         uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), limit_concurrency=max_connections)
-
-
-def router_keys(api_keys: Path | None, host: str, allow_unauthenticated: bool) -> frozenset[str] | None:
-    """The router's keys (``--api-keys`` file, else ``$PREFIXCACHE_API_KEYS``), after the exposure
-    rule of ``serve``: a non-loopback ``host`` without keys needs ``--allow-unauthenticated``."""
-    from prefixcache.server.auth import load_api_keys
-    from prefixcache.server.exposure import api_keys_from_env, exposure_refusal
-
-    try:
-        keys = load_api_keys(api_keys) if api_keys else api_keys_from_env()
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--api-keys") from e
-    refusal = exposure_refusal(host, keys is not None, allow_unauthenticated)
-    if refusal is not None:
-        raise typer.BadParameter(refusal, param_hint="--host")
-    return frozenset(keys) if keys else None
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -338,6 +340,7 @@ def cluster(
     project's, SMG or vllm-router). Ctrl-C stops everything."""
     import uvicorn
 
+    from prefixcache.kvevents.security import write_keypair
     from prefixcache.router import RouterConfig, create_router_app
     from prefixcache.router.kv_index import FeedSpec
 
@@ -394,6 +397,11 @@ def cluster(
         urls: list[str] = []
         events = not no_kv_events and (router == "vllm-router" or (not external and policy == "cache-aware"))
         feeds: dict[str, FeedSpec] = {}
+        curve = None
+        if events:  # CURVE between the replicas' publishers and the router: other local users see nothing
+            pub_key, _ = write_keypair(tmp, "publisher")
+            router_key, router_pub = write_keypair(tmp, "router")
+            curve = curve_client(Path(tmp) / "publisher.pub", router_key)
         for i in range(replicas):
             rp = free_port()
             cmd = [
@@ -423,6 +431,12 @@ def cluster(
             if events:
                 pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
                 cmd += ["--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay]
+                cmd += [
+                    "--kv-events-curve-secret-file",
+                    str(pub_key),
+                    "--kv-events-curve-clients",
+                    str(router_pub),
+                ]
                 feeds[f"http://127.0.0.1:{rp}"] = FeedSpec(pub, replay)
             procs.append(subprocess.Popen(cmd, env=env))
             urls.append(f"http://127.0.0.1:{rp}")
@@ -455,6 +469,7 @@ def cluster(
             keepwarm_file=str(keep_warm) if keep_warm else None,
             kv_events=feeds,
             api_keys=keys,
+            kv_events_curve=curve,
         )
         uvicorn.run(
             create_router_app(config),

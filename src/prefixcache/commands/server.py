@@ -260,6 +260,9 @@ def serve(
     kv_events_topic: kv.Topic = "",
     kv_events_buffer: kv.Buffer = 10_000,
     kv_events_hash_format: kv.HashFormatOption = "int",
+    kv_events_curve_secret_file: kv.CurveSecretFile = None,
+    kv_events_curve_clients: kv.CurveClients = None,
+    kv_events_allow_unauthenticated: kv.AllowUnauthenticated = False,
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
 ) -> None:
     """Serve the engine over HTTP: OpenAI (/v1/chat/completions, /v1/completions) and Anthropic
@@ -328,6 +331,9 @@ def serve(
         kv_events_topic,
         kv_events_buffer,
         kv_events_hash_format,
+        curve_secret_file=kv_events_curve_secret_file,
+        curve_clients=kv_events_curve_clients,
+        allow_unauthenticated=kv_events_allow_unauthenticated,
     )
     body_limit = parse_bytes(max_body_bytes) if max_body_bytes else None
     capacity_bytes = parse_bytes(capacity)

@@ -25,6 +25,12 @@ Hashes: a block's key is the chained SHA-256 of :mod:`prefixcache.cache.keys` un
 namespace; on the wire it is its low 64 bits (``int``, vLLM's default) or the whole key
 (``bytes``). A first block's parent is None, never the namespace root: the root mixes in the
 tenant's salt, which stays in the server.
+
+Protection (see :mod:`.security`): optional CURVE on both sockets (only the client keys given
+may connect); a replay request gets at most ``replay_max_batches`` batches, and at most
+``replay_per_s`` requests a second are served (beyond, an empty answer, counted), so replays
+cannot starve live publishing; a subscriber or replay client may send us nothing larger than
+``max_request_bytes``.
 """
 
 from __future__ import annotations
@@ -43,9 +49,11 @@ import zmq
 
 from prefixcache.cache.blocks import Block
 from prefixcache.cache.keys import unpack_tokens
+from prefixcache.kvevents.security import CurveServer
 from prefixcache.kvevents.wire import (
     END_SEQ,
     MEDIUM_CPU,
+    REPLAY_WINDOW,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -72,6 +80,12 @@ class PublisherConfig:
     max_queue: int = 100_000  # block events waiting for the publisher thread
     hash_format: HashFormat = HashFormat.INT
     medium: str = MEDIUM_CPU
+    #: CURVE: the publisher's Z85 secret key and the client public keys it admits (None: plain)
+    curve_secret: bytes | None = None
+    curve_clients: frozenset[bytes] = frozenset()
+    replay_max_batches: int = REPLAY_WINDOW  # batches one replay request gets at most (oldest first)
+    replay_per_s: float = 20.0  # replay requests served per second (a burst of as many); beyond: empty
+    max_request_bytes: int = 1_024  # the largest message a subscriber or replay client may send us
 
 
 @dataclass(slots=True)
@@ -82,6 +96,7 @@ class PublisherStats:
     cleared: int = 0
     dropped_events: int = 0
     replay_requests: int = 0
+    replay_refused: int = 0  # over the replay rate: answered with an empty replay
 
 
 def check_endpoint(endpoint: str, flag: str) -> None:
@@ -105,7 +120,19 @@ class KVEventPublisher:
             check_endpoint(config.replay_endpoint, "--kv-events-replay-endpoint")
         self.config = config
         self.stats = PublisherStats()
+        self._curve: CurveServer | None = None
+        self._own_ctx: zmq.Context | None = None
+        if config.curve_secret is not None:
+            if not config.curve_clients:
+                raise ValueError(
+                    "CURVE needs the public keys of the clients it admits (--kv-events-curve-clients)"
+                )
+            # Its own context: the ZAP handler then governs these sockets only.
+            self._own_ctx = context = zmq.Context()
+            self._curve = CurveServer(context, config.curve_secret, config.curve_clients)
         self._ctx = context or zmq.Context.instance()
+        self._allowance = float(config.replay_per_s)
+        self._allowance_at = time.monotonic()
         self._queue: queue.Queue[tuple[int, tuple[Any, ...]]] = queue.Queue(maxsize=config.max_queue)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode()
@@ -117,10 +144,16 @@ class KVEventPublisher:
         try:
             self._pub.setsockopt(zmq.SNDHWM, config.hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.setsockopt(zmq.MAXMSGSIZE, config.max_request_bytes)  # subscriptions only
+            if self._curve is not None:
+                self._curve.secure(self._pub)
             self._pub.bind(config.endpoint)
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, config.max_request_bytes)
+                if self._curve is not None:
+                    self._curve.secure(self._replay)
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as e:
             self._close_sockets()
@@ -273,10 +306,28 @@ class KVEventPublisher:
             return
         client, _, start = frames
         first = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
-            if seq >= first:
-                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        if self._take_allowance():
+            sent = 0
+            for seq, payload in list(self._buffer):
+                if seq >= first:
+                    self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+                    sent += 1
+                    if sent >= self.config.replay_max_batches:
+                        break  # the client asks again from where this ended
+        else:
+            self.stats.replay_refused += 1
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    def _take_allowance(self) -> bool:
+        """A token bucket of ``replay_per_s`` requests a second (a burst of as many)."""
+        rate = self.config.replay_per_s
+        now = time.monotonic()
+        self._allowance = min(rate, self._allowance + (now - self._allowance_at) * rate)
+        self._allowance_at = now
+        if self._allowance < 1.0:
+            return False
+        self._allowance -= 1.0
+        return True
 
     # ------------------------------------------------------------------ lifetime
     def close(self, timeout_s: float = 2.0) -> None:
@@ -292,6 +343,12 @@ class KVEventPublisher:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
+        if self._curve is not None:
+            self._curve.close()
+            self._curve = None
+        if self._own_ctx is not None:
+            self._own_ctx.term()
+            self._own_ctx = None
 
     def metrics(self) -> list[Any]:
         """Prometheus metric families (for a collector on the server's registry)."""
@@ -305,6 +362,7 @@ class KVEventPublisher:
             ("removed_blocks", s.removed_blocks, "Blocks announced as removed (BlockRemoved)."),
             ("dropped", s.dropped_events, "Block events dropped because the publish queue was full."),
             ("replay_requests", s.replay_requests, "Replay requests served."),
+            ("replay_refused", s.replay_refused, "Replay requests over the replay rate (answered empty)."),
         ):
             fam = CounterMetricFamily(f"prefixcache_kv_events_{name}", doc)
             fam.add_metric([], float(value))

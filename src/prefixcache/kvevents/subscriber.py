@@ -23,19 +23,23 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from prefixcache.kvevents.wire import END_SEQ, KVEventBatch, decoder
+from prefixcache.kvevents.wire import END_SEQ, REPLAY_WINDOW, KVEventBatch, decoder
 
 log = logging.getLogger(__name__)
 
 _END = int.from_bytes(END_SEQ, "big", signed=True)
+#: The largest message a feed accepts (a batch of 4,096 events of 16-token blocks is ~0.5 MB).
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+#: Replay requests one catch-up makes at most (each answers a window of the publisher's buffer).
+MAX_REPLAY_ROUNDS = 64
 
 
 @dataclass(slots=True)
@@ -44,9 +48,12 @@ class FeedStats:
     replayed: int = 0  # of which from the replay socket
     gaps: int = 0  # jumps in the live sequence
     lost: int = 0  # ranges no replay could fill
-    undecodable: int = 0
+    undecodable: int = 0  # messages that could not be decoded or applied (the feed goes on)
     restarts: int = 0  # the publisher's sequence went back (it restarted)
     last_seq: int = -1
+    disconnects: int = 0  # connections to the publisher lost (and made again)
+    last_applied_at: float | None = None  # time.monotonic() of the last batch applied
+    lag_s: float = 0.0  # how old the last live batch was when it arrived (its ts against our clock)
 
 
 class EventFeed:
@@ -62,18 +69,29 @@ class EventFeed:
         on_lost: Callable[[str], None] | None = None,
         replay_timeout_s: float = 1.0,
         context: zmq.Context | None = None,
+        curve: Mapping[int, bytes] | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        replay_window: int = REPLAY_WINDOW,
     ) -> None:
+        """``curve``: CURVE client options (:func:`~prefixcache.kvevents.security.client_options`);
+        ``max_message_bytes``: a larger message is dropped by ZeroMQ (the connection is reset);
+        ``replay_window``: the publisher's most batches per replay answer (an answer that long
+        is followed by another request from where it ended)."""
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
         self.on_batch = on_batch
         self.on_lost = on_lost or (lambda reason: None)
         self.replay_timeout_ms = int(replay_timeout_s * 1000)
+        self.curve = dict(curve or {})
+        self.max_message_bytes = max_message_bytes
+        self.replay_window = replay_window
         self.stats = FeedStats()
         self._ctx = context or zmq.Context.instance()
         self._decode = decoder()
         self._recent: OrderedDict[int, float] = OrderedDict()  # seq -> ts of recently applied batches
         self._stop = threading.Event()
+        self._warnings = 0
         self._thread = threading.Thread(target=self._run, name=f"kv-events {endpoint}", daemon=True)
 
     def start(self) -> EventFeed:
@@ -86,11 +104,18 @@ class EventFeed:
             self._thread.join(timeout_s)
 
     # ------------------------------------------------------------------ the thread
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        for option, value in self.curve.items():
+            sock.setsockopt(option, value)
+        return sock
+
     def _run(self) -> None:
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
+        sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -100,11 +125,22 @@ class EventFeed:
             while not self._stop.is_set():
                 ready = dict(poller.poll(100))
                 if monitor in ready:
-                    recv_monitor_message(monitor)
-                    if replay is not None:  # (re)connected: the publisher may have restarted
+                    event = recv_monitor_message(monitor)["event"]
+                    if event == zmq.EVENT_DISCONNECTED:
+                        # ZeroMQ does not reconnect after a protocol error (a message over
+                        # max_message_bytes): connect again ourselves.
+                        self.stats.disconnects += 1
+                        sub.disconnect(self.endpoint)
+                        sub.connect(self.endpoint)
+                    elif replay is not None:  # (re)connected: the publisher may have restarted
                         replay = self._verify(replay)
                 if sub in ready:
-                    replay = self._receive(sub.recv_multipart(), replay)
+                    frames = sub.recv_multipart()
+                    try:
+                        replay = self._receive(frames, replay)
+                    except Exception as e:  # any frame, any error (RecursionError too): the feed goes on
+                        self.stats.undecodable += 1
+                        self._warn("a message could not be applied (%s: %s)", type(e).__name__, e)
         except zmq.ZMQError:
             if not self._stop.is_set():
                 log.exception("kv events: the feed from %s failed", self.endpoint)
@@ -144,8 +180,7 @@ class EventFeed:
         self.stats.last_seq = -1
 
     def _replay_socket(self) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = self._socket(zmq.DEALER)
         assert self.replay_endpoint is not None
         sock.connect(self.replay_endpoint)
         return sock
@@ -174,11 +209,21 @@ class EventFeed:
         """Apply the buffered batches from ``start`` that continue the sequence, below ``before``
         (None: all). Returns the socket to use next (a fresh one after a timeout, so that a late
         answer is never read as the next one's)."""
-        batches = self._fetch(sock, start)
-        if batches is None:
-            sock.close(linger=0)
-            return self._replay_socket()
-        self._apply_run(batches, before)
+        for _ in range(MAX_REPLAY_ROUNDS):  # a publisher answers a bounded window: ask on from its end
+            batches = self._fetch(sock, start)
+            if batches is None:
+                sock.close(linger=0)
+                return self._replay_socket()
+            last = self.stats.last_seq
+            self._apply_run(batches, before)
+            cut = len(batches) >= self.replay_window  # a full window: the publisher may hold more
+            if (
+                not cut
+                or self.stats.last_seq == last
+                or (before is not None and batches[-1][0] >= before - 1)
+            ):
+                break
+            start = self.stats.last_seq + 1
         return sock
 
     def _apply_run(self, batches: list[tuple[int, bytes]], before: int | None) -> None:
@@ -212,29 +257,48 @@ class EventFeed:
         number with the same timestamp."""
         try:
             ts = self._decode.decode(payload).ts
-        except msgspec.DecodeError:
-            return True  # nothing to apply either way
+        except Exception:  # (DecodeError, RecursionError, ...): nothing to apply either way
+            return True
         return self._recent.get(seq) == ts
 
     def _apply(self, seq: int, payload: bytes, *, replayed: bool) -> None:
         self.stats.last_seq = seq
         try:
             batch = self._decode.decode(payload)
-        except msgspec.DecodeError as e:  # (ValidationError is a DecodeError)
+        except Exception as e:  # DecodeError, ValidationError, RecursionError on deep nesting, ...
             self.stats.undecodable += 1
-            self._lost(f"batch {seq} could not be decoded: {e}")
+            self._lost(f"batch {seq} could not be decoded: {type(e).__name__}: {str(e)[:200]}")
             return
         self._recent[seq] = batch.ts
         while len(self._recent) > 4096:
             self._recent.popitem(last=False)
         self.stats.batches += 1
         self.stats.replayed += int(replayed)
+        self.stats.last_applied_at = time.monotonic()
+        self.stats.lag_s = max(time.time() - float(batch.ts), 0.0) if not replayed else self.stats.lag_s
         try:
             self.on_batch(seq, batch)
-        except Exception:  # the consumer's bug must not stop the feed
-            log.exception("kv events: applying batch %d failed", seq)
+        except Exception as e:  # a batch the consumer cannot apply (or its bug): counted, the feed goes on
+            self.stats.undecodable += 1
+            self._lost(f"batch {seq} could not be applied: {type(e).__name__}: {str(e)[:200]}")
+
+    @property
+    def alive(self) -> bool:
+        """Whether the feed's thread runs (False before :meth:`start` and after it died or closed)."""
+        return self._thread.is_alive()
+
+    def _warn(self, message: str, *args: object) -> None:
+        """A warning, the first ten and then every hundredth (a hostile stream must not flood the log)."""
+        self._warnings += 1
+        if self._warnings <= 10 or self._warnings % 100 == 0:
+            log.warning(
+                "kv events from %s: " + message + " [%d so far]", self.endpoint, *args, self._warnings
+            )
 
     def _lost(self, reason: str) -> None:
         self.stats.lost += 1
-        log.warning("kv events from %s: %s", self.endpoint, reason)
-        self.on_lost(reason)
+        self._warn("%s", reason)
+        try:
+            self.on_lost(reason)
+        except Exception:
+            log.exception("kv events: the lost-batch callback failed")

@@ -30,6 +30,8 @@ import msgspec
 
 #: The replay stream's end marker: -1 as a signed 8-byte big-endian integer.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+#: The most batches our publisher sends for one replay request (a subscriber asks on after one).
+REPLAY_WINDOW = 1_000
 
 #: ``medium`` of blocks in the engine's KV pool, by device (vLLM's names).
 MEDIUM_GPU = "GPU"

@@ -230,7 +230,7 @@ def _kv_index(config: RouterConfig) -> KVIndex | None:
     unknown = sorted(set(feeds) - urls)
     if unknown:
         raise ValueError(f"--kv-events names {unknown[0]}, which is not a --replica; give its exact URL")
-    return KVIndex(feeds, config.chunk_chars)
+    return KVIndex(feeds, config.chunk_chars, curve=config.kv_events_curve)
 
 
 def kv_metrics(kv_index: KVIndex) -> list[Any]:
@@ -245,6 +245,7 @@ def kv_metrics(kv_index: KVIndex) -> list[Any]:
         ("lost", "Sequence ranges no replay could fill.", True),
         ("blocks", "Blocks the replica holds by its events.", False),
         ("synced", "1 while the router's view of the replica is complete.", False),
+        ("undecodable", "Event messages that could not be decoded or applied (the feed went on).", True),
     ]
     fams: list[Any] = []
     for name, doc, counter in spec:

@@ -32,5 +32,7 @@ class RouterConfig:
     #: replica url -> where it publishes KV events (cache-aware policy only)
     kv_events: Mapping[str, FeedSpec] = field(default_factory=dict)
     dashboard_interval_s: float = 2.0  # seconds between two points of the dashboard's series
+    #: CURVE client options of the KV event feeds (route --kv-events-curve-*; None: plain)
+    kv_events_curve: Mapping[int, bytes] | None = None
     #: the API keys the router accepts (checked before a body is read; None: every caller)
     api_keys: frozenset[str] | None = None

@@ -29,6 +29,11 @@ A replica *holds* a request's prefix through chunk ``j`` when (:meth:`KVIndex.de
 
 So a prefix evicted on a replica stops attracting requests to it as soon as the ``BlockRemoved``
 arrives; with nothing held anywhere, the request goes to the least-loaded replica.
+
+A feed survives any message (every decode or apply error is counted as ``undecodable``). A
+replica whose feed thread died is routed as one without events; one whose feed lags (its last
+live batch older than ``max_lag_s`` on arrival) is treated as unsynced; a view past ``max_held``
+blocks starts again empty and unsynced (memory stays bounded).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ from prefixcache.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStore
 
 #: The anchor of a chunk ends this far into the chunk's share of the prompt's tokens.
 ANCHOR_MARGIN = 0.9
+#: A feed whose last live batch was older than this when it arrived is not trusted (unsynced).
+DEFAULT_MAX_LAG_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +88,9 @@ class ReplicaBlocks:
     synced: bool = False
     live: bool = False  # a batch arrived (the replica publishes)
     max_removed: int = 100_000
+    #: blocks the view tracks at most: beyond, it starts empty and unsynced (bounded memory)
+    max_held: int = 1_000_000
+    overflows: int = 0
 
     def apply(self, seq: int, batch: KVEventBatch, now: float) -> None:
         if seq == 0:  # a stream's first batch (a publisher's start): nothing came before it
@@ -102,6 +112,10 @@ class ReplicaBlocks:
             elif isinstance(ev, AllBlocksCleared):
                 self._clear(now)
                 self.synced = True
+        if len(self.held) > self.max_held:
+            self.held.clear()
+            self.synced = False
+            self.overflows += 1
         while len(self.removed) > self.max_removed:
             self.removed.popitem(last=False)
 
@@ -169,9 +183,19 @@ class KVIndex:
     write, the router reads)."""
 
     def __init__(
-        self, feeds: Mapping[str, FeedSpec], chunk_chars: int, clock: Callable[[], float] = time.monotonic
+        self,
+        feeds: Mapping[str, FeedSpec],
+        chunk_chars: int,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        curve: Mapping[int, bytes] | None = None,
+        max_lag_s: float = DEFAULT_MAX_LAG_S,
     ) -> None:
+        """``curve``: CURVE client options for every feed (:mod:`prefixcache.kvevents.security`).
+        ``max_lag_s``: a feed whose last live batch arrived older than this is not trusted."""
         self.specs = dict(feeds)
+        self.curve = curve
+        self.max_lag_s = max_lag_s
         self.clock = clock
         self.anchors = BlockAnchors(chunk_chars)
         self.replicas = {url: ReplicaBlocks() for url in self.specs}
@@ -187,6 +211,7 @@ class KVIndex:
                 topic=spec.topic,
                 on_batch=lambda seq, batch, url=url: self.apply(url, seq, batch),
                 on_lost=lambda reason, url=url: self.lost(url),
+                curve=self.curve,
             ).start()
 
     def close(self) -> None:
@@ -208,35 +233,47 @@ class KVIndex:
             return self.anchors.learn(chunks, rendered_chars, header, self.clock())
 
     # ------------------------------------------------------------------ routing
+    def _view(self, url: str) -> tuple[ReplicaBlocks | None, bool]:
+        """(the view of ``url`` to route on, whether it is synced): no view when its feed died
+        (the record and the load decide, as without events); not synced when the feed lags."""
+        view = self.replicas.get(url)
+        feed = self._feeds.get(url)
+        if view is None or (feed is not None and not feed.alive):
+            return None, False
+        lagging = feed is not None and feed.stats.lag_s > self.max_lag_s
+        return view, view.synced and not lagging
+
     def publishes(self, urls: Sequence[str]) -> bool:
         """Whether any of ``urls`` has a live feed."""
         with self._lock:
-            return any(self.replicas[u].live for u in urls if u in self.replicas)
+            return any((v := self._view(u)[0]) is not None and v.live for u in urls)
 
     def depth(self, url: str, chunks: Sequence[str], entry: RecordEntry) -> int:
         """Chunks of this request's prefix that ``url`` holds (see the module docstring)."""
         with self._lock:
-            view = self.replicas.get(url)
+            view, synced = self._view(url)
             for j in range(len(chunks) - 1, -1, -1):
-                if self._holds(url, view, chunks[j], entry):
+                if self._holds(url, view, synced, chunks[j], entry):
                     return j + 1
         return 0
 
-    def _holds(self, url: str, view: ReplicaBlocks | None, chunk: str, entry: RecordEntry) -> bool:
+    def _holds(
+        self, url: str, view: ReplicaBlocks | None, synced: bool, chunk: str, entry: RecordEntry
+    ) -> bool:
         rec = entry(chunk)
         from_record = rec is not None and rec[0] == url
         anchor = self.anchors.get(chunk)
         if view is None or not view.live or anchor is None:
             return from_record
         block, learned_at = anchor
-        if view.synced and block in view.held:
+        if synced and block in view.held:
             return True
         if not from_record:
             return False
         assert rec is not None
         if view.removed_since(block, rec[1]):
             return False
-        return not view.synced or rec[1] >= learned_at
+        return not synced or rec[1] >= learned_at
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self) -> dict[str, dict[str, Any]]:
@@ -245,10 +282,15 @@ class KVIndex:
             for url, view in self.replicas.items():
                 feed = self._feeds.get(url)
                 stats = feed.stats if feed is not None else None
+                _, synced = self._view(url)
                 out[url] = {
                     "endpoint": self.specs[url].endpoint,
                     "live": view.live,
-                    "synced": view.synced,
+                    "synced": synced,
+                    "feed_alive": feed.alive if feed is not None else False,
+                    "lag_s": round(stats.lag_s, 3) if stats else 0.0,
+                    "undecodable": stats.undecodable if stats else 0,
+                    "overflows": view.overflows,
                     "blocks": len(view.held),
                     "batches": stats.batches if stats else 0,
                     "replayed": stats.replayed if stats else 0,
