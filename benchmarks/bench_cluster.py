@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster_ext import EXTERNAL, external_front, p50, served, spread  # noqa: E402
+from cluster_ext import EXTERNAL, SMG_KEY, external_front, p50, served, spread  # noqa: E402
 
 from prefixcache.commands.cluster import free_port, wait_ready  # noqa: E402
 from prefixcache.commands.server import parse_bytes  # noqa: E402
@@ -193,7 +193,7 @@ class RouterThread:
 
 
 def one_request(
-    client: httpx.Client, model: str, req: dict[str, Any], max_tokens: int = 1
+    client: httpx.Client, model: str, req: dict[str, Any], max_tokens: int = 1, key: str | None = None
 ) -> tuple[float, int, int, str, int]:
     body = {
         "model": model,
@@ -207,7 +207,10 @@ def one_request(
     ttft = None
     usage: dict[str, Any] = {}
     with client.stream(
-        "POST", "/v1/chat/completions", json=body, headers={"authorization": f"Bearer key-{req['tenant']}"}
+        "POST",
+        "/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {key or 'key-' + req['tenant']}"},
     ) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
@@ -481,7 +484,11 @@ def run_policy(
     reqs = build_requests(args, tag=f"{run.policy}-{args.seed}")
     key = "key-tenant-a"
     before = served(urls, key)
-    front = external_front(external, urls, feeds, model) if external else RouterThread(urls, policy, feeds)
+    one_key = SMG_KEY if external == "smg" else None  # see cluster_ext.SMG_KEY
+    if external:
+        front: Any = external_front(external, urls, feeds, model, one_key)
+    else:
+        front = RouterThread(urls, policy, feeds)
     lock = threading.Lock()
     t0 = time.perf_counter()
     with front as base:
@@ -493,7 +500,7 @@ def run_policy(
                     ts = time.perf_counter() - t0
                     try:
                         ttft, prompt, cached, replica, completion = one_request(
-                            client, model, req, args.max_tokens
+                            client, model, req, args.max_tokens, one_key
                         )
                     except (httpx.HTTPError, RuntimeError) as e:
                         print(f"{run.policy}: request failed: {e}", file=sys.stderr)
