@@ -268,8 +268,9 @@ def simulate(
             )
     trace = load_trace(path, tokenizer="default")
     # A shared tier makes every replica see every prefix: predicted as one replica.
+    budget = {"capacity_bytes": capacity} if capacity else {}  # else SimConfig's default
     cfg = SimConfig(
-        capacity_bytes=capacity or SimConfig.capacity_bytes,
+        **budget,
         replicas=1 if run.shared_tier else replicas,
         routing=run.routing,
         block_size=16,
