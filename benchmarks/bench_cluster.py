@@ -578,13 +578,31 @@ def write_report(runs: list[Run], args: argparse.Namespace, elapsed: float, note
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
-        per = ", ".join(str(v) for v in sorted(r.per_replica.values(), reverse=True))
+        counts = r.served.values() if r.served else r.per_replica.values()
+        per = ", ".join(str(v) for v in sorted(counts, reverse=True))
         lines.append(
             f"| {r.policy} | {r.requests} | {pct(r.hit_rate)} | {pct(r.sim_hit_rate)} | {ms(r.mean_ttft_s)} "
             f"| {ms(r.sim_ttft_s)} | {ms(r.sim_ttft_cal_s)} | {per} | {r.failed} |"
         )
     if notes:
         lines += ["", "Simulator cost models: " + "; ".join(notes) + "."]
+    if args.clients > 1:
+        lines += [
+            "",
+            f"With {args.clients} requests in flight the predictions fall below the measured hit rates; the "
+            "replay was calibrated on one-at-a-time runs, and how it orders requests sent together (and "
+            "what each then finds cached) is not checked here. Compare the measured rows with each other.",
+        ]
+    if any(r.external for r in runs):
+        lines += [
+            "",
+            "SMG and vllm-router rows: the same replicas and trace shape (fresh prefixes), the router "
+            "binary from `pip install 'prefixcache[routers]'` in front; no prediction (the simulator "
+            "routes as the own router does). SMG runs as one tenant: it reads a replica's model from "
+            "`GET /v1/models` with the key given by `--api-key` and then requires that key of every "
+            "client, so all its requests use tenant a's key (the tenants' system prompts differ, so no "
+            "row shares a prefix across tenants). vllm-router forwards each client's key.",
+        ]
     lines += [
         "",
         "Every row on the same replicas: requests each replica answered (from the replicas' own "
