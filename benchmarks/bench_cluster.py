@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster_ext import EXTERNAL, external_front, p50, served, spread  # noqa: E402
+from cluster_ext import EXTERNAL, SMG_KEY, external_front, p50, served, spread  # noqa: E402
 
 from prefixcache.commands.cluster import free_port, wait_ready  # noqa: E402
 from prefixcache.commands.server import parse_bytes  # noqa: E402
@@ -193,7 +193,7 @@ class RouterThread:
 
 
 def one_request(
-    client: httpx.Client, model: str, req: dict[str, Any], max_tokens: int = 1
+    client: httpx.Client, model: str, req: dict[str, Any], max_tokens: int = 1, key: str | None = None
 ) -> tuple[float, int, int, str, int]:
     body = {
         "model": model,
@@ -207,7 +207,10 @@ def one_request(
     ttft = None
     usage: dict[str, Any] = {}
     with client.stream(
-        "POST", "/v1/chat/completions", json=body, headers={"authorization": f"Bearer key-{req['tenant']}"}
+        "POST",
+        "/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {key or 'key-' + req['tenant']}"},
     ) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
@@ -265,8 +268,9 @@ def simulate(
             )
     trace = load_trace(path, tokenizer="default")
     # A shared tier makes every replica see every prefix: predicted as one replica.
+    budget = {"capacity_bytes": capacity} if capacity else {}  # else SimConfig's default
     cfg = SimConfig(
-        capacity_bytes=capacity or SimConfig.capacity_bytes,
+        **budget,
         replicas=1 if run.shared_tier else replicas,
         routing=run.routing,
         block_size=16,
@@ -481,7 +485,11 @@ def run_policy(
     reqs = build_requests(args, tag=f"{run.policy}-{args.seed}")
     key = "key-tenant-a"
     before = served(urls, key)
-    front = external_front(external, urls, feeds, model) if external else RouterThread(urls, policy, feeds)
+    one_key = SMG_KEY if external == "smg" else None  # see cluster_ext.SMG_KEY
+    if external:
+        front: Any = external_front(external, urls, feeds, model, one_key)
+    else:
+        front = RouterThread(urls, policy, feeds)
     lock = threading.Lock()
     t0 = time.perf_counter()
     with front as base:
@@ -493,7 +501,7 @@ def run_policy(
                     ts = time.perf_counter() - t0
                     try:
                         ttft, prompt, cached, replica, completion = one_request(
-                            client, model, req, args.max_tokens
+                            client, model, req, args.max_tokens, one_key
                         )
                     except (httpx.HTTPError, RuntimeError) as e:
                         print(f"{run.policy}: request failed: {e}", file=sys.stderr)
@@ -570,13 +578,31 @@ def write_report(runs: list[Run], args: argparse.Namespace, elapsed: float, note
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
-        per = ", ".join(str(v) for v in sorted(r.per_replica.values(), reverse=True))
+        counts = r.served.values() if r.served else r.per_replica.values()
+        per = ", ".join(str(v) for v in sorted(counts, reverse=True))
         lines.append(
             f"| {r.policy} | {r.requests} | {pct(r.hit_rate)} | {pct(r.sim_hit_rate)} | {ms(r.mean_ttft_s)} "
             f"| {ms(r.sim_ttft_s)} | {ms(r.sim_ttft_cal_s)} | {per} | {r.failed} |"
         )
     if notes:
         lines += ["", "Simulator cost models: " + "; ".join(notes) + "."]
+    if args.clients > 1:
+        lines += [
+            "",
+            f"With {args.clients} requests in flight the predictions fall below the measured hit rates; the "
+            "replay was calibrated on one-at-a-time runs, and how it orders requests sent together (and "
+            "what each then finds cached) is not checked here. Compare the measured rows with each other.",
+        ]
+    if any(r.external for r in runs):
+        lines += [
+            "",
+            "SMG and vllm-router rows: the same replicas and trace shape (fresh prefixes), the router "
+            "binary from `pip install 'prefixcache[routers]'` in front; no prediction (the simulator "
+            "routes as the own router does). SMG runs as one tenant: it reads a replica's model from "
+            "`GET /v1/models` with the key given by `--api-key` and then requires that key of every "
+            "client, so all its requests use tenant a's key (the tenants' system prompts differ, so no "
+            "row shares a prefix across tenants). vllm-router forwards each client's key.",
+        ]
     lines += [
         "",
         "Every row on the same replicas: requests each replica answered (from the replicas' own "

@@ -241,6 +241,29 @@ def test_a_router_keeps_each_prefix_on_one_replica_and_reports_the_replicas_hits
     no_404(reps)
 
 
+def test_vllm_router_routes_by_the_blocks_the_replicas_events_announce(replicas, router_front) -> None:
+    """Prefixes cached on a replica behind the router's back (sent to it directly) are known to
+    kv_aware only through that replica's BlockStored events: each goes back to its holder (two
+    prefixes per replica, so no tie-break or load rule gets all four right but by 1 in 16)."""
+    reps = replicas(2)
+    with router_front("vllm-router", reps) as router:
+        holders = {system: reps[i % 2] for i, system in enumerate(SYSTEMS)}
+        for system, rep in holders.items():
+            direct = openai.OpenAI(base_url=rep.url + "/v1", api_key="none", max_retries=0)
+            chat(direct, system, "Direct question")
+        for rep in reps:  # every block the replica holds has gone out as a BlockStored
+            held = rep.engine.stats().blocks
+            sent = rep.publisher.stats
+            wait_for(lambda sent=sent, held=held: sent.stored_blocks >= held, "the BlockStored events")
+        time.sleep(1.0)  # published; give the router's subscriber a moment to index them
+        routed = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+        for system, rep in holders.items():
+            served_before = len(rep.rec.systems)
+            assert chat(routed, system, "Routed question") > 0
+            assert len(rep.rec.systems) == served_before + 1, "not sent to the replica holding its blocks"
+    no_404(reps)
+
+
 @pytest.mark.model
 def test_vllm_router_kv_aware_over_smollm2_replicas(replicas, real_runner, router_front) -> None:
     """The real tokenizer: kv_aware hashes the rendered tokens and the events' token ids alike, so

@@ -136,6 +136,7 @@ def test_completion_render_and_tokenize_agree_with_a_completion(server) -> None:
         ("/v1/chat/completions/render", {"model": MODEL, "messages": []}, 400, "messages"),
         ("/v1/chat/completions/render", {"model": "other", "messages": ONE_USER_TURN}, 404, ""),
         ("/v1/completions/render", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+        ("/v1/completions/render", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt[1]"),
         ("/v1/messages/render", {"model": MODEL, "messages": ONE_USER_TURN}, 400, "max_tokens"),
         ("/v1/responses/render", {"model": MODEL, "input": "x", "store": True}, 400, "store"),
     ],

@@ -106,8 +106,11 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def wait_models(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    """Wait until a router at ``url`` lists a model (it has found a replica) or its process exits."""
+def wait_models(
+    url: str, proc: subprocess.Popen[bytes], timeout_s: float, headers: dict[str, str] | None = None
+) -> None:
+    """Wait until a router at ``url`` lists a model (it has found a replica) or its process exits.
+    ``headers``: a key, when the replicas want one (vllm-router forwards the question to them)."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -115,7 +118,7 @@ def wait_models(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> No
         if proc.poll() is not None:
             raise RuntimeError(f"{url}: the router exited with status {proc.returncode} (see its log above)")
         try:
-            r = httpx.get(url + "/v1/models", timeout=2.0)
+            r = httpx.get(url + "/v1/models", headers=headers, timeout=2.0)
             if r.status_code == 200 and r.json().get("data"):
                 return
         except (httpx.HTTPError, ValueError):
@@ -128,8 +131,16 @@ class RouterProcess:
     """An external router as a child process (tests and benchmarks): ``with RouterProcess(cmd,
     url) as r:`` starts it, waits until it lists a model, and stops it (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, cmd: list[str], url: str, log: IO[bytes] | None = None, ready_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        cmd: list[str],
+        url: str,
+        log: IO[bytes] | None = None,
+        ready_s: float = 60.0,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.cmd = cmd
+        self.headers = headers
         self.url = url
         self.log = log
         self.ready_s = ready_s
@@ -139,7 +150,7 @@ class RouterProcess:
         out = self.log if self.log is not None else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT)
         try:
-            wait_models(self.url, self.proc, self.ready_s)
+            wait_models(self.url, self.proc, self.ready_s, self.headers)
         except BaseException:
             self.stop()
             raise

@@ -181,15 +181,20 @@ def _tool_choice(raw: Any) -> Any:
 async def detokenize(body: DetokenizeRequest, request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
     state = get_state(request)
     _check_optional_model(state, body.model)
+    tokens = list(body.tokens)
+    _check_vocab(state, tokens, "tokens")
+    return {"prompt": await state.bridge.run(lambda: state.bridge.decode(tokens))}
+
+
+def _check_vocab(state: ServerState, ids: list[int], field: str) -> None:
+    """A 400 naming the first token id outside the model's vocabulary."""
     vocab = _vocab_size(state)
-    for i, t in enumerate(body.tokens):
+    for i, t in enumerate(ids):
         if vocab is not None and t >= vocab:
             raise bad_request(
-                f"'tokens[{i}]' is {t}, outside this model's vocabulary of {vocab} tokens.",
-                param=f"tokens[{i}]",
+                f"'{field}[{i}]' is {t}, outside this model's vocabulary of {vocab} tokens.",
+                param=f"{field}[{i}]",
             )
-    tokens = list(body.tokens)
-    return {"prompt": await state.bridge.run(lambda: state.bridge.decode(tokens))}
 
 
 def _vocab_size(state: ServerState) -> int | None:
@@ -234,6 +239,7 @@ async def render_completion(
         ids = list(await state.bridge.run(lambda: state.bridge.tokenize(text)))
     else:
         ids = [int(t) for t in prompt]
+        _check_vocab(state, ids, "prompt")
     params = _sampling_params(body, body.max_tokens or 16, _stops(body), n)
     rid = f"cmpl-{uuid.uuid4().hex[:24]}"
     return [_generate_request(rid, ids, body.model, params, bool(body.stream), _options(body))]
