@@ -11,6 +11,8 @@ Routes (OpenAI shape unless noted):
     GET    /v1/cache                   the caller's cache stats;  DELETE: flush the caller's blocks
     GET    /v1/cache/report            the caller's cache busting, found live
     POST   /v1/cache/pin               prefill + pin a prefix;    DELETE: unpin it
+    GET    /v1/cache/verify            the exactness audit;       POST: check one prompt now
+    POST   /v1/cache/verify/ack        acknowledge the audit's differences (admin)
     GET    /v1/dashboard               the live dashboard's data; GET /dashboard: its page
     GET    /metrics                    Prometheus text
     GET    /health                     liveness
@@ -33,6 +35,7 @@ from prefixcache.server import (
     routes_openai,
     routes_ops,
     routes_responses,
+    routes_verify,
 )
 from prefixcache.server.auth import Authenticator
 from prefixcache.server.bridge import Admission, EngineBridge
@@ -141,6 +144,8 @@ def create_app(
     if busting_window:
         busting = BustingWatch(LiveBusting(lambda: engine.tokenizer, window=busting_window))
         metrics.registry.register(busting.collector())
+    if getattr(engine, "auditor", None) is not None:
+        metrics.registry.register(routes_verify.VerifyCollector(engine.auditor))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -173,7 +178,7 @@ def create_app(
         busting=busting,
     )
     install_error_handlers(app)
-    routers = (routes_openai, routes_responses, routes_anthropic, routes_ops, routes_dashboard)
+    routers = (routes_openai, routes_responses, routes_anthropic, routes_ops, routes_verify, routes_dashboard)
     for module in routers:
         app.include_router(module.router)
     # No route has path parameters, so the path is the route template.

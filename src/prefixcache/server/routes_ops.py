@@ -68,7 +68,16 @@ def _age_headers(snapshot: Snapshot) -> dict[str, str] | None:
 async def health(request: Request) -> Any:
     """Never touches the cache (nor its lock): it answers while a tier read stalls the cache."""
     state = get_state(request)
-    return {"status": "ok", "model": state.model_name, "queue_depth": state.bridge.admission.depth}
+    auditor = getattr(state.engine, "auditor", None)
+    degraded = auditor is not None and auditor.degraded
+    out: dict[str, Any] = {
+        "status": "degraded" if degraded else "ok",
+        "model": state.model_name,
+        "queue_depth": state.bridge.admission.depth,
+    }
+    if degraded:  # the exactness audit found a hit that differs (see GET /v1/cache/verify)
+        out["degraded"] = ["exactness: a cache hit differed from its recomputation; see GET /v1/cache/verify"]
+    return out
 
 
 @router.get("/v1/models", summary="The served model (OpenAI and Anthropic list shapes at once)")
@@ -110,7 +119,12 @@ async def cache_stats(request: Request, tenant: Tenant = Depends(get_tenant)) ->
 
     def read() -> dict[str, Any]:
         stats = cache.stats(tenant.name).as_dict()
-        return {k: stats[k] for k in TENANT_FIELDS if k in stats}
+        out = {k: stats[k] for k in TENANT_FIELDS if k in stats}
+        auditor = getattr(state.engine, "auditor", None)
+        if auditor is not None:  # the exactness audit's counts (the server's, not per tenant)
+            out["verified"] = auditor.counts()
+            out["verify_degraded"] = auditor.degraded
+        return out
 
     snapshot = await state.snapshots.read(("tenant", tenant.name), read)
     if snapshot is None:
