@@ -85,7 +85,12 @@ async def verify_prompt(body: PinRequest, request: Request, tenant: Tenant = Dep
     not_cached (no block of it is cached: nothing to compare) or skipped."""
     auditor_of(request)
     bridge = get_state(request).bridge
-    if body.messages is not None and body.prompt is None and body.prompt_token_ids is None:
+    if (
+        body.messages is not None
+        and body.tools is None
+        and body.prompt is None
+        and body.prompt_token_ids is None
+    ):
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         ids = await bridge.run(lambda: bridge.render_ids(messages))
     else:
