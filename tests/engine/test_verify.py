@@ -197,3 +197,41 @@ def test_checks_run_beside_running_requests_and_never_fail_them(tiny_runner: Any
     finally:
         engine.close()
         cold_engine.close()
+
+
+@pytest.mark.model
+def test_real_model_audit_agrees_with_a_cold_run_and_catches_a_flipped_bit(real_runner: Any) -> None:
+    """The audit's verdict on a real hit is what comparing it with a cold engine says (equal where
+    the machine's GEMMs keep the runner row-invariant: docs/engine.md), and a flipped bit in the
+    first cached block is caught, after which the prompt is recomputed exactly."""
+    engine = Engine(real_runner, verify_rate=1.0)
+    cold = Engine(real_runner, enable_cache=False)
+    try:
+        system = "You are a careful assistant. Answer in one short sentence. " * 3
+        first = [{"role": "system", "content": system}, {"role": "user", "content": "Name a colour."}]
+        second = [{"role": "system", "content": system}, {"role": "user", "content": "Name a fruit."}]
+        engine.generate(messages=first, max_tokens=2)
+        hit = engine.generate(messages=second, max_tokens=2, return_logits=True)
+        assert hit.usage.cached_tokens >= 32
+        want = cold.generate(messages=second, max_tokens=2, return_logits=True)
+        counts = _wait_counts(engine.auditor, 1)
+        exact = torch.equal(hit.first_logits, want.first_logits)
+        assert counts == {"equal": int(exact), "differ": int(not exact), "skipped": 0}
+        engine.auditor.acknowledge()
+
+        engine.generate(messages=second, max_tokens=1)  # cached again (whatever the verdict)
+        ids = engine.prompt_ids(messages=second)
+        block = engine.cache.snapshots(engine.cache.block_keys(ids, engine.namespace())[:1])[0].payload
+        bits = engine.pool.data[7, 0, 1, block.index, 9]
+        bits.view({2: torch.int16, 4: torch.int32}[bits.element_size()])[11] ^= 1 << 3
+        result = engine.verify(messages=second)
+        assert result.result == "differ" and result.difference.block == 0
+        assert result.difference.position <= 9  # the flipped position, or an earlier difference
+        assert engine.auditor.degraded
+        again = engine.generate(messages=second, max_tokens=6, return_logits=True)
+        want = cold.generate(messages=second, max_tokens=6, return_logits=True)
+        assert again.usage.cached_tokens == 0  # every block from block 0 on is gone: a cold run
+        assert torch.equal(again.first_logits, want.first_logits) and again.text == want.text
+    finally:
+        engine.close()
+        cold.close()

@@ -190,7 +190,7 @@ def test_completions_n_logprobs_and_echo(client):
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
-        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"extra_body": {"prompt_logprobs": 1}, "stream": True}, "prompt_logprobs"),
         ({"best_of": 3, "n": 2}, "best_of"),
         ({"n": 17}, "n"),
         ({"logprobs": 6}, "logprobs"),

@@ -156,6 +156,16 @@ def serve(
             "Anthropic's diagnostics, the miss metrics). --no-miss-reasons: a benchmark's baseline.",
         ),
     ] = True,
+    verify_rate: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Share of cache hits the exactness audit recomputes with the cache bypassed, in spare "
+            "step capacity, comparing logits and KV bit for bit (prefixcache_cache_verified_total; a "
+            "difference removes the blocks and marks /health degraded). 0 turns it off.",
+        ),
+    ] = 0.01,  # engine.verify.DEFAULT_VERIFY_RATE (not imported here: it loads torch)
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per cache block.")] = DEFAULTS.block_size,
     prefill_chunk: Annotated[
         int | None,
@@ -348,6 +358,7 @@ def serve(
             capacity_bytes=capacity_bytes,
             reasons_bytes=min(parse_bytes(reasons_bytes), capacity_bytes // 8),
             miss_reasons=miss_reasons,
+            verify_rate=verify_rate,
             default_ttl_s=ttl_s,
             max_queue=max_queue,
             max_batch=max_batch,

@@ -37,6 +37,7 @@ from prefixcache.cache.config import DEFAULTS
 from prefixcache.cache.tiers.codec import BlockLayout
 from prefixcache.engine.llama import LlamaRunner, unsupported_reason
 from prefixcache.engine.model import ModelRunner, default_dtype, env_dtype
+from prefixcache.engine.prompt_logprobs import PromptLogprob, prompt_logprobs
 from prefixcache.engine.prompts import check_prompt_text, encode, max_token_bytes, render_chat
 from prefixcache.engine.sampling import InvalidRequestError, SamplingParams
 from prefixcache.engine.scheduler import BatchWorker
@@ -383,6 +384,24 @@ class Engine:
         for _ in self._worker.submit(job):
             pass
         return future.result(timeout=timeout_s)
+
+    def prompt_logprobs(
+        self,
+        messages: Any = None,
+        prompt: Any = None,
+        prompt_token_ids: Any = None,
+        *,
+        top: int = 0,
+    ) -> list[PromptLogprob | None]:
+        """Each prompt token's logprob given the tokens before it (None for the first) and its
+        ``top`` (0..20) likeliest alternatives, recomputed with the cache bypassed: bitwise what
+        a cold run gives (``engine/prompt_logprobs.py``). Own runner only."""
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"prompt logprobs take an integer from 0 to {MAX_TOP_LOGPROBS}; got {top!r}"
+            )
+        ids = self.prompt_ids(messages, prompt, prompt_token_ids)
+        return prompt_logprobs(self.runner, ids, top, tokenizer=self.tokenizer, block_size=self.block_size)
 
     # ------------------------------------------------------------------ requests
     @property

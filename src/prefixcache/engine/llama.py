@@ -65,7 +65,8 @@ class Segment:
 
     ``table`` holds the pool block indices of positions ``[0, start + len(tokens))`` (at least);
     the step writes the new rows' KV into those blocks. ``decode``: one generated token.
-    ``want_logits``: the step returns the logits of this segment's last row.
+    ``want_logits``: the step returns the logits of this segment's last row (with
+    ``all_logits``: of every row, in order; prompt logprobs).
     """
 
     tokens: Sequence[int]
@@ -73,6 +74,7 @@ class Segment:
     table: Sequence[int]
     decode: bool = False
     want_logits: bool = False
+    all_logits: bool = False
 
     @property
     def end(self) -> int:
@@ -295,7 +297,7 @@ class LlamaRunner(ModelRunner):
             table = seg.table
             slots.extend(table[p // B] * B + p % B for p in span)
             if seg.want_logits:
-                last_rows.append(len(tokens) - 1)
+                last_rows.extend(range(n0, len(tokens)) if seg.all_logits else (len(tokens) - 1,))
             assert len(tokens) > n0, "a segment has no tokens"
         n = len(tokens)
         R = self.gemm.padded(n)

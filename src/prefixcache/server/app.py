@@ -11,6 +11,8 @@ Routes (OpenAI shape unless noted):
     GET    /v1/cache                   the caller's cache stats;  DELETE: flush the caller's blocks
     GET    /v1/cache/report            the caller's cache busting, found live
     POST   /v1/cache/pin               prefill + pin a prefix;    DELETE: unpin it
+    GET    /v1/cache/verify            the exactness audit;       POST: check one prompt now
+    POST   /v1/cache/verify/ack        acknowledge the audit's differences (admin)
     GET    /v1/dashboard               the live dashboard's data; GET /dashboard: its page
     GET    /metrics                    Prometheus text (prefixcache_ and vLLM's vllm: names)
     GET    /health                     liveness
@@ -40,6 +42,7 @@ from prefixcache.server import (
     routes_openai,
     routes_ops,
     routes_responses,
+    routes_verify,
     routes_vllm,
 )
 from prefixcache.server.auth import Authenticator
@@ -156,6 +159,8 @@ def create_app(
         busting = BustingWatch(LiveBusting(lambda: engine.tokenizer, window=busting_window))
         metrics.registry.register(busting.collector())
     metrics.registry.register(_vllm_gauges(bridge, metrics, model_name))
+    if getattr(engine, "auditor", None) is not None:
+        metrics.registry.register(routes_verify.VerifyCollector(engine.auditor))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -199,6 +204,7 @@ def create_app(
         routes_responses,
         routes_anthropic,
         routes_ops,
+        routes_verify,
         routes_dashboard,
         routes_vllm,
         routes_engine_info,

@@ -96,6 +96,12 @@ def dashboard_data(state: ServerState, tenant: Tenant) -> dict[str, Any]:
         data["cache"] = {"enabled": False}
         data["tenant_cache"] = None
         data["tiers"] = []
+    auditor = getattr(state.engine, "auditor", None)
+    data["verify"] = (
+        None
+        if auditor is None
+        else {"verified": auditor.counts(), "degraded": auditor.degraded, "rate": auditor.rate}
+    )
     data["miss_reasons"] = miss_reasons(state, tenant)
     data["busting"] = busting_findings(state, tenant)
     return data

@@ -35,6 +35,13 @@ from prefixcache.server.errors import APIError, bad_request, openai_error_body
 from prefixcache.server.limits import CheckedRoute
 from prefixcache.server.logprobs import chat_logprobs, completion_logprobs
 from prefixcache.server.openai_prompt import chat_conversation, chat_tool_config
+from prefixcache.server.prompt_logprobs import (
+    echo_logprobs,
+    join_logprobs,
+    prompt_entries,
+    trim_top,
+    vllm_prompt_logprobs,
+)
 from prefixcache.server.schemas_openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -279,12 +286,6 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
             "'best_of' is not supported: every choice is returned; remove it or set it equal to 'n'.",
             param="best_of",
         )
-    if body.echo and body.logprobs is not None:
-        raise bad_request(
-            "'echo' with 'logprobs' is not supported: the prompt's logprobs need every prompt position's "
-            "logits, and positions read from the cache have none. Drop 'echo' or 'logprobs'.",
-            param="echo",
-        )
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -300,15 +301,41 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
     if body.echo:
         ids = kwargs.get("prompt_token_ids")
         echo = prompt if isinstance(prompt, str) else await state.bridge.run(lambda: state.bridge.decode(ids))
+    tokens = state.bridge.token_text
+    # The prompt's own logprobs (echo + logprobs, or vLLM's prompt_logprobs): its rows recomputed
+    # with the cache bypassed, before the generation (so a bad request fails first).
+    prompt_part: dict[str, Any] | None = None
+    vllm_part: list[Any] | None = None
+    if (body.echo and body.logprobs is not None) or body.prompt_logprobs is not None:
+        if body.stream and body.prompt_logprobs is not None:
+            raise bad_request(
+                "'prompt_logprobs' is not supported with 'stream': drop one of them.", param="prompt_logprobs"
+            )
+        source = {k: v for k, v in kwargs.items() if k in ("prompt", "prompt_token_ids")}
+        prompt_ids, entries = await prompt_entries(
+            state.bridge, source, max(body.logprobs or 0, body.prompt_logprobs or 0)
+        )
+        if body.echo and body.logprobs is not None:
+            prompt_part = echo_logprobs(prompt_ids, trim_top(entries, body.logprobs), tokens)
+        if body.prompt_logprobs is not None:
+            vllm_part = vllm_prompt_logprobs(trim_top(entries, body.prompt_logprobs), tokens)
     kwargs.update(
         max_tokens=body.max_tokens or 16, n=n, logprobs=body.logprobs, **sampling_kwargs(body, tenant)
     )
     rid = f"cmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
-    tokens = state.bridge.token_text
 
     def logprobs(entries: Any) -> Any:
         return completion_logprobs(entries, tokens, len(echo)) if entries is not None else None
+
+    def choice_logprobs(entries: Any) -> Any:
+        out = logprobs(entries)
+        return join_logprobs(prompt_part, out) if prompt_part is not None else out
+
+    def extra(choice: dict[str, Any]) -> dict[str, Any]:
+        if vllm_part is not None:
+            choice["prompt_logprobs"] = vllm_part
+        return choice
 
     if not body.stream:
         fin = await state.bridge.generate(kwargs, request.is_disconnected)
@@ -321,12 +348,14 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
                 "model": state.model_name,
                 "system_fingerprint": None,
                 "choices": [
-                    {
-                        "text": echo + c.text,
-                        "index": c.index,
-                        "logprobs": logprobs(c.logprobs),
-                        "finish_reason": c.finish_reason,
-                    }
+                    extra(
+                        {
+                            "text": echo + c.text,
+                            "index": c.index,
+                            "logprobs": choice_logprobs(c.logprobs),
+                            "finish_reason": c.finish_reason,
+                        }
+                    )
                     for c in fin.choices
                 ],
                 "usage": openai_usage(fin.usage),
@@ -351,7 +380,7 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
 
     async def events() -> AsyncIterator[str]:
         for index in range(n if echo else 0):
-            yield _sse(chunk(index, echo, None))
+            yield _sse(chunk(index, echo, None, prompt_part))
         async for item in _items(agen, first):
             if isinstance(item, APIError):
                 yield _sse(openai_error_body(item))

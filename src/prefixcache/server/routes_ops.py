@@ -16,7 +16,8 @@ from prefixcache.cache.store import PinBudgetExceeded
 from prefixcache.server.auth import Tenant
 from prefixcache.server.errors import APIError, bad_request
 from prefixcache.server.limits import CheckedRoute
-from prefixcache.server.schemas_openai import ChatMessage
+from prefixcache.server.openai_prompt import chat_conversation, chat_tool_config
+from prefixcache.server.schemas_openai import ChatCompletionRequest, ChatMessage, ChatTool
 from prefixcache.server.snapshots import Snapshot
 from prefixcache.server.state import get_state, get_tenant
 
@@ -39,10 +40,13 @@ TENANT_FIELDS = (
 
 class PinRequest(BaseModel):
     """The prefix to keep warm: chat ``messages`` (OpenAI shape, rendered as a chat prompt
-    without the assistant turn), a raw ``prompt`` or ``prompt_token_ids``; exactly one."""
+    without the assistant turn), a raw ``prompt`` or ``prompt_token_ids``; exactly one. With
+    ``messages``, ``tools`` (OpenAI chat function tools) are rendered as a chat request with those
+    tools renders them, so an agent's tool definitions and system prompt can be kept warm."""
 
     model_config = ConfigDict(extra="ignore")
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: Annotated[list[ChatTool], Field(min_length=1)] | None = None
     prompt: Annotated[StrictStr, Field(min_length=1)] | None = None
     prompt_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None = None
 
@@ -68,7 +72,16 @@ def _age_headers(snapshot: Snapshot) -> dict[str, str] | None:
 async def health(request: Request) -> Any:
     """Never touches the cache (nor its lock): it answers while a tier read stalls the cache."""
     state = get_state(request)
-    return {"status": "ok", "model": state.model_name, "queue_depth": state.bridge.admission.depth}
+    auditor = getattr(state.engine, "auditor", None)
+    degraded = auditor is not None and auditor.degraded
+    out: dict[str, Any] = {
+        "status": "degraded" if degraded else "ok",
+        "model": state.model_name,
+        "queue_depth": state.bridge.admission.depth,
+    }
+    if degraded:  # the exactness audit found a hit that differs (see GET /v1/cache/verify)
+        out["degraded"] = ["exactness: a cache hit differed from its recomputation; see GET /v1/cache/verify"]
+    return out
 
 
 @router.get("/v1/models", summary="The served model (OpenAI and Anthropic list shapes at once)")
@@ -113,7 +126,12 @@ async def cache_stats(request: Request, tenant: Tenant = Depends(get_tenant)) ->
 
     def read() -> dict[str, Any]:
         stats = cache.stats(tenant.name).as_dict()
-        return {k: stats[k] for k in TENANT_FIELDS if k in stats}
+        out = {k: stats[k] for k in TENANT_FIELDS if k in stats}
+        auditor = getattr(state.engine, "auditor", None)
+        if auditor is not None:  # the exactness audit's counts (the server's, not per tenant)
+            out["verified"] = auditor.counts()
+            out["verify_degraded"] = auditor.degraded
+        return out
 
     snapshot = await state.snapshots.read(("tenant", tenant.name), read)
     if snapshot is None:
@@ -146,6 +164,14 @@ def _prefix_kwargs(body: PinRequest) -> dict[str, Any]:
 async def _prefix_ids(request: Request, body: PinRequest) -> list[int]:
     bridge = get_state(request).bridge
     kw = _prefix_kwargs(body)
+    if body.tools is not None:
+        if "messages" not in kw:
+            raise bad_request("'tools' needs 'messages' (the system prefix they go with).", param="tools")
+        chat = ChatCompletionRequest.model_construct(messages=body.messages, tools=body.tools)
+        renderer = bridge.renderer(chat_tool_config(chat))
+        conversation = chat_conversation(body.messages or [])
+        text = await bridge.run(lambda: renderer.text(conversation, add_generation_prompt=False))
+        return await bridge.run(lambda: list(bridge.engine.tokenize(text)))
     if "messages" in kw:
         return await bridge.run(lambda: bridge.render_ids(kw["messages"], add_generation_prompt=False))
     if "prompt" in kw:

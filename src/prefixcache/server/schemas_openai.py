@@ -2,7 +2,7 @@
 
 Unknown fields are ignored, as the hosted API's clients send many optional ones. Fields that
 would change the answer and that this server cannot honour (non-function tools, ``suffix``,
-``best_of`` other than ``n``, ``echo`` with ``logprobs``, ``logprobs`` with parsed tool calls)
+``best_of`` other than ``n``, ``logprobs`` with parsed tool calls)
 are refused by the routes with a 400 naming the field.
 """
 
@@ -162,3 +162,8 @@ class CompletionRequest(_Sampling):
         None, description="Each output token's log-probability and the k (0-5) most likely alternatives."
     )
     best_of: Annotated[StrictInt, Field(ge=1)] | None = Field(None, description="Only equal to n (or unset).")
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = Field(
+        None,
+        description="vLLM's extension: each prompt token's logprob and the k (0-20) likeliest tokens at its "
+        "position, recomputed with the cache bypassed (choices[].prompt_logprobs).",
+    )

@@ -68,6 +68,11 @@ function renderServer(d) {
     rows.push(["your tenant's hit rate", [PC.pct(d.tenant_cache.hit_rate), "num"]]);
     rows.push(["your tenant's blocks", [PC.num(d.tenant_cache.blocks), "num"]]);
   }
+  if (d.verify) {  // the exactness audit: sampled hits recomputed and compared bit for bit
+    const v = d.verify.verified;
+    rows.push(["exactness audit", [d.verify.degraded ? "a hit differed (see /v1/cache/verify)" : "ok", "num"]]);
+    rows.push(["hits verified equal / differ", [PC.num(v.equal) + " / " + PC.num(v.differ), "num"]]);
+  }
   PC.fillTable("cache-table", rows, "the prompt cache is off", 2);
 }
 
