@@ -356,6 +356,7 @@ def print_sim(res: SimResult, console: Console, fmt: str = "table") -> None:
         f"{d['prompt_tokens']:,} / {d['cached_tokens']:,} / {d['prefilled_tokens']:,}",
     )
     t.add_row("prefill time", f"{d['prefill_s']:,.0f} s at {c.cost.prefill_tps:g} tok/s ({c.cost.source})")
+    t.add_row("cache bytes per token", f"{c.cost.kv_bytes_per_token:,} ({c.cost.kv_source})")
     t.add_row("estimated TTFT", ttft_text(res))
     if c.keep_warm:
         t.add_row(
@@ -431,15 +432,25 @@ def print_sweep(
         t.add_column(col, justify="right")
     for label, r in zip(labels, results, strict=True):
         d = r.as_dict()
+        mark = "" if d["ttft_s"]["meaningful"] else " [bold red](saturated)[/bold red]"
         t.add_row(
             label,
             _pct(r.hit_rate),
             f"{d['prefilled_tokens']:,}",
-            f"{d['ttft_s']['p50']:.2f} s",
-            f"{d['ttft_s']['p95']:.2f} s",
+            f"{d['ttft_s']['p50']:.2f} s{mark}",
+            f"{d['ttft_s']['p95']:.2f} s{mark}",
             *(f"{x.total_usd:,.2f}" for x in r.costs),
         )
     t.emit(console, fmt)
+    saturated = [
+        label for label, r in zip(labels, results, strict=True) if not r.as_dict()["ttft_s"]["meaningful"]
+    ]
+    if saturated:
+        console.print(
+            f"[bold red]saturated[/bold red] at {name}={', '.join(saturated)}: the offered prefill exceeds "
+            "what the replicas compute, so those TTFTs are not meaningful (add replicas or give the "
+            "hardware's --prefill-tps)."
+        )
 
 
 def plot_sweep(name: str, labels: list[str], values: list[float], results: list[SimResult]) -> Figure:
@@ -464,7 +475,20 @@ def plot_sweep(name: str, labels: list[str], values: list[float], results: list[
             )
         ax2.set_ylabel("cost ($)")
         ax2.legend(loc="lower right", fontsize="small")
-    ax.set_title(f"Hit rate and cost against {name}")
+    saturated = [v for v, r in zip(values, results, strict=True) if not r.as_dict()["ttft_s"]["meaningful"]]
+    if saturated:
+        ax.plot(
+            saturated,
+            [100 * r.hit_rate for v, r in zip(values, results, strict=True) if v in saturated],
+            linestyle="none",
+            marker="X",
+            markersize=11,
+            color="tab:red",
+            label="saturated: TTFT not meaningful",
+        )
+        ax.legend(loc="upper left", fontsize="small")
+    title = f"Hit rate and cost against {name}"
+    ax.set_title(title + (" (red X: replicas saturated)" if saturated else ""))
     return fig
 
 

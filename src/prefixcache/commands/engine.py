@@ -236,11 +236,27 @@ def bench(
             return
     command = "prefixcache " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     files = write_results(res, out, command)
+    files.append(_keep_calibration(out))
     if fmt == "json":
         print(next(f for f in files if f.suffix == ".json").read_text(), end="")
     else:
         emit_markdown(console, markdown(res, command), fmt)
     typer.echo("wrote " + ", ".join(str(f) for f in files), err=fmt in ("json", "csv"))
+
+
+def _keep_calibration(out: Path) -> Path:
+    """Copy the calibration just measured to where ``simulate`` finds it from any directory
+    (``$PREFIXCACHE_HOME/calibration.json``, default ``~/.cache/prefixcache``)."""
+    import os
+
+    from prefixcache.analysis.costs import CALIBRATION_NAME, user_calibration
+
+    target = user_calibration()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes((out / CALIBRATION_NAME).read_bytes())
+    os.replace(tmp, target)
+    return target
 
 
 def register(app: typer.Typer) -> None:
