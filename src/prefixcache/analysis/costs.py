@@ -128,10 +128,8 @@ def _calibration_source(path: Path) -> str:
         d = json.loads(path.read_text())
     except (OSError, ValueError):
         return "shipped calibration"
-    return (
-        f"shipped calibration: {d.get('model', '?')}, {d.get('runner', '?')} runner, {d.get('dtype', '?')}, "
-        f"{d.get('threads', '?')} threads; run `prefixcache bench` for this machine's"
-    )
+    runner, dtype, threads = d.get("runner", "?"), d.get("dtype", "?"), d.get("threads", "?")
+    return f"shipped calibration: {runner}, {dtype}, {threads} threads"
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -132,14 +132,17 @@ def demo(
     from prefixcache.engine.model import ModelRunner
 
     console = Console(width=None if sys.stdout.isatty() else 120)
+    steps = _Steps(Console(stderr=True))
     with console.status("loading the model") as status:
+        steps("loading the model (the first run converts it once, about a minute)", status)
         try:
             base = ModelRunner.load(model, threads=threads)
             chosen = select_runner(base, runner, dtype)
         except ValueError as exc:
             _fail(exc)
             return
-        rows, cold = run_demo(chosen, max_tokens=max_tokens, progress=lambda m: status.update(f"flow {m}"))
+        rows, cold = run_demo(chosen, max_tokens=max_tokens, progress=lambda m: steps(f"flow {m}", status))
+        steps.done()
     kind = "own runner, any 16-token block" if isinstance(chosen, LlamaRunner) else "HF runner, chunk 512"
     t = Table(title=f"prefix caching flows ({chosen.name}, {chosen.dtype_name}, {kind})")
     for col, just in (
@@ -164,6 +167,31 @@ def demo(
         )
     console.print(t)
     console.print("TTFT: median after each flow's first request; speedup: the flow's cold TTFT over that.")
+
+
+class _Steps:
+    """Progress of a long command, one line per step on stderr with the time the last one took
+    (also in a pipe or a log, where a spinner shows nothing), besides the spinner's text."""
+
+    def __init__(self, console: Any) -> None:
+        import time
+
+        self.console = console
+        self.clock = time.monotonic
+        self.started = self.clock()
+        self.last: tuple[str, float] | None = None
+
+    def __call__(self, message: str, status: Any) -> None:
+        self.done()
+        status.update(message)
+        self.last = (message, self.clock())
+
+    def done(self) -> None:
+        if self.last is not None:
+            message, at = self.last
+            total = self.clock() - self.started
+            self.console.print(f"[dim]{message}: {self.clock() - at:.1f} s (total {total:.0f} s)[/dim]")
+            self.last = None
 
 
 def bench(
