@@ -312,7 +312,7 @@ def simulate(
     for p in profiles:
         if p not in PROFILES:
             raise typer.BadParameter(f"{p!r}: choose from {', '.join(PROFILES)}", param_hint="--pricing")
-    output_file(plot, "--plot")
+    output_file(plot, "--plot", create_parents=True)
     if keep_warm and keep_warm != "auto":
         input_file(Path(keep_warm), "--keep-warm", "keep-warm file (auto, or audit --json output)")
     if calibration is not None:
@@ -420,10 +420,17 @@ def _format(fmt: str, json_out: bool) -> bool:
 
 
 def _check_folder(path: Path | None, hint: str) -> None:
-    if path is not None and path.exists() and not path.is_dir():
+    """A folder the command writes into: created if missing; one clean error if it cannot be."""
+    if path is None:
+        return
+    if path.exists() and not path.is_dir():
         raise typer.BadParameter(f"{path} is a file, not a folder", param_hint=hint)
-    if path is not None and not path.expanduser().resolve().parent.is_dir():
-        raise typer.BadParameter(f"cannot create {path}: its parent folder does not exist", param_hint=hint)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise typer.BadParameter(
+            f"cannot create the folder {path}: {exc.strerror or exc}", param_hint=hint
+        ) from None
 
 
 def _block_size(trace: Path, given: int | None) -> int:
