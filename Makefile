@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.prefixcache-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install kernels serve test demo bench lint cluster clean
+.PHONY: install kernels serve test demo bench lint cluster clean docs-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ cluster: install
 
 test: install
 	$(PY) -m pytest
+
+# Every README and docs example as written (full-size traces, the figures the docs show), and the
+# Python examples against the server on SmolLM2.
+docs-check: install
+	DOCS_CHECK_FULL=1 $(PY) -m pytest tests/test_docs_examples.py tests/server/test_docs_python_examples.py -q
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks

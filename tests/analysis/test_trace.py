@@ -317,3 +317,20 @@ def test_odd_token_values_behave_as_numpy_says(tmp_path: Path) -> None:
     p.write_text('{"v":1,"ts":1,"tokens":[4294967296]}\n')
     with pytest.raises(OverflowError):
         load_trace(p)
+
+
+def test_a_last_line_torn_by_a_crash_is_skipped_with_a_warning(tmp_path, caplog) -> None:
+    from prefixcache.analysis.synth import parse_endpoint, synthesize
+    from prefixcache.analysis.trace import TraceFormatError, load_trace
+
+    path = tmp_path / "t.jsonl"
+    synthesize(path, [parse_endpoint("ep:rate=2,system=100")], requests=20)
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) - 40])  # the writer stopped mid-line
+    trace = load_trace(path)
+    assert len(trace) == 19 and "cut short" in caplog.text
+    # A broken line that is not the last is still refused, naming it.
+    lines = whole.splitlines(keepends=True)
+    path.write_bytes(b"".join([*lines[:5], lines[5][:30] + b"\n", *lines[6:]]))
+    with pytest.raises(TraceFormatError, match=":6: not JSON"):
+        load_trace(path)

@@ -85,6 +85,9 @@ def test_recorder_series_totals_and_top_prefixes_are_exact() -> None:
         "ttft_hit_s": None,
         "ttft_partial_s": 0.2,
         "ttft_miss_s": 0.5,
+        "ttft_hit_per_1k_s": None,
+        "ttft_partial_per_1k_s": round(0.2 * 1000 / 34, 6),
+        "ttft_miss_per_1k_s": round(0.5 * 1000 / 34, 6),
         "queue_depth": 3,
     }
     # A quiet interval: zeros, no hit rate, and the prefilled counter's delta only.
@@ -111,6 +114,10 @@ def test_recorder_series_totals_and_top_prefixes_are_exact() -> None:
     view = rec.view("b")
     assert view["totals"]["requests"] == 4 and view["totals"]["cached_tokens"] == 80
     assert view["ttft"]["partial"] == {"count": 2, "p50_s": 0.3, "p90_s": 0.3}
+    # Hits against misses of prompts of one length: every prompt here is under 512 tokens.
+    [short] = view["ttft_by_length"]
+    assert (short["min_tokens"], short["max_tokens"]) == (1, 512)
+    assert short["miss"] == {"count": 1, "p50_s": 0.5, "p90_s": 0.5} and short["hit"]["count"] == 0
     assert [p["tenant"] for p in view["top_prefixes"]] == ["b"]
 
 
@@ -259,6 +266,25 @@ def test_dashboard_without_a_cache(serve, make_engine) -> None:
 
 
 # ---------------------------------------------------------------------------- the page, in Chromium
+def axis_labels(html: str, chart: str) -> list[str]:
+    import re
+
+    svg = re.search(rf'<svg[^>]*id="{chart}".*?</svg>', html, re.S)
+    assert svg is not None, chart
+    return re.findall(r'<text[^>]*class="axis"[^>]*>([^<]*)</text>', svg.group(0))
+
+
+def round_label(text: str) -> bool:
+    """A tick label of a nice scale: its number is 1, 2, 2.5 or 5 times a power of ten, or 0."""
+    import re
+
+    number = float(re.sub(r"[^0-9.]", "", text) or 0)
+    if number == 0:
+        return True
+    scaled = number / 10 ** __import__("math").floor(__import__("math").log10(number))
+    return any(abs(scaled - m * k) < 1e-6 for m in (1, 2, 2.5, 5) for k in (1, 2, 3, 4, 5, 6, 8))
+
+
 def test_dashboard_page_shows_live_numbers_in_chromium(serve, make_engine, browse) -> None:
     server = serve(make_engine(), model_name=MODEL, api_keys=KEYS, salt_secret="x", dashboard_interval_s=0.05)
     for i in range(2):
@@ -275,6 +301,12 @@ def test_dashboard_page_shows_live_numbers_in_chromium(serve, make_engine, brows
     (row,) = dom.rows("top-prefixes")
     assert row[1] == "alpha" and row[2] == str(first["cached_tokens"]) and "Alpha's handbook" in row[5]
     assert dom.rows("busting") == [["no data yet"]]  # nothing busts the cache here
+    # The charts: a time axis back from "now", and round tick labels.
+    for chart in ("chart-hit-rate", "chart-tokens", "chart-queue"):
+        labels = axis_labels(dom.html, chart)
+        assert "now" in labels, labels
+        ticks = [t for t in labels if t != "now" and not t.startswith("-")]
+        assert len(ticks) == 5 and all(round_label(t) for t in ticks), ticks
 
     for i in range(2, 5):
         chat(server.url, SYSTEM_A, f"q{i}", "sk-alpha")
@@ -306,5 +338,7 @@ def test_dashboard_page_with_the_real_model(serve, real_engine, browse) -> None:
     (row,) = dom.rows("top-prefixes")
     assert row[2] == str(2 * cached) and row[3] == "2" and row[4] == str(cached)
     assert row[5].startswith("<|im_start|>system Alpha's handbook for support agents")
-    ttft = {r[0]: r for r in dom.rows("ttft-table")}
-    assert ttft["miss"][1] == "1" and int(ttft["hit"][1]) + int(ttft["partial"][1]) == 2
+    # Hits against misses of prompts of one length: all three prompts fall in one bucket.
+    (bucket,) = dom.rows("ttft-table")
+    counts = [int(c.rsplit("(", 1)[1].rstrip(")")) if "(" in c else 0 for c in bucket[1:]]
+    assert counts[2] == 1 and counts[0] + counts[1] == 2, bucket

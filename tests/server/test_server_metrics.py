@@ -102,7 +102,9 @@ def test_trace_log_lines_load_in_the_ops_tools(serve, make_engine, tmp_path):
         max_tokens=2,
         extra_body={"prompt_cache_retention": "24h", "prompt_cache_key": "docs-bot"},
     )
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    header, *lines = [json.loads(line) for line in path.read_text().splitlines()]
+    layout = server.engine.block_layout
+    assert (header["type"], header["dtype"]) == ("header", layout.dtype)  # the KV dtype it computes in
     assert [line["endpoint"] for line in lines] == ["support-bot", "/v1/completions"]
     assert all(line["v"] == 1 and line["tenant"] == "acme" for line in lines)
     assert lines[0]["tokens"] == server.engine.render_ids(msgs)

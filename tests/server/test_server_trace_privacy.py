@@ -63,7 +63,15 @@ def test_keys_only_trace_has_no_tokens_or_text_and_replays(serve, make_engine, t
     for key, question in (("sk-a", "first?"), ("sk-a", "second?"), ("sk-b", "first?")):
         assert _chat(server.url, key, question).status_code == 200
     raw = path.read_text()
-    lines = [json.loads(line) for line in raw.splitlines()]
+    header, *lines = [json.loads(line) for line in raw.splitlines()]
+    # The header: the engine's KV layout (dtype, bytes per token), no prompt content.
+    assert header["type"] == "header" and set(header) == {
+        "v",
+        "type",
+        "dtype",
+        "kv_bytes_per_token",
+        "block_size",
+    }
     assert len(lines) == 3
     for line in lines:
         assert "tokens" not in line and "messages" not in line and "prompt" not in line

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,30 @@ log = logging.getLogger(__name__)
 #: SmolLM2-135M in float32: 2 (K and V) x 30 layers x 3 KV heads x 64 head dims x 4 bytes.
 SMOLLM2_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
 DEFAULT_PREFILL_TPS = 450.0
-DEFAULT_CALIBRATION = Path("benchmarks/results/calibration.json")
+#: Where ``prefixcache bench`` leaves its calibration for the simulator, whatever its ``--out``.
+CALIBRATION_NAME = "calibration.json"
+
+
+def user_calibration() -> Path:
+    """``$PREFIXCACHE_HOME/calibration.json`` (default ``~/.cache/prefixcache``): what
+    ``prefixcache bench`` measured on this machine."""
+    home = os.environ.get("PREFIXCACHE_HOME") or Path.home() / ".cache" / "prefixcache"
+    return Path(home) / CALIBRATION_NAME
+
+
+def shipped_calibration() -> Path:
+    """The calibration shipped in the package (measured by ``prefixcache bench`` for the release)."""
+    return Path(__file__).with_name("data") / CALIBRATION_NAME
+
+
+def default_calibration() -> Path:
+    """The simulator's calibration when none is given, independent of the working directory:
+    this machine's (:func:`user_calibration`) if ``prefixcache bench`` wrote one, else the
+    shipped one."""
+    mine = user_calibration()
+    return mine if mine.is_file() else shipped_calibration()
+
+
 PROFILES = ("anthropic", "openai", "self-hosted")
 
 
@@ -39,6 +63,7 @@ class CostModel:
     prefill_tps: float = DEFAULT_PREFILL_TPS
     decode_tps: float = 25.0
     source: str = "default"  # where prefill_tps came from
+    kv_source: str = "default"  # where kv_bytes_per_token came from
 
     def block_bytes(self, block_size: int) -> int:
         return block_size * self.kv_bytes_per_token
@@ -47,13 +72,13 @@ class CostModel:
         return tokens / self.prefill_tps
 
 
-def load_calibration(path: str | Path = DEFAULT_CALIBRATION) -> dict[str, float]:
+def load_calibration(path: str | Path | None = None) -> dict[str, float]:
     """Measured figures from ``prefixcache bench`` (``calibration.json``), tolerant of its shape.
 
     Returns the numbers found under keys that mention prefill/decode and tokens per second, and
     a KV bytes-per-token figure if present; an empty dict when the file is missing or unreadable.
     """
-    p = Path(path)
+    p = Path(path) if path is not None else default_calibration()
     if not p.is_file():
         return {}
     try:
@@ -80,18 +105,31 @@ def load_calibration(path: str | Path = DEFAULT_CALIBRATION) -> dict[str, float]
     return found
 
 
-def cost_model(
-    prefill_tps: float | None = None, calibration: str | Path | None = DEFAULT_CALIBRATION
-) -> CostModel:
-    """An explicit ``prefill_tps`` wins; then the calibration file; then the defaults."""
-    cal = load_calibration(calibration) if calibration else {}
+def cost_model(prefill_tps: float | None = None, calibration: str | Path | None = None) -> CostModel:
+    """An explicit ``prefill_tps`` wins; then the calibration file (None: :func:`default_calibration`);
+    then the defaults."""
+    calibration = calibration if calibration is not None else default_calibration()
+    cal = load_calibration(calibration)
     kv = int(cal.get("kv_bytes_per_token", SMOLLM2_KV_BYTES_PER_TOKEN))
+    kv_source = "calibration" if "kv_bytes_per_token" in cal else "default"
     decode = cal.get("decode_tps", 25.0)
     if prefill_tps is not None:
-        return CostModel(kv, float(prefill_tps), decode, source="--prefill-tps")
+        return CostModel(kv, float(prefill_tps), decode, source="--prefill-tps", kv_source=kv_source)
     if "prefill_tps" in cal:
-        return CostModel(kv, cal["prefill_tps"], decode, source=str(calibration))
-    return CostModel(kv, DEFAULT_PREFILL_TPS, decode, source="default")
+        source = _calibration_source(Path(calibration))
+        return CostModel(kv, cal["prefill_tps"], decode, source=source, kv_source=kv_source)
+    return CostModel(kv, DEFAULT_PREFILL_TPS, decode, source="default", kv_source=kv_source)
+
+
+def _calibration_source(path: Path) -> str:
+    if path.resolve() != shipped_calibration().resolve():
+        return str(path)
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return "shipped calibration"
+    runner, dtype, threads = d.get("runner", "?"), d.get("dtype", "?"), d.get("threads", "?")
+    return f"shipped calibration: {runner}, {dtype}, {threads} threads"
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,6 @@ PNG files. matplotlib runs on the Agg backend and is imported only when a plot i
 
 from __future__ import annotations
 
-import base64
-import html
 import io
 import json
 from pathlib import Path
@@ -55,6 +53,21 @@ def print_audit(res: AuditResult, console: Console, fmt: str = "table") -> None:
     )
     for missing in res.unavailable:
         console.print(f"[yellow]not available from this trace:[/yellow] {missing}")
+    endpoints, busting = audit_tables(res)
+    endpoints.emit(console, fmt)
+    if busting is not None:
+        busting.emit(console, fmt)
+        for name, line in fix_lines(res):
+            console.print(f"[yellow]Fix[/yellow] ([bold]{escape(name)}[/bold]): {escape(line)}")
+    else:
+        console.print("[green]No cache-busting spans found.[/green]")
+    for name, line in advice_lines(res):
+        console.print(f"[bold]{escape(name)}[/bold]: {escape(line)}")
+
+
+def audit_tables(res: AuditResult) -> tuple[ReportTable, ReportTable | None]:
+    """The audit's tables (endpoints; busting spans, None when there are none): the terminal
+    and the HTML report print the same."""
     t = ReportTable(title="Endpoints")
     for col in (
         "endpoint",
@@ -85,8 +98,8 @@ def print_audit(res: AuditResult, console: Console, fmt: str = "table") -> None:
             f"{e['ttl_expired_requests']:,}",
             "[green]yes[/green]" if e["keep_warm"] else "no",
         )
-    t.emit(console, fmt)
     spans = [(e["endpoint"], b) for e in res.endpoints for b in e["busting"]]
+    bt = None
     if spans:
         bt = ReportTable(title="Cache-busting spans (variable content above shared content)")
         for col in (
@@ -99,7 +112,8 @@ def print_audit(res: AuditResult, console: Console, fmt: str = "table") -> None:
             "saving if moved alone",
             "saving if all moved",
         ):
-            bt.add_column(col, justify="right" if col in ("token", "length") or "saving" in col else "left")
+            right = col in ("token", "length", "tokens lost/request") or "saving" in col
+            bt.add_column(col, justify="right" if right else "left")
         for name, b in spans:
             bt.add_row(
                 escape(name),
@@ -111,13 +125,7 @@ def print_audit(res: AuditResult, console: Console, fmt: str = "table") -> None:
                 _saving(b, "moved_below"),
                 _saving(b, "all_moved_below"),
             )
-        bt.emit(console, fmt)
-        for name, line in fix_lines(res):
-            console.print(f"[yellow]Fix[/yellow] ([bold]{escape(name)}[/bold]): {escape(line)}")
-    else:
-        console.print("[green]No cache-busting spans found.[/green]")
-    for name, line in advice_lines(res):
-        console.print(f"[bold]{escape(name)}[/bold]: {escape(line)}")
+    return t, bt
 
 
 def advice_lines(res: AuditResult) -> list[tuple[str, str]]:
@@ -286,58 +294,10 @@ def save_audit_plots(res: AuditResult, folder: str | Path, prefix: str = "audit_
 
 
 def audit_html(res: AuditResult, path: str | Path) -> Path:
-    """A self-contained HTML report: summary, tables, embedded PNG plots, the JSON."""
-    d = res.as_dict()
-    imgs = "".join(
-        f'<h2>{html.escape(name.replace("_", " "))}</h2><img alt="{name}" src="data:image/png;base64,'
-        f'{base64.b64encode(_png(fn(res))).decode()}">'
-        for name, fn in AUDIT_PLOTS.items()
-    )
-    rows = "".join(
-        "<tr>"
-        + "".join(
-            f"<td>{html.escape(str(x))}</td>"
-            for x in (
-                e["endpoint"],
-                e["requests"],
-                _pct(e["hit_rate"]),
-                _pct(e["achievable_hit_rate"]),
-                len(e["busting"]),
-                e["prefix_versions"],
-                e["ttl_expired_requests"],
-                "yes" if e["keep_warm"] else "no",
-            )
-        )
-        + "</tr>"
-        for e in res.endpoints
-    )
-    spans = (
-        "".join(
-            f"<li><b>{html.escape(e['endpoint'])}</b>: {html.escape(b['kind'])} at token {b['start_token']} "
-            f"({b['length_tokens']} tokens, e.g. <code>{html.escape((b['examples'] or [''])[0])}</code>): "
-            f"{b['tokens_lost_per_request']:,.0f} tokens lost per request</li>"
-            for e in res.endpoints
-            for b in e["busting"]
-        )
-        or "<li>none found</li>"
-    )
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>prefixcache audit</title>
-<style>body{{font-family:sans-serif;margin:2em;max-width:1000px;background:#fff;color:#222}}
-table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}
-th{{background:#eef}} img{{max-width:100%;border:1px solid #ddd}} .big{{font-size:1.4em}}</style></head><body>
-<h1>prefixcache audit</h1>
-<p class="big">{len(res.ts):,} requests &middot; TTL {res.config.ttl_s:g} s &middot; hit rate
-<b>{_pct(res.hit_rate)}</b> of an achievable <b>{_pct(res.achievable_hit_rate)}</b></p>
-<p>Achieved from: {html.escape(res.achieved_source)}</p>
-<table><tr><th>endpoint</th><th>requests</th><th>hit rate</th><th>achievable</th><th>busting spans</th>
-<th>prefix versions</th><th>lost to TTL</th><th>keep warm</th></tr>{rows}</table>
-<h2>Cache-busting spans</h2><ul>{spans}</ul>
-{imgs}
-<h2>JSON</h2><pre>{html.escape(json.dumps(d, indent=1, default=str)[:20000])}</pre>
-</body></html>"""
-    p = Path(path)
-    p.write_text(page, encoding="utf-8")
-    return p
+    """The HTML report (see :mod:`prefixcache.analysis.report_html`)."""
+    from prefixcache.analysis.report_html import audit_html as write
+
+    return write(res, path)
 
 
 # ------------------------------------------------------------------------------- simulate
@@ -356,6 +316,7 @@ def print_sim(res: SimResult, console: Console, fmt: str = "table") -> None:
         f"{d['prompt_tokens']:,} / {d['cached_tokens']:,} / {d['prefilled_tokens']:,}",
     )
     t.add_row("prefill time", f"{d['prefill_s']:,.0f} s at {c.cost.prefill_tps:g} tok/s ({c.cost.source})")
+    t.add_row("cache bytes per token", f"{c.cost.kv_bytes_per_token:,} ({c.cost.kv_source})")
     t.add_row("estimated TTFT", ttft_text(res))
     if c.keep_warm:
         t.add_row(
@@ -431,15 +392,25 @@ def print_sweep(
         t.add_column(col, justify="right")
     for label, r in zip(labels, results, strict=True):
         d = r.as_dict()
+        mark = "" if d["ttft_s"]["meaningful"] else " [bold red](saturated)[/bold red]"
         t.add_row(
             label,
             _pct(r.hit_rate),
             f"{d['prefilled_tokens']:,}",
-            f"{d['ttft_s']['p50']:.2f} s",
-            f"{d['ttft_s']['p95']:.2f} s",
+            f"{d['ttft_s']['p50']:.2f} s{mark}",
+            f"{d['ttft_s']['p95']:.2f} s{mark}",
             *(f"{x.total_usd:,.2f}" for x in r.costs),
         )
     t.emit(console, fmt)
+    saturated = [
+        label for label, r in zip(labels, results, strict=True) if not r.as_dict()["ttft_s"]["meaningful"]
+    ]
+    if saturated:
+        console.print(
+            f"[bold red]saturated[/bold red] at {name}={', '.join(saturated)}: the offered prefill exceeds "
+            "what the replicas compute, so those TTFTs are not meaningful (add replicas or give the "
+            "hardware's --prefill-tps)."
+        )
 
 
 def plot_sweep(name: str, labels: list[str], values: list[float], results: list[SimResult]) -> Figure:
@@ -464,7 +435,20 @@ def plot_sweep(name: str, labels: list[str], values: list[float], results: list[
             )
         ax2.set_ylabel("cost ($)")
         ax2.legend(loc="lower right", fontsize="small")
-    ax.set_title(f"Hit rate and cost against {name}")
+    saturated = [v for v, r in zip(values, results, strict=True) if not r.as_dict()["ttft_s"]["meaningful"]]
+    if saturated:
+        ax.plot(
+            saturated,
+            [100 * r.hit_rate for v, r in zip(values, results, strict=True) if v in saturated],
+            linestyle="none",
+            marker="X",
+            markersize=11,
+            color="tab:red",
+            label="saturated: TTFT not meaningful",
+        )
+        ax.legend(loc="upper left", fontsize="small")
+    title = f"Hit rate and cost against {name}"
+    ax.set_title(title + (" (red X: replicas saturated)" if saturated else ""))
     return fig
 
 

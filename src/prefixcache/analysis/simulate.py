@@ -95,6 +95,7 @@ class SimResult:
                 "prefill_tps": c.cost.prefill_tps,
                 "prefill_tps_source": c.cost.source,
                 "kv_bytes_per_token": c.cost.kv_bytes_per_token,
+                "kv_bytes_per_token_source": c.cost.kv_source,
             },
             "requests": len(self.cached),
             "hit_rate": self.hit_rate,

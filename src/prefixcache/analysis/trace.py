@@ -145,8 +145,8 @@ def _open_binary(p: Path) -> Any:
 
 
 def _slow_parse(p: Path | str, lineno: int, line: bytes) -> Any:
-    """A line orjson rejected: blank (None), something only the stdlib reads (NaN, Infinity),
-    or a TraceFormatError naming the line."""
+    """A line orjson rejected: blank (None), something only the stdlib reads (NaN, Infinity), a
+    last line torn by a crash (None, with a warning), or a TraceFormatError naming the line."""
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -156,6 +156,13 @@ def _slow_parse(p: Path | str, lineno: int, line: bytes) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
+        if not line.endswith(b"\n"):  # only the last line can lack its newline: cut short
+            log.warning(
+                "%s:%d: the last line is cut short (the writer stopped mid-line, e.g. a crash): skipped",
+                p,
+                lineno,
+            )
+            return None
         raise TraceFormatError(f"{p}:{lineno}: not JSON ({exc.msg}); is this a JSONL trace?") from None
 
 

@@ -250,17 +250,23 @@ def simulate(
         typer.Option(
             help="Prefill tokens/s per replica, or a hardware profile: smollm2-135m-cpu, "
             "smollm2-135m-cpu-hf, llama3-8b-h100-est (docs/ops.md says where each figure comes "
-            "from). Default: benchmarks/results/calibration.json, else 450."
+            "from). Default: the calibration (see --calibration)."
         ),
     ] = None,
-    calibration: Annotated[Path, typer.Option(help="Calibration written by `prefixcache bench`.")] = Path(
-        "benchmarks/results/calibration.json"
-    ),
+    calibration: Annotated[
+        Path | None,
+        typer.Option(
+            help="Calibration written by `prefixcache bench`. Default: the one it left in "
+            "~/.cache/prefixcache/calibration.json ($PREFIXCACHE_HOME), else the one shipped in the package "
+            "(whatever the working directory)."
+        ),
+    ] = None,
     kv_bytes_per_token: Annotated[
         str | None,
         typer.Option(
             help="Cache bytes per token, or a model profile: smollm2-135m-cpu, llama3-8b, qwen2.5-7b, "
-            "llama3-70b (default: SmolLM2 float32, 46,080)."
+            "llama3-70b. Default: the trace header's (a server's trace log records its KV dtype and "
+            "size), else the calibration's, else SmolLM2 float32 (46,080)."
         ),
     ] = None,
     pricing: Annotated[
@@ -306,11 +312,13 @@ def simulate(
     for p in profiles:
         if p not in PROFILES:
             raise typer.BadParameter(f"{p!r}: choose from {', '.join(PROFILES)}", param_hint="--pricing")
-    output_file(plot, "--plot")
+    output_file(plot, "--plot", create_parents=True)
     if keep_warm and keep_warm != "auto":
         input_file(Path(keep_warm), "--keep-warm", "keep-warm file (auto, or audit --json output)")
-    model = _cost_model(prefill_tps, kv_bytes_per_token, calibration)
+    if calibration is not None:
+        input_file(calibration, "--calibration", "calibration file")
     _check_file(trace)
+    model = _cost_model(prefill_tps, kv_bytes_per_token, calibration, trace)
     block_size = _block_size(trace, block_size)
     sweep_spec = _sweep(sweep) if sweep else None
     cfg = SimConfig(
@@ -412,10 +420,17 @@ def _format(fmt: str, json_out: bool) -> bool:
 
 
 def _check_folder(path: Path | None, hint: str) -> None:
-    if path is not None and path.exists() and not path.is_dir():
+    """A folder the command writes into: created if missing; one clean error if it cannot be."""
+    if path is None:
+        return
+    if path.exists() and not path.is_dir():
         raise typer.BadParameter(f"{path} is a file, not a folder", param_hint=hint)
-    if path is not None and not path.expanduser().resolve().parent.is_dir():
-        raise typer.BadParameter(f"cannot create {path}: its parent folder does not exist", param_hint=hint)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise typer.BadParameter(
+            f"cannot create the folder {path}: {exc.strerror or exc}", param_hint=hint
+        ) from None
 
 
 def _block_size(trace: Path, given: int | None) -> int:
@@ -427,14 +442,22 @@ def _block_size(trace: Path, given: int | None) -> int:
         raise typer.BadParameter(str(exc), param_hint="--block-size") from None
 
 
-def _cost_model(prefill_tps: str | None, kv_bytes_per_token: str | None, calibration: Path) -> CostModel:
-    """The simulator's cost model from the two flags (numbers or profile names)."""
+def _cost_model(
+    prefill_tps: str | None, kv_bytes_per_token: str | None, calibration: Path | None, trace: Path
+) -> CostModel:
+    """The simulator's cost model from the two flags (numbers or profile names), the trace's
+    header (the KV bytes per token a server recorded) and the calibration."""
     from dataclasses import replace
 
     from prefixcache.analysis import hardware
     from prefixcache.analysis.costs import cost_model
+    from prefixcache.analysis.importers import header_of
 
     model = cost_model(None, calibration)
+    header = header_of(trace)
+    kv = header.get("kv_bytes_per_token")
+    if kv_bytes_per_token is None and isinstance(kv, int) and kv > 0:
+        model = replace(model, kv_bytes_per_token=kv, kv_source=f"trace header ({header.get('dtype', '?')})")
     if prefill_tps is not None:
         try:
             rate, source = hardware.prefill_tps(prefill_tps)
@@ -443,7 +466,8 @@ def _cost_model(prefill_tps: str | None, kv_bytes_per_token: str | None, calibra
         model = replace(model, prefill_tps=rate, source=source)
     if kv_bytes_per_token is not None:
         try:
-            model = replace(model, kv_bytes_per_token=hardware.kv_bytes_per_token(kv_bytes_per_token))
+            kv = hardware.kv_bytes_per_token(kv_bytes_per_token)
+            model = replace(model, kv_bytes_per_token=kv, kv_source="--kv-bytes-per-token")
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--kv-bytes-per-token") from None
     return model

@@ -9,7 +9,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -143,7 +143,9 @@ def demo(
     from prefixcache.engine.model import ModelRunner, env_dtype
 
     console = Console(width=None if sys.stdout.isatty() else 120)
+    steps = _Steps(Console(stderr=True))
     with console.status("loading the model") as status:
+        steps("loading the model (the first run converts it once, about a minute)", status)
         try:
             env_dtype()  # a bad $PREFIXCACHE_DTYPE fails before the model loads
             base = ModelRunner.load(model, threads=threads)
@@ -151,7 +153,8 @@ def demo(
         except ValueError as exc:
             _fail(exc)
             return
-        rows, cold = run_demo(chosen, max_tokens=max_tokens, progress=lambda m: status.update(f"flow {m}"))
+        rows, cold = run_demo(chosen, max_tokens=max_tokens, progress=lambda m: steps(f"flow {m}", status))
+        steps.done()
     kind = "own runner, any 16-token block" if isinstance(chosen, LlamaRunner) else "HF runner, chunk 512"
     t = Table(title=f"prefix caching flows ({chosen.name}, {chosen.dtype_name}, {kind})")
     for col, just in (
@@ -176,6 +179,31 @@ def demo(
         )
     console.print(t)
     console.print("TTFT: median after each flow's first request; speedup: the flow's cold TTFT over that.")
+
+
+class _Steps:
+    """Progress of a long command, one line per step on stderr with the time the last one took
+    (also in a pipe or a log, where a spinner shows nothing), besides the spinner's text."""
+
+    def __init__(self, console: Any) -> None:
+        import time
+
+        self.console = console
+        self.clock = time.monotonic
+        self.started = self.clock()
+        self.last: tuple[str, float] | None = None
+
+    def __call__(self, message: str, status: Any) -> None:
+        self.done()
+        status.update(message)
+        self.last = (message, self.clock())
+
+    def done(self) -> None:
+        if self.last is not None:
+            message, at = self.last
+            total = self.clock() - self.started
+            self.console.print(f"[dim]{message}: {self.clock() - at:.1f} s (total {total:.0f} s)[/dim]")
+            self.last = None
 
 
 def bench(
@@ -281,11 +309,27 @@ def bench(
         (out / "engine.md").write_text(text)
         (out / "llamacpp.json").write_text(json.dumps(peer.as_dict(), indent=2) + "\n")
         files.append(out / "llamacpp.json")
+    files.append(_keep_calibration(out))
     if fmt == "json":
         print(next(f for f in files if f.suffix == ".json").read_text(), end="")
     else:
         emit_markdown(console, text, fmt)
     typer.echo("wrote " + ", ".join(str(f) for f in files), err=fmt in ("json", "csv"))
+
+
+def _keep_calibration(out: Path) -> Path:
+    """Copy the calibration just measured to where ``simulate`` finds it from any directory
+    (``$PREFIXCACHE_HOME/calibration.json``, default ``~/.cache/prefixcache``)."""
+    import os
+
+    from prefixcache.analysis.costs import CALIBRATION_NAME, user_calibration
+
+    target = user_calibration()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes((out / CALIBRATION_NAME).read_bytes())
+    os.replace(tmp, target)
+    return target
 
 
 def register(app: typer.Typer) -> None:

@@ -30,13 +30,22 @@ def size(text: str, hint: str = "--capacity") -> int:
         raise typer.BadParameter(str(exc), param_hint=hint) from None
 
 
-def output_file(path: Path | None, hint: str) -> Path | None:
-    """``path`` when a file can be written there: its folder exists (checked before any work)."""
+def output_file(path: Path | None, hint: str, *, create_parents: bool = False) -> Path | None:
+    """``path`` when a file can be written there: its folder exists, or (``create_parents``) is
+    created now; checked before any work."""
     if path is None:
         return None
     parent = path.expanduser().resolve().parent
+    if create_parents and not parent.exists():
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise typer.BadParameter(
+                f"cannot create the folder {parent}: {exc.strerror or exc}", param_hint=hint
+            ) from None
     if not parent.is_dir():
-        raise typer.BadParameter(f"cannot write {path}: no such directory {parent}", param_hint=hint)
+        why = "is not a folder" if parent.exists() else "does not exist"
+        raise typer.BadParameter(f"cannot write {path}: the folder {parent} {why}", param_hint=hint)
     if path.is_dir():
         raise typer.BadParameter(f"cannot write {path}: it is a directory", param_hint=hint)
     return path

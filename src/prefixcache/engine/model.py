@@ -276,7 +276,8 @@ class ModelRunner:
         tok = AutoTokenizer.from_pretrained(str(folder))
         dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
         hf.to(dev).eval()
-        log.info("loaded %s (%s, %s) in %.1f s", path.name, dtype, dev, time.perf_counter() - t0)
+        # (the weights as loaded: a runner may compute in another dtype, which it logs itself)
+        log.info("loaded %s weights as %s on %s in %.1f s", path.name, dtype, dev, time.perf_counter() - t0)
         runner = cls(hf, tok, weights_id=f"sha256:{sha}", name=path.stem, dtype=dtype, threads=threads)
         runner.source_path = path  # the file or folder loaded (``--weights q4`` reads a GGUF's groups)
         return runner

@@ -56,7 +56,7 @@ from prefixcache.server.limits import BodyLimit, default_max_body_bytes, refuse_
 from prefixcache.server.metrics import Metrics
 from prefixcache.server.snapshots import SnapshotReader
 from prefixcache.server.state import ServerState
-from prefixcache.server.tracelog import TraceWriter
+from prefixcache.server.tracelog import TraceWriter, engine_header
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,7 @@ def create_app(
             tokenizer=trace_tokenizer,
             keys_only=trace_keys_only,
             block_size=bridge.block_size,
+            header=engine_header(engine),
         )
 
     auth = Authenticator(api_keys, salt_secret, admin_tenants)

@@ -22,7 +22,14 @@ import anyio
 
 from prefixcache.cache.stats import Usage
 from prefixcache.engine.detok import TokenText
-from prefixcache.engine.types import ChoiceDelta, Completion, PromptDone, QueueFullError, TokenLogprob
+from prefixcache.engine.types import (
+    ChoiceDelta,
+    Completion,
+    PromptDone,
+    PromptTooLongError,
+    QueueFullError,
+    TokenLogprob,
+)
 from prefixcache.server.errors import APIError
 from prefixcache.server.kv_blocks import note_prompt_blocks
 from prefixcache.server.tool_prompt import PromptRenderer, RenderedPrompt, ToolConfig
@@ -86,6 +93,8 @@ def translate_error(exc: BaseException) -> APIError | None:
         return exc
     if isinstance(exc, QueueFullError):
         return queue_full_error()
+    if isinstance(exc, PromptTooLongError):  # OpenAI's code for it, which clients look for
+        return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, ValueError):  # the engine's bad-input errors subclass ValueError
         return APIError(400, str(exc) or type(exc).__name__, code=type(exc).__name__)
     return None

@@ -44,6 +44,9 @@ PREVIEW_TAIL_TOKENS = 12
 PREVIEW_MAX_CHARS = 160
 OUTCOMES = ("hit", "partial", "miss")
 CREDENTIALS_KEPT = 64  # per top-prefix entry: beyond, a new caller's hits no longer unlock its preview
+#: Prompt-length buckets (tokens, upper bound excluded) for comparing hit and miss TTFTs: a miss
+#: of a short prompt is faster than a hit of a long one, which says nothing about the cache.
+LENGTH_BUCKETS = ((1, 512), (512, 2048), (2048, 8192), (8192, None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +109,16 @@ class _Counts:
     cached_tokens: int = 0
     written_tokens: int = 0
     ttft: dict[str, list[float]] = field(default_factory=lambda: {o: [] for o in OUTCOMES})
+    # TTFT per 1,000 prompt tokens: comparable across prompt lengths
+    ttft_k: dict[str, list[float]] = field(default_factory=lambda: {o: [] for o in OUTCOMES})
+
+
+def _bucket(prompt_tokens: int) -> int:
+    """The index of the :data:`LENGTH_BUCKETS` entry holding ``prompt_tokens``."""
+    for i, (_, hi) in enumerate(LENGTH_BUCKETS):
+        if hi is None or prompt_tokens < hi:
+            return i
+    return len(LENGTH_BUCKETS) - 1
 
 
 def _median(values: list[float]) -> float | None:
@@ -157,6 +170,9 @@ class DashboardRecorder:
         self._totals = _Counts()
         self._interval = _Counts()  # since the last sample
         self._ttft: dict[str, deque[float]] = {o: deque(maxlen=TTFT_KEPT) for o in OUTCOMES}
+        self._by_length: list[dict[str, deque[float]]] = [
+            {o: deque(maxlen=TTFT_KEPT) for o in OUTCOMES} for _ in LENGTH_BUCKETS
+        ]
         self._series: deque[dict[str, Any]] = deque(maxlen=points)
         self._last_prefilled = 0
         self._pending: deque[_Pending] = deque()
@@ -190,6 +206,9 @@ class DashboardRecorder:
             if ttft_s is not None and outcome in self._ttft:
                 self._ttft[outcome].append(ttft_s)
                 self._interval.ttft[outcome].append(ttft_s)
+                if prompt_tokens > 0:
+                    self._interval.ttft_k[outcome].append(ttft_s * 1000 / prompt_tokens)
+                    self._by_length[_bucket(prompt_tokens)][outcome].append(ttft_s)
             if cached_tokens > 0 and len(prompt_token_ids) >= cached_tokens:
                 if len(self._pending) >= PENDING_MAX:
                     self._pending.popleft()
@@ -216,6 +235,9 @@ class DashboardRecorder:
                 "ttft_hit_s": _median(c.ttft["hit"]),
                 "ttft_partial_s": _median(c.ttft["partial"]),
                 "ttft_miss_s": _median(c.ttft["miss"]),
+                "ttft_hit_per_1k_s": _median(c.ttft_k["hit"]),
+                "ttft_partial_per_1k_s": _median(c.ttft_k["partial"]),
+                "ttft_miss_per_1k_s": _median(c.ttft_k["miss"]),
                 "queue_depth": depth,
             }
             self._last_prefilled = prefilled
@@ -303,6 +325,22 @@ class DashboardRecorder:
                     "queue_depth": depth,
                 },
                 "ttft": ttft,
+                "ttft_by_length": [
+                    {
+                        "min_tokens": lo,
+                        "max_tokens": hi,
+                        **{
+                            o: {
+                                "count": len(q[o]),
+                                "p50_s": _percentile(q[o], 0.5),
+                                "p90_s": _percentile(q[o], 0.9),
+                            }
+                            for o in OUTCOMES
+                        },
+                    }
+                    for (lo, hi), q in zip(LENGTH_BUCKETS, self._by_length, strict=True)
+                    if any(q[o] for o in OUTCOMES)
+                ],
                 "series": list(self._series),
                 "top_prefixes": top,
                 "dropped_hits": self.dropped,

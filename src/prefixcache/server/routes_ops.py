@@ -185,6 +185,14 @@ async def cache_pin(body: PinRequest, request: Request, tenant: Tenant = Depends
     bridge = state.bridge
     ns = bridge.namespace(tenant.name, tenant.salt)
     ids = await _prefix_ids(request, body)
+    if len(ids) < bridge.block_size:  # not one full block: there would be nothing to pin
+        raise APIError(
+            400,
+            f"The prefix is {len(ids)} tokens, shorter than one cache block ({bridge.block_size} tokens): "
+            "nothing can be pinned. Pin the long shared start of your prompts (a system prompt, tools).",
+            param="prompt",
+            code="prefix_too_short",
+        )
     # Prefill (one token generated) so that every full block of the prefix is cached, then pin.
     fin = await bridge.generate(
         {

@@ -76,6 +76,8 @@ class ServerState:
             fin.outcome,
             credential=tenant.credential,
         )
+        if request.url.path.startswith("/v1/cache/"):
+            return  # a pin's prefill: cache maintenance, not an endpoint's traffic (no trace line)
         endpoint = (request.headers.get(ENDPOINT_HEADER) or request.url.path)[:200]
         if self.busting is not None:
             self.busting.submit(tenant.name, endpoint, fin.prompt_token_ids)

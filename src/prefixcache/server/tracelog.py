@@ -81,6 +81,23 @@ def trace_keys(tokens: list[int], salt: bytes, block_size: int) -> list[str]:
     return [k.hex() for k in block_keys(tokens, root, block_size)]
 
 
+def engine_header(engine: Any) -> dict[str, Any]:
+    """What a trace header records of the engine: its KV dtype and cache bytes per token (from
+    its block layout), and its block size; empty for an engine without a layout."""
+    layout = getattr(engine, "block_layout", None)
+    shape, dtype = getattr(layout, "shape", None), getattr(layout, "dtype", None)
+    if not shape or not isinstance(dtype, str):
+        return {}
+    import torch
+
+    per_block = 1
+    for d in shape:
+        per_block *= int(d)
+    block = int(shape[3])
+    itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    return {"dtype": dtype, "kv_bytes_per_token": per_block // block * itemsize, "block_size": block}
+
+
 class TraceWriter:
     """Appends trace lines to a file; thread-safe, flushed per line. ``keys_only``: privacy mode
     (block keys of ``block_size`` tokens instead of token ids; see the module docstring)."""
@@ -93,6 +110,7 @@ class TraceWriter:
         tokenizer: str | None = None,
         keys_only: bool = False,
         block_size: int = 16,
+        header: dict[str, Any] | None = None,
     ) -> None:
         if keys_only and include_text:
             raise ValueError("a keys-only trace cannot include the prompt text: choose one")
@@ -104,9 +122,14 @@ class TraceWriter:
         new = not self.path.exists() or self.path.stat().st_size == 0
         self._fh: IO[str] = open_private(self.path)
         self._lock = threading.Lock()
-        if new and tokenizer:
-            # The header names the tokenizer of the ids, so the audit decodes spans with it.
-            self._fh.write(json.dumps({"v": TRACE_VERSION, "type": "header", "tokenizer": tokenizer}) + "\n")
+        if new and (tokenizer or header):
+            # The header names the tokenizer of the ids, so the audit decodes spans with it, and
+            # the KV dtype and bytes per token, so the simulator sizes the cache as the server did.
+            line: dict[str, Any] = {"v": TRACE_VERSION, "type": "header"}
+            if tokenizer:
+                line["tokenizer"] = tokenizer
+            line.update(header or {})
+            self._fh.write(json.dumps(line) + "\n")
             self._fh.flush()
 
     def record(

@@ -44,7 +44,10 @@ const PC = (() => {
 
   function secs(s) {
     if (s === null || s === undefined) return "–";
-    return s < 1 ? (1000 * s).toFixed(1) + " ms" : s.toFixed(2) + " s";
+    if (s === 0) return "0";
+    const ms = 1000 * s;
+    if (s < 1) return (Number.isInteger(Math.round(ms * 10) / 10) ? ms.toFixed(0) : ms.toFixed(1)) + " ms";
+    return (Number.isInteger(Math.round(s * 100) / 100) ? s.toFixed(0) : s.toFixed(2)) + " s";
   }
 
   function bytes(n) {
@@ -75,45 +78,81 @@ const PC = (() => {
     }
   }
 
+  // A "nice" top and step for 4 grid intervals: step 1, 2, 2.5 or 5 times a power of ten, so
+  // tick labels are round (0, 50, 100, 150, 200 rather than 0, 52.5, 105, ...).
+  function niceScale(top) {
+    if (!(top > 0)) return { top: 1, step: 0.25 };
+    const raw = top / 4;
+    const p = Math.pow(10, Math.floor(Math.log10(raw)));
+    const step = [1, 2, 2.5, 5, 10].map((m) => m * p).find((s) => s >= raw * (1 - 1e-9));
+    return { top: step * 4, step };
+  }
+
+  // How long ago `age` seconds was, for a time axis: "now", "-30 s", "-2.5 min", "-12 min".
+  function ago(age) {
+    if (age < 0.5) return "now";
+    if (age < 120) return "-" + Math.round(age) + " s";
+    const m = age / 60;
+    return "-" + (m < 10 ? Math.round(m * 2) / 2 : Math.round(m)) + " min";
+  }
+
   // A line chart in an <svg class="chart">: series = [{values: [number|null]}], one per line,
   // drawn in classes s0.. (their colours come from the stylesheet, so both themes apply).
+  // opts: max (a fixed top), format (tick labels), times (each point's time, seconds) and now:
+  // then points sit at their time and the x axis says how long ago.
   function lineChart(svgId, series, opts) {
     const svg = document.getElementById(svgId);
     if (!svg) return;
+    opts = opts || {};
     // One user unit per CSS pixel (the drawn width), so text and strokes are not stretched.
     const W = Math.max(200, Math.round(svg.getBoundingClientRect().width) || 600);
-    const H = 180, L = 52, R = 8, T = 8, B = 8;
+    const H = 180, L = 52, R = 12, T = 8, B = opts.times ? 22 : 8;
     svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
     svg.replaceChildren();
     const n = Math.max(0, ...series.map((s) => s.values.length));
     const all = series.flatMap((s) => s.values.filter((v) => v !== null && v !== undefined));
-    let top = opts && opts.max !== undefined ? opts.max : Math.max(0, ...all);
-    if (!(top > 0)) top = 1;
-    const fmt = (opts && opts.format) || num;
+    const scale = opts.max !== undefined ? { top: opts.max, step: opts.max / 4 } : niceScale(Math.max(0, ...all));
+    const top = scale.top;
+    const fmt = opts.format || num;
+    const text = (x, y, anchor, content) => {
+      const label = document.createElementNS(SVG, "text");
+      label.setAttribute("x", String(x));
+      label.setAttribute("y", String(y));
+      label.setAttribute("text-anchor", anchor);
+      label.setAttribute("class", "axis");
+      label.textContent = content;
+      svg.append(label);
+    };
     for (let i = 0; i <= 4; i++) {
       const y = T + ((H - T - B) * i) / 4;
       const line = document.createElementNS(SVG, "line");
       for (const [k, v] of [["x1", L], ["x2", W - R], ["y1", y], ["y2", y], ["class", "grid"]]) line.setAttribute(k, v);
       svg.append(line);
-      const label = document.createElementNS(SVG, "text");
-      label.setAttribute("x", String(L - 4));
-      label.setAttribute("y", String(y + 3));
-      label.setAttribute("text-anchor", "end");
-      label.setAttribute("class", "axis");
-      label.textContent = fmt(top * (1 - i / 4));
-      svg.append(label);
+      text(L - 4, y + 3, "end", fmt(Math.round((top - scale.step * i) * 1e6) / 1e6));
     }
     if (n === 0) {
-      const t = document.createElementNS(SVG, "text");
-      t.setAttribute("x", String(W / 2));
-      t.setAttribute("y", String(H / 2));
-      t.setAttribute("text-anchor", "middle");
-      t.setAttribute("class", "axis");
-      t.textContent = "no data yet";
-      svg.append(t);
+      text(W / 2, H / 2, "middle", "no data yet");
       return;
     }
-    const x = (i) => L + ((W - L - R) * (n === 1 ? 1 : i / (n - 1)));
+    const times = opts.times && opts.times.length === n ? opts.times : null;
+    const t0 = times ? times[0] : 0;
+    const t1 = times ? Math.max(opts.now || times[n - 1], times[n - 1]) : 0;
+    const span = times ? Math.max(t1 - t0, 1e-9) : 0;
+    const x = (i) => times
+      ? L + ((W - L - R) * (times[i] - t0)) / span
+      : L + ((W - L - R) * (n === 1 ? 1 : i / (n - 1)));
+    if (times) {
+      // Ticks at round ages back from the right edge ("now"), 4 to 6 of them.
+      const steps = [2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600];
+      const step = steps.find((s) => span / s <= 5) || steps[steps.length - 1];
+      for (let age = 0; age <= span + 1e-6; age += step) {
+        const px = L + ((W - L - R) * (span - age)) / span;
+        const tick = document.createElementNS(SVG, "line");
+        for (const [k, v] of [["x1", px], ["x2", px], ["y1", H - B], ["y2", H - B + 4], ["class", "grid"]]) tick.setAttribute(k, v);
+        svg.append(tick);
+        text(px, H - 6, age === 0 ? "end" : "middle", ago(age + (opts.now ? opts.now - t1 : 0)));
+      }
+    }
     const y = (v) => T + (H - T - B) * (1 - Math.min(v, top) / top);
     series.forEach((s, k) => {
       let d = "";
@@ -220,5 +259,5 @@ const PC = (() => {
     tick();
   }
 
-  return { el, setText, num, pct, secs, bytes, fillTable, lineChart, bars, poll };
+  return { el, setText, num, pct, secs, bytes, fillTable, lineChart, niceScale, ago, bars, poll };
 })();

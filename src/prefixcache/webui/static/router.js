@@ -29,9 +29,10 @@ function renderRouter(d) {
     return prompt > 0 ? windowSum("cached_tokens", i) / prompt : null;
   });
   PC.setText("window", Math.round(WINDOW * d.interval_s) + " s");
-  PC.lineChart("chart-hit-rate", [{ values: rollingRate }], { max: 1, format: PC.pct });
+  const axis = s.length && s[0].t !== undefined ? { times: col("t") } : {};
+  PC.lineChart("chart-hit-rate", [{ values: rollingRate }], { ...axis, max: 1, format: PC.pct });
   const perSecond = (name) => s.map((_, i) => windowSum(name, i) / (Math.min(i + 1, WINDOW) * d.interval_s));
-  PC.lineChart("chart-load", [{ values: perSecond("routed") }, { values: col("in_flight") }]);
+  PC.lineChart("chart-load", [{ values: perSecond("routed") }, { values: col("in_flight") }], axis);
 }
 
 document.addEventListener("DOMContentLoaded", () => PC.poll("/router/dashboard", 2000, renderRouter));

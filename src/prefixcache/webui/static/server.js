@@ -24,18 +24,25 @@ function renderServer(d) {
     return prompt > 0 ? windowSum("cached_tokens", i) / prompt : null;
   });
   const perSecond = (name) => s.map((_, i) => windowSum(name, i) / (Math.min(i + 1, WINDOW) * d.interval_s));
+  // The chart spans what the series holds; each point averages the WINDOW before it.
+  const span = s.length ? Math.max(0, d.now - s[0].t + d.interval_s) : 0;
   PC.setText("window", Math.round(WINDOW * d.interval_s) + " s");
-  PC.lineChart("chart-hit-rate", [{ values: rollingRate }], { max: 1, format: PC.pct });
+  PC.setText("span", PC.ago(span).replace("-", ""));
+  const axis = { times: col("t"), now: d.now };
+  PC.lineChart("chart-hit-rate", [{ values: rollingRate }], { ...axis, max: 1, format: PC.pct });
   PC.lineChart("chart-tokens", [
     { values: perSecond("cached_tokens") }, { values: perSecond("prefilled_tokens") }, { values: perSecond("written_tokens") },
-  ]);
+  ], axis);
   PC.lineChart("chart-ttft", [
-    { values: col("ttft_hit_s") }, { values: col("ttft_miss_s") }, { values: col("ttft_partial_s") },
-  ], { format: PC.secs });
-  PC.lineChart("chart-queue", [{ values: col("queue_depth") }]);
+    { values: col("ttft_hit_per_1k_s") }, { values: col("ttft_miss_per_1k_s") }, { values: col("ttft_partial_per_1k_s") },
+  ], { ...axis, format: PC.secs });
+  PC.lineChart("chart-queue", [{ values: col("queue_depth") }], axis);
 
-  PC.fillTable("ttft-table", ["hit", "partial", "miss"].map((o) => [
-    o, [PC.num(d.ttft[o].count), "num"], [PC.secs(d.ttft[o].p50_s), "num"], [PC.secs(d.ttft[o].p90_s), "num"],
+  // Hits against misses of prompts of about one length (a short miss beats a long hit).
+  const cell = (o) => [o.count ? PC.secs(o.p50_s) + " (" + PC.num(o.count) + ")" : "–", "num"];
+  PC.fillTable("ttft-table", (d.ttft_by_length || []).map((b) => [
+    b.max_tokens ? PC.num(b.min_tokens) + "–" + PC.num(b.max_tokens - 1) : "≥ " + PC.num(b.min_tokens),
+    cell(b.hit), cell(b.partial), cell(b.miss),
   ]), "no requests yet", 4);
 
   PC.setText("top-title", d.admin ? "Top prefixes by tokens saved (every tenant)" : "Top prefixes by tokens saved (tenant " + d.tenant + ")");
