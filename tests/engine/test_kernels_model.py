@@ -190,3 +190,12 @@ def test_smollm2_on_the_kernels_is_invariant_and_close(real_runner: ModelRunner,
     assert int(got.argmax()) == int(ref.argmax())
     _require_invariant_gemms(runner)
     assert _check_invariance(runner, 611, 1) == []
+
+
+def test_a_block_outside_the_pool_is_refused_before_the_kernels_run(tiny_runner: ModelRunner) -> None:
+    runner = _native(tiny_runner, "bfloat16")
+    pool = runner.new_pool(8)
+    with pytest.raises(IndexError, match="outside the pool"):
+        runner.step(pool, [Segment(list(range(20)), 0, [1, 8], want_logits=True)])
+    with pytest.raises(IndexError):  # too short a table: refused by the slot lookup
+        runner.step(pool, [Segment(list(range(40)), 0, [1, 2], want_logits=True)])

@@ -61,7 +61,7 @@ class StepPlan:
 
     __slots__ = ("n", "R", "ids", "pos", "slots", "seg", "tables", "nseg", "last_rows")
 
-    def __init__(self, segments: Sequence[Segment], B: int, R: int) -> None:
+    def __init__(self, segments: Sequence[Segment], B: int, R: int, num_blocks: int) -> None:
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -79,6 +79,8 @@ class StepPlan:
             tokens.extend(s.tokens)
             if s.want_logits:
                 self.last_rows.append(len(tokens) - 1)
+        if tables and (min(tables) < 0 or max(tables) >= num_blocks):
+            raise IndexError(f"a block table names a block outside the pool (0..{num_blocks - 1})")
         self.n, self.R = len(tokens), R
         self.ids = torch.zeros(R, dtype=torch.long)
         self.ids[: self.n] = torch.tensor(tokens, dtype=torch.long)
@@ -100,7 +102,7 @@ def native_step(
     lib, dt = k.lib, DTYPE_CODES[runner.dtype]
     nt = torch.get_num_threads()
     B = pool.block_size
-    plan = StepPlan(segments, B, R)
+    plan = StepPlan(segments, B, R, pool.num_blocks)
     H, KV, D = runner.num_heads, runner.num_kv_heads, runner.head_dim
     hidden, n = runner.hidden, plan.n
     data = pool.data  # [layers, 2, KV, blocks, B, D], contiguous
