@@ -146,7 +146,9 @@ def create_app(
     snapshots = SnapshotReader()
     busting = None
     if busting_window:
-        busting = BustingWatch(LiveBusting(lambda: engine.tokenizer, window=busting_window))
+        busting = BustingWatch(
+            LiveBusting(lambda: engine.tokenizer, window=busting_window, log_examples=not trace_keys_only)
+        )
         metrics.registry.register(busting.collector())
 
     @contextlib.asynccontextmanager

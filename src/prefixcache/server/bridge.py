@@ -23,7 +23,7 @@ import anyio
 from prefixcache.cache.stats import Usage
 from prefixcache.engine.detok import TokenText
 from prefixcache.engine.types import ChoiceDelta, Completion, PromptDone, QueueFullError, TokenLogprob
-from prefixcache.server.errors import APIError
+from prefixcache.server.errors import APIError, template_refusal
 from prefixcache.server.kv_blocks import note_prompt_blocks
 from prefixcache.server.tool_prompt import PromptRenderer, RenderedPrompt, ToolConfig
 
@@ -88,7 +88,7 @@ def translate_error(exc: BaseException) -> APIError | None:
         return queue_full_error()
     if isinstance(exc, ValueError):  # the engine's bad-input errors subclass ValueError
         return APIError(400, str(exc) or type(exc).__name__, code=type(exc).__name__)
-    return None
+    return template_refusal(exc)
 
 
 def normalize(result: Completion) -> Finished:
