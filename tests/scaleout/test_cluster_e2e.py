@@ -3,6 +3,7 @@ the router in front, OpenAI and Anthropic clients' wire shapes."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -175,6 +176,16 @@ def test_cluster_command_up_answers_through_the_router_and_stops_on_sigterm(
                 second.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // 16 * 16
             )
             assert r.dbsize() > 0  # the replica wrote its blocks to the password-protected Redis
+        # The KV events reach the router over CURVE (the keys the cluster made): live and synced.
+        import httpx
+
+        deadline = time.monotonic() + 30
+        while True:
+            feeds = httpx.get(f"http://127.0.0.1:{port}/router/replicas", timeout=10).json()["kv_events"]
+            if all(row["live"] and row["synced"] and row["blocks"] > 0 for row in feeds.values()):
+                break
+            assert time.monotonic() < deadline, feeds
+            time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text()[-3000:]
         assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
