@@ -89,6 +89,7 @@ def test_keep_warm_policy_pins_the_prefix_on_every_real_replica(tiny_runner, red
             }
         )
     )
+    policy.chmod(0o600)  # it holds API keys: readable by its owner only
     try:
         with ServerThread(app_a) as a, ServerThread(app_b) as b:
             router = create_router_app(RouterConfig([a.url, b.url], keepwarm_file=str(policy)))
