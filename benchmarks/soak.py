@@ -9,9 +9,12 @@ keys, one salt secret, a small memory budget so that eviction runs), the router 
 a cache-off reference server in-process (the same server code over an engine without a cache).
 Workers send greedy chat completions (streamed or not) of a fixed prompt pool, and invalid
 requests (lone surrogates, deep nesting, oversized bodies, a wrong key, bad parameters, broken
-JSON). A prober sends a fresh prompt as one tenant, then as another: the second must read 0
-cached tokens. The chaos schedule (fractions of ``--duration``): Redis killed at 0.2, restarted
-empty at 0.35; replica 1 killed (SIGKILL) at 0.5, restarted at 0.65.
+JSON, and hostile structure: an unterminated string of escaped quotes, a backslash run, 60,000
+empty objects). A flusher sends ``DELETE /v1/cache`` as a random tenant every 6 s, and the
+router's ``/health`` latency is sampled four times a second. A prober sends a fresh prompt as
+one tenant, then as another: the second must read 0 cached tokens. The chaos schedule
+(fractions of ``--duration``): Redis killed at 0.2, restarted empty at 0.35; replica 1 killed
+(SIGKILL) at 0.5, restarted at 0.65.
 
 Reported (and written to ``benchmarks/results/soak.md``): requests served; 5xx and broken
 streams, each classified as in flight on a killed replica or not (only the first kind may
@@ -77,6 +80,7 @@ class Soak:
     reference: dict[tuple[str, str], str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
+    health_s: list[float] = field(default_factory=list)  # the router's /health latencies
 
     def body(self, prompt: tuple[str, str], stream: bool) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -140,6 +144,11 @@ class Soak:
             ("negative temperature", json.dumps({**good, "temperature": -1})),
             ("huge seed", json.dumps({**good, "seed": 2**64})),
             ("no messages", json.dumps({**good, "messages": []})),
+            # Hostile structure (issue 21): quadratic for a backtracking string regex, costly to
+            # parse or validate; each must be a quick 4xx while /health keeps answering.
+            ("escaped quotes", b"[" * 65 + b'"' + b'\\"' * 70_000),
+            ("backslash run", b'{"model": "m", "messages": [{"content": "' + b"\\" * 200_000),
+            ("many objects", b'{"model": "m", "messages": [' + b"{}," * 60_000 + b"{}]}"),
         ]
         case, content = rng.choice(cases)
         headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
@@ -153,6 +162,32 @@ class Soak:
         except httpx.HTTPError:
             status, replica = 0, ""
         return Outcome("invalid", t0, time.monotonic(), status, replica, prompt=(case, ""))
+
+    def flusher(self) -> None:
+        """A tenant flushing its cache every few seconds (DELETE /v1/cache through the router)."""
+        rng = random.Random(7)
+        with httpx.Client(base_url=self.router_url, timeout=300) as c:
+            while not self.stop.wait(6.0):
+                t0 = time.monotonic()
+                try:
+                    key = rng.choice(self.keys)
+                    r = c.delete("/v1/cache", headers={"authorization": f"Bearer {key}"})
+                    status = r.status_code
+                except httpx.HTTPError:
+                    status = 0
+                with self.lock:
+                    self.outcomes.append(Outcome("flush", t0, time.monotonic(), status))
+
+    def health(self) -> None:
+        """The router's /health latency, four times a second."""
+        with httpx.Client(base_url=self.router_url, timeout=30) as c:
+            while not self.stop.wait(0.25):
+                t0 = time.monotonic()
+                try:
+                    c.get("/health")
+                except httpx.HTTPError:
+                    continue
+                self.health_s.append(time.monotonic() - t0)
 
     def worker(self, seed: int) -> None:
         rng = random.Random(seed)
@@ -297,6 +332,7 @@ def main() -> None:  # noqa: PLR0915 - one linear script: set up, run, classify,
 
         threads = [threading.Thread(target=soak.worker, args=(args.seed + i,)) for i in range(args.workers)]
         threads += [threading.Thread(target=soak.prober), threading.Thread(target=soak.monitor, args=(urls,))]
+        threads += [threading.Thread(target=soak.flusher), threading.Thread(target=soak.health)]
         t0 = time.monotonic()
         for t in threads:
             t.start()
@@ -367,6 +403,10 @@ def report(
     cross = [o for o in probes if o.cached > 0]
     other_4xx = [o for o in valid if 400 <= o.status < 500]
     hit = sum(o.cached for o in served)
+    flushes = [o for o in soak.outcomes if o.kind == "flush"]
+    flushed = sum(o.status == 200 for o in flushes)
+    lat = sorted(soak.health_s)
+    health_stats = [lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))], lat[-1]] if lat else []
     rows = [
         ("valid requests sent (chat, half streamed; probes included)", str(len(valid)), ""),
         ("served (200, whole answer)", str(len(served)), ""),
@@ -383,6 +423,12 @@ def report(
         ("answers differing from the cache-off reference", str(len(differ)), "must be 0"),
         ("cross-tenant probes / hits", f"{len(probes)} / {len(cross)}", "hits must be 0"),
         ("cached tokens read by served requests", str(hit), ""),
+        ("flushes (DELETE /v1/cache) sent / answered 200", f"{len(flushes)} / {flushed}", ""),
+        (
+            "router /health latency p50 / p99 / max",
+            " / ".join(f"{v * 1000:.0f} ms" for v in health_stats) if health_stats else "none",
+            "",
+        ),
     ]
     for i, url in enumerate(urls):
         peak = soak.max_bytes.get(url, 0)
@@ -407,8 +453,9 @@ def report(
         f"{args.tenants} tenants by API key, one salt secret) sharing a password-protected redis-server "
         "(256 MiB, allkeys-lru), the router (cache-aware) in front; "
         f"{args.workers} workers sending greedy chat completions of a 20-prompt pool (half streamed) and "
-        f"{args.invalid_share:.0%} invalid requests; a prober sending a fresh prompt as one tenant, then "
-        "as another. Every served answer is compared with a cache-off reference server's.",
+        f"{args.invalid_share:.0%} invalid requests (hostile structure included); a prober sending a fresh "
+        "prompt as one tenant, then as another; a flush every 6 s. Every served answer is compared with a "
+        "cache-off reference server's.",
         "",
         "Events: " + "; ".join(f"{t - t0:.0f} s {what}" for t, what, _ in sorted(soak.events)) + ".",
         "",

@@ -3,6 +3,7 @@ the router in front, OpenAI and Anthropic clients' wire shapes."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -88,6 +89,7 @@ def test_keep_warm_policy_pins_the_prefix_on_every_real_replica(tiny_runner, red
             }
         )
     )
+    policy.chmod(0o600)  # it holds API keys: readable by its owner only
     try:
         with ServerThread(app_a) as a, ServerThread(app_b) as b:
             router = create_router_app(RouterConfig([a.url, b.url], keepwarm_file=str(policy)))
@@ -175,6 +177,16 @@ def test_cluster_command_up_answers_through_the_router_and_stops_on_sigterm(
                 second.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // 16 * 16
             )
             assert r.dbsize() > 0  # the replica wrote its blocks to the password-protected Redis
+        # The KV events reach the router over CURVE (the keys the cluster made): live and synced.
+        import httpx
+
+        deadline = time.monotonic() + 30
+        while True:
+            feeds = httpx.get(f"http://127.0.0.1:{port}/router/replicas", timeout=10).json()["kv_events"]
+            if all(row["live"] and row["synced"] and row["blocks"] > 0 for row in feeds.values()):
+                break
+            assert time.monotonic() < deadline, feeds
+            time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text()[-3000:]
         assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []

@@ -15,19 +15,19 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from typer.testing import CliRunner
 
 from prefixcache.cli import app
+from prefixcache.commands import router_security
 
 runner = CliRunner()
 
 
 @pytest.fixture
 def no_uvicorn(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """``uvicorn.run`` replaced by a recorder: proves the command got past its checks."""
+    """The router's server replaced by a recorder: proves the command got past its checks."""
     calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append({"app": app, **kw}))
+    monkeypatch.setattr(router_security, "serve_router", lambda app, **kw: calls.append({"app": app, **kw}))
     monkeypatch.delenv("PREFIXCACHE_API_KEYS", raising=False)
     monkeypatch.delenv("PREFIXCACHE_API_KEYS_FILE", raising=False)
     return calls
@@ -60,7 +60,8 @@ def test_route_on_all_interfaces_starts_with_keys_or_the_opt_out(no_uvicorn, tmp
     )
     assert runner.invoke(app, ["route", "-r", "http://127.0.0.1:9", "--max-connections", "7"]).exit_code == 0
     assert [c["host"] for c in no_uvicorn] == ["0.0.0.0", "0.0.0.0", "127.0.0.1"]
-    assert [c["limit_concurrency"] for c in no_uvicorn] == [1024, 1024, 7]
+    assert [c["max_connections"] for c in no_uvicorn] == [1024, 1024, 7]
+    assert no_uvicorn[0]["secrets"] == ["sk-router-0123456789"]
     assert no_uvicorn[0]["app"].state.router is not None
 
 

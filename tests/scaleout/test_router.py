@@ -249,6 +249,7 @@ def test_keep_warm_policy_pins_on_every_replica(fake_replicas, tmp_path: Path) -
             }
         )
     )
+    policy.chmod(0o600)  # it holds API keys: readable by its owner only
     app = create_router_app(RouterConfig([r.url for r in reps], keepwarm_file=str(policy)))
     with ServerThread(app) as srv:
         from .conftest import wait_http

@@ -109,8 +109,8 @@ def test_api_keys_from_the_environment():
 
 def test_salt_secret_file(no_engine, tmp_path):
     path = tmp_path / "salt"
-    path.write_text("the-salt-secret\n")
-    assert read_secret_file(path, "salt secret") == "the-salt-secret"
+    path.write_text("the-salt-secret-of-this-test\n")
+    assert read_secret_file(path, "salt secret") == "the-salt-secret-of-this-test"
     (tmp_path / "empty").write_text("\n")
     res = runner.invoke(app, ["serve", "--salt-secret-file", str(tmp_path / "empty")])
     assert res.exit_code == 2 and "is empty" in res.output
@@ -190,7 +190,7 @@ def test_serve_keeps_secrets_out_of_every_log(monkeypatch, tmp_path, caplog):
 
 
 def test_a_salt_secret_on_the_command_line_is_warned_about(no_engine, caplog):
-    res = runner.invoke(app, ["serve", "--salt-secret", "visible-in-ps"])
+    res = runner.invoke(app, ["serve", "--salt-secret", "visible-in-ps-to-all-users"])
     assert SENTINEL in res.output
     assert "visible to every local user" in caplog.text and "visible-in-ps" not in caplog.text
 

@@ -63,7 +63,7 @@ def test_redis_url_from_a_file_with_the_ttl_cap_and_pin_share(served, tmp_path: 
     url_file = tmp_path / "redis-url"
     url_file.write_text("redis://:file-password-123@127.0.0.1:6390/0\n")
     secret_file = tmp_path / "salt"
-    secret_file.write_text("the-salt-secret\n")
+    secret_file.write_text("the-salt-secret-of-a-deployment\n")
     caplog.set_level(logging.INFO)
     args = ["serve", "--redis-url-file", str(url_file), "--salt-secret-file", str(secret_file)]
     res = runner.invoke(app, [*args, "--redis-max-ttl", "600", "--tenant-pin-share", "0.25"])
@@ -71,7 +71,7 @@ def test_redis_url_from_a_file_with_the_ttl_cap_and_pin_share(served, tmp_path: 
     tiers = served["tiers"]
     assert tiers["redis_url"] == "redis://:file-password-123@127.0.0.1:6390/0"
     assert tiers["redis_max_ttl_s"] == 600.0
-    assert tiers["secret"] == b"the-salt-secret" == served["app"]["salt_secret"]
+    assert tiers["secret"] == b"the-salt-secret-of-a-deployment" == served["app"]["salt_secret"]
     assert served["app"]["tenant_pin_share"] == 0.25
     assert "file-password-123" not in caplog.text + res.output
 

@@ -20,6 +20,7 @@ from typing import Annotated
 import typer
 
 from prefixcache.cache.config import DEFAULTS
+from prefixcache.commands import router_security
 from prefixcache.commands.ext_routers import ROUTERS, EventSource, find_router, router_command, wait_models
 from prefixcache.commands.lifecycle import sigterm_as_interrupt
 from prefixcache.commands.options import duration, free_port_or_fail, http_url, input_file
@@ -30,7 +31,7 @@ from prefixcache.commands.redis_process import (
     redis_password_from,
     start_redis,
 )
-from prefixcache.commands.router_security import curve_client, router_keys
+from prefixcache.commands.router_security import curve_client, keepwarm_keys, router_keys
 from prefixcache.commands.server import parse_bytes
 from prefixcache.commands.warm import cluster_secret
 
@@ -154,8 +155,6 @@ def route(
     prefix land where it is cached (streaming relayed; fail-over when a replica dies; /metrics)."""
     import logging
 
-    import uvicorn
-
     from prefixcache.router import RouterConfig, create_router_app
     from prefixcache.router.kv_index import parse_feed
 
@@ -165,6 +164,7 @@ def route(
     if keep_warm is not None:
         input_file(keep_warm, "--keep-warm", "keep-warm policy file")
     free_port_or_fail(host, port)
+    secrets = [*(keys or ()), *keepwarm_keys(keep_warm)]
     feeds = {}
     for spec in kv_events or []:
         try:
@@ -196,7 +196,9 @@ def route(
     typer.echo(f"prefixcache router: {policy} over {len(replica)} replicas{events} on http://{host}:{port}")
     sigterm_as_interrupt()
     with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), limit_concurrency=max_connections)
+        router_security.serve_router(
+            app, host=host, port=port, log_level=log_level, max_connections=max_connections, secrets=secrets
+        )
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -338,7 +340,6 @@ def cluster(
     """Try scale-out on one machine: redis-server on a free port (temp dir, no persistence), N
     replicas on loopback sharing it (and one tenant-salt secret), and the router in front (this
     project's, SMG or vllm-router). Ctrl-C stops everything."""
-    import uvicorn
 
     from prefixcache.kvevents.security import write_keypair
     from prefixcache.router import RouterConfig, create_router_app
@@ -358,6 +359,7 @@ def cluster(
     if keep_warm is not None:
         input_file(keep_warm, "--keep-warm", "keep-warm policy file")
     free_port_or_fail(host, port)  # before any replica loads a model
+    warm_keys = keepwarm_keys(keep_warm)
     start_own_redis = not no_redis and redis_url is None
     password = redis_password_from(redis_password_file) if start_own_redis else ""
     maxmemory = parse_bytes(redis_maxmemory)
@@ -471,12 +473,13 @@ def cluster(
             api_keys=keys,
             kv_events_curve=curve,
         )
-        uvicorn.run(
+        router_security.serve_router(
             create_router_app(config),
             host=host,
             port=port,
-            log_level=log_level.lower(),
-            limit_concurrency=max_connections,
+            log_level=log_level,
+            max_connections=max_connections,
+            secrets=[*(keys or ()), *warm_keys],
         )
     except KeyboardInterrupt:
         pass

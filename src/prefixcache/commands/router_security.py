@@ -43,3 +43,34 @@ def router_keys(api_keys: Path | None, host: str, allow_unauthenticated: bool) -
     if refusal is not None:
         raise typer.BadParameter(refusal, param_hint="--host")
     return frozenset(keys) if keys else None
+
+
+def keepwarm_keys(path: Path | None) -> list[str]:
+    """The API keys of a keep-warm policy (checked now: a bad policy, or one holding keys that
+    other users can read, is a one-line error)."""
+    from prefixcache.router.keepwarm import KeepWarm
+
+    if path is None:
+        return []
+    if not path.exists():
+        raise typer.BadParameter(f"{path} does not exist", param_hint="--keep-warm")
+    try:
+        policy = KeepWarm.load(path)
+    except (ValueError, OSError) as e:
+        raise typer.BadParameter(str(e), param_hint="--keep-warm") from e
+    return [p.api_key for p in policy.prefixes if p.api_key]
+
+
+def serve_router(
+    app: object, *, host: str, port: int, log_level: str, max_connections: int, secrets: list[str]
+) -> None:
+    """Run the router under uvicorn, every log handler redacting ``secrets`` (API keys)."""
+    import uvicorn
+
+    from prefixcache.server.exposure import RedactSecrets, install_redaction
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level.lower(), limit_concurrency=max_connections
+    )  # (uvicorn's handlers exist from here)
+    install_redaction(RedactSecrets(secrets))
+    uvicorn.Server(config).run()

@@ -75,6 +75,14 @@ def serve(
     max_queue: Annotated[
         int, typer.Option(min=1, help="Generation requests in flight (running or waiting) before 429 / 529.")
     ] = 64,
+    tier_encrypt: Annotated[
+        bool,
+        typer.Option(
+            "--tier-encrypt",
+            help="Encrypt the entries written to the disk and Redis tiers (ChaCha20-Poly1305, keyed from "
+            "the salt secret; needs the 'cryptography' package). Entries otherwise hold token ids in clear.",
+        ),
+    ] = False,
     max_connections: Annotated[
         int,
         typer.Option(
@@ -369,15 +377,20 @@ def serve(
             publisher.close()
         raise typer.BadParameter(str(e)) from e
     if engine.cache is not None:
-        added = attach_tiers(
-            engine.cache,
-            secret=secret,
-            redis_max_ttl_s=redis_max_ttl,
-            disk_dir=disk_cache,
-            disk_bytes=parse_bytes(disk_cache_size),
-            redis_url=redis_url,
-            redis_sync_writes=redis_sync_writes,
-        )
+        try:
+            added = attach_tiers(
+                engine.cache,
+                secret=secret,
+                redis_max_ttl_s=redis_max_ttl,
+                disk_dir=disk_cache,
+                disk_bytes=parse_bytes(disk_cache_size),
+                redis_url=redis_url,
+                redis_sync_writes=redis_sync_writes,
+                encrypt=tier_encrypt,
+            )
+        except ValueError as e:  # --tier-encrypt without the cryptography package
+            engine.close()
+            raise typer.BadParameter(str(e), param_hint="--tier-encrypt") from e
         for tier in added:
             if isinstance(tier, DiskTier):
                 warn_stale(tier)
@@ -456,15 +469,27 @@ def _secrets(
                 param_hint="--salt-secret-file",
             )
         try:
-            return keys, read_secret_file(salt_secret_file, "salt secret")
+            secret = read_secret_file(salt_secret_file, "salt secret")
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--salt-secret-file") from e
+        _check_length(secret, "--salt-secret-file")
+        return keys, secret
+    if salt_secret is not None:
+        _check_length(salt_secret, "--salt-secret ($PREFIXCACHE_SALT_SECRET)")
     if salt_secret and salt_on_argv:
         log.warning(
             "--salt-secret on the command line is visible to every local user (ps); "
             "use $PREFIXCACHE_SALT_SECRET or --salt-secret-file"
         )
     return keys, salt_secret
+
+
+def _check_length(secret: str, where: str) -> None:
+    from prefixcache.server.exposure import weak_secret
+
+    why = weak_secret(secret)
+    if why is not None:
+        raise typer.BadParameter(why, param_hint=where)
 
 
 def _redis_url(redis_url: str | None, redis_url_file: Path | None, *, on_argv: bool) -> str | None:

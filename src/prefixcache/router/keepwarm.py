@@ -79,6 +79,8 @@ class KeepWarm:
 
     @classmethod
     def load(cls, path: str | Path) -> KeepWarm:
+        """Read a policy file. Raises ValueError for a bad policy, and for a file that holds API
+        keys and is readable by other users (as a secret must not be: chmod 600 it)."""
         text = Path(path).read_text()
         if str(path).endswith((".yaml", ".yml")):
             try:
@@ -92,7 +94,13 @@ class KeepWarm:
             data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError(f"{path}: a keep-warm policy is an object with 'prefixes'")
-        return cls.from_dict(data)
+        policy = cls.from_dict(data)
+        mode = Path(path).stat().st_mode & 0o777
+        if mode & 0o077 and any(p.api_key for p in policy.prefixes):
+            raise ValueError(
+                f"{path} holds API keys and is readable by other users (mode {mode:o}): chmod 600 it"
+            )
+        return policy
 
     async def apply(self, send_to_all: SendToAll) -> int:
         """One round: pin every prefix on every healthy replica. Returns pins accepted."""

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import anyio
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -64,6 +65,8 @@ DEFAULT_MAX_QUEUE = 64
 DEFAULT_TENANT_QUEUE_SHARE = 0.5
 DEFAULT_TENANT_PIN_SHARE = 0.5
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+#: Worker threads beyond ``max_queue`` (body parsing, cache snapshots, pins, flushes).
+THREAD_HEADROOM = 16
 
 
 class RequestCounter:
@@ -157,7 +160,9 @@ def create_app(
     snapshots = SnapshotReader()
     busting = None
     if busting_window:
-        busting = BustingWatch(LiveBusting(lambda: engine.tokenizer, window=busting_window))
+        busting = BustingWatch(
+            LiveBusting(lambda: engine.tokenizer, window=busting_window, log_examples=not trace_keys_only)
+        )
         metrics.registry.register(busting.collector())
     metrics.registry.register(_vllm_gauges(bridge, metrics, model_name))
     if getattr(engine, "auditor", None) is not None:
@@ -165,6 +170,11 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Every admitted generation holds a worker thread while it runs or waits: a pool smaller
+        # than the queue (anyio's default is 40) would let one tenant's waiting requests hold
+        # every thread that body parsing, cache reads and the other tenants need.
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = max(limiter.total_tokens, max_queue + THREAD_HEADROOM)
         dashboard.start()
         try:
             yield

@@ -30,7 +30,7 @@ from prefixcache.engine.types import (
     QueueFullError,
     TokenLogprob,
 )
-from prefixcache.server.errors import APIError
+from prefixcache.server.errors import APIError, template_refusal
 from prefixcache.server.kv_blocks import note_prompt_blocks
 from prefixcache.server.tool_prompt import PromptRenderer, RenderedPrompt, ToolConfig
 
@@ -97,7 +97,7 @@ def translate_error(exc: BaseException) -> APIError | None:
         return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, ValueError):  # the engine's bad-input errors subclass ValueError
         return APIError(400, str(exc) or type(exc).__name__, code=type(exc).__name__)
-    return None
+    return template_refusal(exc)
 
 
 def normalize(result: Completion) -> Finished:

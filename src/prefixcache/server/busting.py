@@ -86,7 +86,10 @@ class LiveBusting:
         max_tenants: int = DEFAULT_MAX_TENANTS,
         max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
         on_finding: Callable[[str, str, Finding], None] | None = None,
+        log_examples: bool = True,
     ) -> None:
+        """``log_examples``: quote a finding's example span in the log warning (off under the
+        trace's privacy mode, ``--trace-keys-only``: the span is prompt text)."""
         if window < 2:
             raise ValueError(f"window={window}: a finding needs two pairs, give at least 2")
         self.window = window
@@ -95,6 +98,7 @@ class LiveBusting:
         self.max_tenants = max_tenants
         self.max_prompt_tokens = max_prompt_tokens
         self.on_finding = on_finding
+        self.log_examples = log_examples
         self._tokenizer_loader = tokenizer_loader
         self._tokenizer: Any = None
         self._tenants: OrderedDict[str, OrderedDict[str, _Endpoint]] = OrderedDict()
@@ -137,7 +141,7 @@ class LiveBusting:
                 endpoint,
                 f.kind,
                 f.start_token,
-                f.examples[-1][1] if f.examples else "",
+                (f.examples[-1][1] if f.examples else "") if self.log_examples else "(withheld)",
                 float(np.mean(f.shared_after)),
             )
             if self.on_finding is not None:

@@ -164,6 +164,24 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return text, loc or None
 
 
+def template_refusal(exc: BaseException) -> APIError | None:
+    """A chat template's own refusal (jinja's ``raise_exception``: roles that do not alternate, a
+    system message out of place, ...) as a 400 naming ``messages``; None for any other error."""
+    try:
+        from jinja2.exceptions import TemplateError
+    except ImportError:  # (no jinja: no templates to refuse anything)
+        return None
+    if not isinstance(exc, TemplateError):
+        return None
+    return APIError(
+        400,
+        f"The model's chat template refused these messages: {str(exc)[:300]}. Change 'messages' "
+        "(their roles and order) to what the template accepts.",
+        param="messages",
+        code="invalid_messages",
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every failure through :func:`error_response`."""
 
@@ -193,6 +211,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        refused = template_refusal(exc)
+        if refused is not None:
+            return error_response(request, refused)
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         message = f"Internal server error ({type(exc).__name__}); see the server log."
         return error_response(request, APIError(500, message))

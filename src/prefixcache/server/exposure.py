@@ -57,6 +57,21 @@ def exposure_refusal(host: str, has_keys: bool, allow_unauthenticated: bool) -> 
     )
 
 
+#: The shortest salt secret accepted: one genuine tier entry lets a shorter one be guessed offline.
+MIN_SALT_SECRET_BYTES = 16
+
+
+def weak_secret(secret: str | bytes) -> str | None:
+    """Why ``secret`` is too short to be the salt secret (None: it is long enough)."""
+    n = len(secret.encode() if isinstance(secret, str) else secret)
+    if n >= MIN_SALT_SECRET_BYTES:
+        return None
+    return (
+        f"the salt secret is {n} bytes; give at least {MIN_SALT_SECRET_BYTES} random bytes "
+        "(e.g. python -c 'import secrets; print(secrets.token_hex(32))')"
+    )
+
+
 def read_secret_file(path: str | os.PathLike[str], what: str) -> str:
     """The secret in ``path`` (surrounding whitespace and the final newline dropped). Raises
     ValueError naming ``what`` when it cannot be read or is empty."""

@@ -297,6 +297,7 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
     else:
         kwargs = {"prompt_token_ids": list(prompt)}
         text = {}
+        _check_vocabulary(state, kwargs["prompt_token_ids"])  # before any decode (echo) sees them
     echo = ""
     if body.echo:
         ids = kwargs.get("prompt_token_ids")
@@ -404,3 +405,18 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _check_vocabulary(state: Any, ids: list[int]) -> None:
+    """400 naming ``prompt`` for a token id outside the model's vocabulary (a tokenizer's decode
+    overflows on ids past 32 bits)."""
+    vocab = getattr(getattr(state.engine, "runner", None), "vocab_size", None)
+    if vocab is None:
+        return
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(
+            f"'prompt' holds token id {bad}, outside the vocabulary (0..{vocab - 1}).",
+            param="prompt",
+            code="invalid_token_id",
+        )

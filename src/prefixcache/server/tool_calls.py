@@ -28,6 +28,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixcache.limits import MAX_JSON_DEPTH, json_depth
 from prefixcache.server.tool_prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, CallSyntax, dumps
 
 _DECODER = json.JSONDecoder()
@@ -60,6 +61,8 @@ def call_from_json(value: Any, names: Collection[str]) -> ParsedCall | None:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        if _too_deep(arguments):
+            return None
         try:
             arguments = json.loads(arguments)
         except ValueError:
@@ -69,9 +72,17 @@ def call_from_json(value: Any, names: Collection[str]) -> ParsedCall | None:
     return ParsedCall(value["name"], dumps(arguments))
 
 
+def _too_deep(text: str) -> bool:
+    """Whether ``text`` nests JSON deeper than any tool call's arguments may (a model's output of
+    a thousand brackets must be text, not a RecursionError in the decoder or encoder)."""
+    return ("[" in text or "{" in text) and json_depth(text.encode("utf-8", "surrogatepass")) > MAX_JSON_DEPTH
+
+
 def _decode_whole(body: str) -> tuple[bool, Any]:
     """(True, value) when ``body`` is exactly one JSON value, surrounded by whitespace at most."""
     text = body.strip()
+    if _too_deep(text):
+        return False, None
     try:
         value, end = _DECODER.raw_decode(text)
     except ValueError:

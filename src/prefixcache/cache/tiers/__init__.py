@@ -70,6 +70,7 @@ def attach_tiers(
     redis_timeout_s: float = 0.25,
     redis_sync_writes: bool = False,
     pin_refresh_s: float | None = 60.0,
+    encrypt: bool = False,
 ) -> list[DiskTier | RedisTier]:
     """Add a disk tier (if ``disk_dir``) then a Redis tier (if ``redis_url``) below ``cache``.
 
@@ -82,9 +83,12 @@ def attach_tiers(
     ``secret``: the server's salt secret (default ``$PREFIXCACHE_SALT_SECRET``); the entries' MAC
     key is derived from it, so only processes sharing it read each other's entries (none given:
     a random key of this process). ``redis_max_ttl_s``: no Redis entry lives longer unused.
+    ``encrypt``: entries written are sealed (ChaCha20-Poly1305, :mod:`.sealed`); needs a secret.
     """
     if codec is None:
-        codec = TensorCodec.from_secret(secret or os.environ.get("PREFIXCACHE_SALT_SECRET") or None)
+        codec = TensorCodec.from_secret(
+            secret or os.environ.get("PREFIXCACHE_SALT_SECRET") or None, encrypt=encrypt
+        )
     disk_dir = disk_dir or os.environ.get("PREFIXCACHE_DISK_CACHE") or None
     redis_url = redis_url or os.environ.get("PREFIXCACHE_REDIS_URL") or None
     deployment = redis_deployment or os.environ.get("PREFIXCACHE_REDIS_DEPLOYMENT") or "default"

@@ -33,6 +33,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixcache.cache.tiers.sealed import SEALED_MAGIC, Sealer, derive_sealing_key
+
 MAGIC = b"PXKV"
 VERSION = 2  # 1: an unkeyed checksum (no longer accepted)
 _HEADER = struct.Struct("<4sBBBBHHIQ")
@@ -117,10 +119,20 @@ class TensorCodec:
     """
 
     key: bytes = field(default=_PROCESS_KEY, repr=False)
+    #: encrypts every entry written (:mod:`~prefixcache.cache.tiers.sealed`); None: clear text.
+    #: Either way, sealed entries are opened on read and clear ones still verify by their MAC.
+    sealer: Sealer | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def from_secret(cls, secret: str | bytes | None) -> TensorCodec:
-        """A codec keyed from the salt secret (None: this process's random key)."""
+    def from_secret(cls, secret: str | bytes | None, *, encrypt: bool = False) -> TensorCodec:
+        """A codec keyed from the salt secret (None: this process's random key); ``encrypt``:
+        seal entries with a key derived from the same secret (ValueError without one)."""
+        if encrypt:
+            if secret is None:
+                raise ValueError(
+                    "--tier-encrypt needs a salt secret shared by the replicas (--salt-secret-file)"
+                )
+            return cls(derive_tier_key(secret), Sealer(derive_sealing_key(secret)))
         return cls() if secret is None else cls(derive_tier_key(secret))
 
     def namespace_tag(self, root: bytes) -> str:
@@ -153,7 +165,8 @@ class TensorCodec:
             MAGIC, VERSION, code, t.dim(), flags, len(key), len(parent_b), len(tokens), len(raw)
         )
         body = b"".join((head, key, parent_b, tokens, shape, raw))
-        return body + self._mac(body)
+        entry = body + self._mac(body)
+        return self.sealer.seal(entry) if self.sealer is not None else entry
 
     def decode(
         self,
@@ -171,6 +184,11 @@ class TensorCodec:
         import torch
 
         mv = memoryview(data)
+        if bytes(mv[: len(SEALED_MAGIC)]) == SEALED_MAGIC:
+            opened = self.sealer.open(mv) if self.sealer is not None else None
+            if opened is None:
+                raise CorruptEntry("sealed entry that does not open (altered, or another secret)")
+            mv = memoryview(opened)
         if len(mv) < _HEADER.size + _MAC_SIZE:
             raise CorruptEntry("entry too short")
         magic, version, code, ndim, flags, klen, plen, tlen, nraw = _HEADER.unpack_from(mv, 0)
