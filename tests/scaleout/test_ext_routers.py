@@ -67,6 +67,10 @@ def recording(app: Any, rec: Recorded) -> Any:
             message = await receive()
             if message["type"] == "http.request":
                 body.extend(message.get("body", b""))
+                if not message.get("more_body") and scope["path"] in GENERATION_PATHS and body:
+                    data = json.loads(bytes(body))  # recorded before the answer goes out
+                    system = data.get("system") or data["messages"][0]["content"]
+                    rec.systems.append(system if isinstance(system, str) else json.dumps(system))
             return message
 
         async def answer(message: dict[str, Any]) -> None:
@@ -76,10 +80,6 @@ def recording(app: Any, rec: Recorded) -> Any:
 
         await app(scope, listen, answer)
         rec.calls.append((scope["method"], scope["path"], status.get("code", 0)))
-        if scope["path"] in GENERATION_PATHS and body:
-            data = json.loads(bytes(body))
-            system = data.get("system") or data["messages"][0]["content"]
-            rec.systems.append(system if isinstance(system, str) else json.dumps(system))
 
     return wrapped
 
