@@ -67,6 +67,10 @@ def recording(app: Any, rec: Recorded) -> Any:
             message = await receive()
             if message["type"] == "http.request":
                 body.extend(message.get("body", b""))
+                if not message.get("more_body") and scope["path"] in GENERATION_PATHS and body:
+                    data = json.loads(bytes(body))  # recorded before the answer goes out
+                    system = data.get("system") or data["messages"][0]["content"]
+                    rec.systems.append(system if isinstance(system, str) else json.dumps(system))
             return message
 
         async def answer(message: dict[str, Any]) -> None:
@@ -76,10 +80,6 @@ def recording(app: Any, rec: Recorded) -> Any:
 
         await app(scope, listen, answer)
         rec.calls.append((scope["method"], scope["path"], status.get("code", 0)))
-        if scope["path"] in GENERATION_PATHS and body:
-            data = json.loads(bytes(body))
-            system = data.get("system") or data["messages"][0]["content"]
-            rec.systems.append(system if isinstance(system, str) else json.dumps(system))
 
     return wrapped
 
@@ -314,3 +314,55 @@ def test_a_missing_router_binary_fails_its_tests_under_ci(router_front, monkeypa
     monkeypatch.setenv("CI", "")
     with pytest.raises(pytest.skip.Exception, match="vllm-router"):
         router_front("vllm-router", [])
+
+
+@pytest.mark.model
+def test_cluster_command_with_vllm_router_answers_and_stops_on_sigterm(tmp_path, require_binary) -> None:
+    """``prefixcache cluster --router vllm-router`` as a user runs it: the replica with KV events,
+    vllm-router in front subscribed to them, a repeat answered from the cache through it, and
+    SIGTERM stopping both (exit status 0, no process left)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import psutil
+
+    import prefixcache
+
+    from .conftest import stop_process_tree, wait_http
+
+    try:
+        find_router("vllm-router")
+    except ValueError:
+        require_binary("vllm-router", INSTALL_HINT)
+    port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(prefixcache.__file__).resolve().parents[1]),
+        "OMP_NUM_THREADS": "1",
+    }
+    log = tmp_path / "cluster.log"
+    cmd = [sys.executable, "-m", "prefixcache", "cluster", "--router", "vllm-router", "--replicas", "1"]
+    cmd += ["--no-redis", "--port", str(port)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health", timeout_s=300)
+            wait_for(lambda: "Ctrl-C stops all" in log.read_text(), "the cluster's ready line", 120)
+        except (RuntimeError, AssertionError):
+            raise AssertionError(log.read_text()[-3000:]) from None
+        assert "vllm-router (kv_aware, KV events)" in log.read_text()
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) == 2, [c.name() for c in children]  # the replica and vllm-router
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        first = chat(client, SYSTEMS[0], "Hi", model="smollm2-135m-instruct")
+        again = chat(client, SYSTEMS[0], "Hi", model="smollm2-135m-instruct")
+        assert first == 0 and again > 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+        assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
+    finally:
+        stop_process_tree(proc)
