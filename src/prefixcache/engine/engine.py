@@ -35,6 +35,7 @@ from typing import Any
 from prefixcache.cache import CacheStats, FakeClock, PrefixCache
 from prefixcache.cache.config import DEFAULTS
 from prefixcache.cache.tiers.codec import BlockLayout
+from prefixcache.engine.guided import Grammar, Grammars
 from prefixcache.engine.llama import LlamaRunner, unsupported_reason
 from prefixcache.engine.model import ModelRunner, default_dtype
 from prefixcache.engine.prompt_logprobs import PromptLogprob, prompt_logprobs
@@ -379,6 +380,12 @@ class Engine:
         ids = self.prompt_ids(messages, prompt, prompt_token_ids)
         return prompt_logprobs(self.runner, ids, top, tokenizer=self.tokenizer, block_size=self.block_size)
 
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Structured output's compiler (``engine/guided.py``): ``grammar=engine.grammars.compile(
+        "json_schema", schema)`` on a request; compiled grammars are cached per spec."""
+        return Grammars(self.tokenizer, self.runner.vocab_size, self.runner.eos_token_ids)
+
     # ------------------------------------------------------------------ requests
     @property
     def max_n(self) -> int:
@@ -458,6 +465,7 @@ class Engine:
         ttl_plan: Sequence[tuple[int, float]] | None = None,
         cancel: CancelSignal = None,
         return_logits: bool = False,
+        grammar: Grammar | None = None,
     ) -> Iterator[PromptDone | ChoiceDelta | Completion]:
         """Yield one :class:`PromptDone` once the prompt is prefilled (its cache usage is final
         then), :class:`ChoiceDelta` items as the choices decode, then one :class:`Completion`.
@@ -487,6 +495,7 @@ class Engine:
             n=n,
             logprobs=logprobs,
         )
+        job.request.grammar = grammar  # structured output: every choice decodes inside it
         yield from self._worker.submit(job)
 
     def _prepare(
