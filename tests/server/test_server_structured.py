@@ -169,3 +169,47 @@ def test_real_model_chat_parse_and_responses(serve: Any, real_runner: Any) -> No
         assert isinstance(resp.output_parsed, Person)
     finally:
         engine.close()
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Lyon", "Oslo"]},
+        "days": {"type": "integer", "maximum": 9},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+def test_a_forced_tool_call_follows_its_schema_on_openai_and_anthropic(serve: Any, make_engine: Any) -> None:
+    import anthropic
+
+    url = serve(make_engine(), model_name=MODEL).url
+    client = _client(url)
+    tools = [{"type": "function", "function": {"name": "forecast", "parameters": WEATHER, "strict": True}}]
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Forecast please."}],
+            tools=tools,
+            tool_choice={"type": "function", "function": {"name": "forecast"}},
+            max_tokens=60,
+            temperature=1.0,
+            seed=seed,
+        )
+        call = r.choices[0].message.tool_calls[0]
+        args = json.loads(call.function.arguments)
+        assert (
+            call.function.name == "forecast" and args["city"] in ("Lyon", "Oslo") and 0 <= args["days"] <= 9
+        )
+    an = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    m = an.messages.create(
+        model=MODEL,
+        max_tokens=60,
+        tools=[{"name": "forecast", "input_schema": WEATHER}],
+        tool_choice={"type": "tool", "name": "forecast"},
+        messages=[{"role": "user", "content": "Forecast please."}],
+    )
+    use = m.content[-1]
+    assert use.type == "tool_use" and use.input["city"] in ("Lyon", "Oslo") and m.stop_reason == "tool_use"

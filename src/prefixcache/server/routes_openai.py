@@ -49,7 +49,7 @@ from prefixcache.server.schemas_openai import (
     _Sampling,
 )
 from prefixcache.server.state import ServerState, get_state, get_tenant
-from prefixcache.server.structured import compile_grammar, requested_grammar
+from prefixcache.server.structured import compile_grammar, forced_tool_grammar, requested_grammar
 from prefixcache.server.tool_output import (
     CallsFound,
     openai_call_deltas,
@@ -200,7 +200,7 @@ async def chat_completions(
             f"'{ask[2]}' with 'tools' is not supported: send 'tool_choice': 'none' or drop one of them.",
             param=ask[2],
         )
-    grammar = await compile_grammar(state.bridge, ask)
+    grammar = await compile_grammar(state.bridge, ask or forced_tool_grammar(config))
     if grammar is not None:
         kwargs["grammar"] = grammar
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"

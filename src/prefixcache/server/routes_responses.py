@@ -48,7 +48,7 @@ from prefixcache.server.routes_openai import (
 )
 from prefixcache.server.schemas_responses import ResponsesRequest
 from prefixcache.server.state import get_state, get_tenant
-from prefixcache.server.structured import compile_grammar, responses_grammar
+from prefixcache.server.structured import compile_grammar, forced_tool_grammar, responses_grammar
 from prefixcache.server.tool_calls import ParsedCall, ParsedReply, new_call_id
 from prefixcache.server.tool_output import CallsFound, parse_reply, split_stream, with_ids
 
@@ -283,7 +283,7 @@ async def create_response(
             "'text.format' with 'tools' is not supported: send 'tool_choice': 'none' or drop one of them.",
             param="text.format",
         )
-    grammar = await compile_grammar(state.bridge, ask)
+    grammar = await compile_grammar(state.bridge, ask or forced_tool_grammar(config))
     if grammar is not None:
         kwargs["grammar"] = grammar
     shell = ResponseShell(body, state.model_name, kwargs, config.parallel, state.bridge.decode)

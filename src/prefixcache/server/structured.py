@@ -87,12 +87,35 @@ def responses_grammar(text: Any) -> tuple[str, Any, str] | None:
 
 async def compile_grammar(bridge: Any, ask: tuple[str, Any, str] | None) -> Any:
     """The engine's compiled grammar for ``ask`` (in a worker thread), or None; a 400 naming the
-    field when it cannot be compiled."""
+    field when it cannot be compiled. A forced tool call's grammar (param ``tool_choice``) is
+    best effort: None where the engine has no grammar support."""
     if ask is None:
         return None
     kind, spec, param = ask
     engine = bridge.engine
+    if getattr(engine, "grammars", None) is None:
+        if param == "tool_choice":
+            return None
+        raise bad_request(f"'{param}': structured output is not available on this engine.", param=param)
     try:
         return await bridge.run(lambda: engine.grammars.compile(kind, spec))
     except APIError as exc:
         raise bad_request(f"'{param}': {exc.message}", param=param) from exc
+
+
+def forced_tool_grammar(config: Any) -> tuple[str, Any, str] | None:
+    """A forced call's arguments held to its tool's schema: ``tool_choice`` naming a function
+    (OpenAI) or ``{"type": "tool", "name": ...}`` (Anthropic). The prompt already ends in
+    ``<tool_call>{"name": ..., "arguments": `` (the forced prefix), so the grammar is the
+    arguments' JSON, the call's closing brace and the closing tag. None for any other choice."""
+    from prefixcache.server.tool_prompt import TOOL_CALL_CLOSE, ToolChoice
+
+    if config.choice is not ToolChoice.NAMED:
+        return None
+    tool = next((t for t in config.tools if t.name == config.forced_name), None)
+    if tool is None:
+        return None
+    schema = dict(tool.parameters or {"type": "object"})
+    schema.setdefault("x-guidance", {"whitespace_flexible": False})
+    lark = f'start: args "}}" {json.dumps(TOOL_CALL_CLOSE)}\nargs: %json {json.dumps(schema)}'
+    return ("lark", lark, "tool_choice")
