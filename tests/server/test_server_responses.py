@@ -167,7 +167,7 @@ def test_function_call_items_in_and_out(client, scripted):
         ({"background": True}, "background"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
-        ({"text": {"format": {"type": "json_object"}}}, "text"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"truncation": "auto"}, "truncation"),

@@ -35,6 +35,7 @@ from typing import Any
 from prefixcache.cache import CacheStats, FakeClock, PrefixCache
 from prefixcache.cache.config import DEFAULTS
 from prefixcache.cache.tiers.codec import BlockLayout
+from prefixcache.engine.guided import Grammar, Grammars
 from prefixcache.engine.llama import LlamaRunner, unsupported_reason
 from prefixcache.engine.model import ModelRunner, default_dtype, env_dtype
 from prefixcache.engine.prompt_logprobs import PromptLogprob, prompt_logprobs
@@ -355,7 +356,8 @@ class Engine:
         """Check one prompt now: run it (one token, greedy) and, when it reads cached blocks,
         recompute it with the cache bypassed and compare logits and KV bit for bit (the live
         audit's check, see ``engine/verify.py``). Raises InvalidRequestError without an audit
-        (the Hugging Face runner, or the cache off); TimeoutError past ``timeout_s``."""
+        (the Hugging Face runner, or the cache off). Past ``timeout_s`` (no spare capacity came):
+        result ``skipped``."""
         if self.auditor is None:
             raise InvalidRequestError(
                 "the exactness audit needs the own Llama runner with the cache on; this engine has "
@@ -383,7 +385,10 @@ class Engine:
         job.request.verify = future
         for _ in self._worker.submit(job):
             pass
-        return future.result(timeout=timeout_s)
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:  # no spare capacity came in time (a busy engine): not checked
+            return VerifyResult("skipped", len(job.request.ids), 0)
 
     def prompt_logprobs(
         self,
@@ -402,6 +407,12 @@ class Engine:
             )
         ids = self.prompt_ids(messages, prompt, prompt_token_ids)
         return prompt_logprobs(self.runner, ids, top, tokenizer=self.tokenizer, block_size=self.block_size)
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Structured output's compiler (``engine/guided.py``): ``grammar=engine.grammars.compile(
+        "json_schema", schema)`` on a request; compiled grammars are cached per spec."""
+        return Grammars(self.tokenizer, self.runner.vocab_size, self.runner.eos_token_ids)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -482,6 +493,7 @@ class Engine:
         ttl_plan: Sequence[tuple[int, float]] | None = None,
         cancel: CancelSignal = None,
         return_logits: bool = False,
+        grammar: Grammar | None = None,
     ) -> Iterator[PromptDone | ChoiceDelta | Completion]:
         """Yield one :class:`PromptDone` once the prompt is prefilled (its cache usage is final
         then), :class:`ChoiceDelta` items as the choices decode, then one :class:`Completion`.
@@ -511,6 +523,7 @@ class Engine:
             n=n,
             logprobs=logprobs,
         )
+        job.request.grammar = grammar  # structured output: every choice decodes inside it
         yield from self._worker.submit(job)
 
     def _prepare(

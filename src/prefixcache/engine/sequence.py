@@ -41,6 +41,7 @@ class Choice:
         "context_len",
         "blocks",
         "finished_at",
+        "guide",
     )
 
     def __init__(
@@ -57,6 +58,8 @@ class Choice:
         self.context_len = context_len
         self.blocks: list[PoolBlock] = []  # batch runner: this choice's block table, position // B
         self.finished_at = 0.0
+        #: Structured output (``engine/guided.py``): the grammar's state, or None.
+        self.guide = request.grammar.matcher() if request.grammar is not None else None
 
     @property
     def position(self) -> int:
@@ -67,8 +70,11 @@ class Choice:
         """Sample the next token from ``logits`` (float32 [vocab]); returns what to stream:
         new text, the token's logprob when asked, and on the last token the finish reason."""
         req = self.request
-        token = self.sampler(logits)
+        guide = self.guide
+        token = self.sampler(logits if guide is None else guide.mask(logits))  # logits stay as computed
         self.tokens.append(token)
+        if guide is not None:
+            guide.accept(token)
         lp: list[TokenLogprob] = []
         if self.logprobs is not None:
             value, top = token_logprobs(logits, token, req.logprobs or 0)
@@ -79,7 +85,7 @@ class Choice:
             self.finish_reason = "stop"
         else:
             text = self.text.push(token)
-            if self.text.stop_sequence is not None:
+            if self.text.stop_sequence is not None or (guide is not None and guide.done):
                 self.finish_reason = "stop"
             elif len(self.tokens) >= req.max_tokens or len(req.ids) + len(self.tokens) >= self.context_len:
                 self.finish_reason = "length"

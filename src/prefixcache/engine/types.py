@@ -55,6 +55,8 @@ class Request:
     n: int = 1
     #: None: no logprobs; k >= 0: each generated token's logprob and its k best alternatives.
     logprobs: int | None = None
+    #: Structured output: a compiled :class:`~prefixcache.engine.guided.Grammar`, or None.
+    grammar: Any = field(default=None, repr=False)
     #: A future for the exactness audit's result of this request's hit (``Engine.verify``).
     verify: Any = field(default=None, repr=False)
     #: Filled by the batch scheduler once: block keys and packed tokens of ``ids``.

@@ -31,6 +31,7 @@ from prefixcache.server.limits import CheckedRoute
 from prefixcache.server.routes_openai import SSE_HEADERS, _items, _start_stream, prompt_kwargs
 from prefixcache.server.schemas_anthropic import CountTokensRequest, MessagesRequest, _Prompt
 from prefixcache.server.state import ServerState, get_state, get_tenant
+from prefixcache.server.structured import compile_grammar, forced_tool_grammar
 from prefixcache.server.tool_output import (
     CallsFound,
     anthropic_content,
@@ -182,6 +183,9 @@ async def create_message(
     }
     if plan:
         kwargs["ttl_plan"] = plan
+    grammar = await compile_grammar(state.bridge, forced_tool_grammar(config))  # tool_choice: a tool
+    if grammar is not None:
+        kwargs["grammar"] = grammar
     longest = max((t for _, t in plan), default=None)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     text = rendered.trace_text()

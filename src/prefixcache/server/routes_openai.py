@@ -49,6 +49,7 @@ from prefixcache.server.schemas_openai import (
     _Sampling,
 )
 from prefixcache.server.state import ServerState, get_state, get_tenant
+from prefixcache.server.structured import compile_grammar, forced_tool_grammar, requested_grammar
 from prefixcache.server.tool_output import (
     CallsFound,
     openai_call_deltas,
@@ -193,6 +194,15 @@ async def chat_completions(
         "n": n,
         "logprobs": top,
     }
+    ask = requested_grammar(body)
+    if ask is not None and config.parses_calls:
+        raise bad_request(
+            f"'{ask[2]}' with 'tools' is not supported: send 'tool_choice': 'none' or drop one of them.",
+            param=ask[2],
+        )
+    grammar = await compile_grammar(state.bridge, ask or forced_tool_grammar(config))
+    if grammar is not None:
+        kwargs["grammar"] = grammar
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     text = rendered.trace_text()
@@ -323,6 +333,9 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
     kwargs.update(
         max_tokens=body.max_tokens or 16, n=n, logprobs=body.logprobs, **sampling_kwargs(body, tenant)
     )
+    grammar = await compile_grammar(state.bridge, requested_grammar(body))
+    if grammar is not None:
+        kwargs["grammar"] = grammar
     rid = f"cmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
 

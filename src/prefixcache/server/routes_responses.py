@@ -48,6 +48,7 @@ from prefixcache.server.routes_openai import (
 )
 from prefixcache.server.schemas_responses import ResponsesRequest
 from prefixcache.server.state import get_state, get_tenant
+from prefixcache.server.structured import compile_grammar, forced_tool_grammar, responses_grammar
 from prefixcache.server.tool_calls import ParsedCall, ParsedReply, new_call_id
 from prefixcache.server.tool_output import CallsFound, parse_reply, split_stream, with_ids
 
@@ -100,10 +101,10 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
             "'reasoning' is not supported: this model does not reason; remove it.",
         ),
         (
-            not _plain_text(body.text),
+            not _plain_text(body.text) and responses_grammar(body.text) is None,
             "text",
-            "'text' may only ask for plain text ({'format': {'type': 'text'}}); "
-            "structured output is not supported.",
+            "'text' may ask for plain text or a format of type 'json_object' or 'json_schema'; "
+            "'verbosity' other than 'medium' is not supported.",
         ),
         (
             bool(set(body.include or ()) - HARMLESS_INCLUDES),
@@ -143,6 +144,13 @@ def _plain_text(text: Any) -> bool:
     return (fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text")) and text.get(
         "verbosity"
     ) in (None, "medium")
+
+
+def _format_echo(text: Any) -> Any:
+    """The response's ``text.format``: the request's (structured output), or plain text."""
+    fmt = text.get("format") if isinstance(text, dict) else None
+    structured = isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema")
+    return fmt if structured else {"type": "text"}
 
 
 def responses_usage(u: Usage) -> dict[str, Any]:
@@ -210,7 +218,7 @@ class ResponseShell:
             "reasoning": {"effort": None, "summary": None},
             "store": False,
             "temperature": kwargs["temperature"],
-            "text": {"format": {"type": "text"}},
+            "text": {"format": _format_echo(body.text)},
             "tool_choice": _tool_choice_echo(body),
             "tools": [t.model_dump() for t in body.tools or []],
             "top_p": kwargs["top_p"],
@@ -269,6 +277,15 @@ async def create_response(
         **prompt_kwargs(rendered, None),
         "max_tokens": body.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS,
     }
+    ask = responses_grammar(body.text)
+    if ask is not None and config.parses_calls:
+        raise bad_request(
+            "'text.format' with 'tools' is not supported: send 'tool_choice': 'none' or drop one of them.",
+            param="text.format",
+        )
+    grammar = await compile_grammar(state.bridge, ask or forced_tool_grammar(config))
+    if grammar is not None:
+        kwargs["grammar"] = grammar
     shell = ResponseShell(body, state.model_name, kwargs, config.parallel, state.bridge.decode)
     text = rendered.trace_text()
     if not body.stream:

@@ -91,6 +91,20 @@ class _Sampling(_CachedGeneration):
         None, description="Choices decoded from one prefill of the prompt; at most the server's --max-batch."
     )
 
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description="Structured output: {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
+        "'json_schema': {'name': ..., 'schema': {...}, 'strict': true}}.",
+    )
+    structured_outputs: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's extension: one of json (a schema), regex, choice (strings) or grammar (Lark).",
+    )
+    guided_json: dict[str, Any] | StrictStr | None = Field(None, description="vLLM's older name: a schema.")
+    guided_regex: StrictStr | None = Field(None, description="vLLM's older name for a regex.")
+    guided_choice: list[StrictStr] | None = Field(None, description="vLLM's older name for a choice.")
+    guided_grammar: StrictStr | None = Field(None, description="vLLM's older name for a Lark/GBNF grammar.")
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
