@@ -143,7 +143,7 @@ def demo(
     from prefixcache.engine.model import ModelRunner, env_dtype
 
     console = Console(width=None if sys.stdout.isatty() else 120)
-    steps = _Steps(Console(stderr=True))
+    steps = _Steps(Console(stderr=True, soft_wrap=True))
     with console.status("loading the model") as status:
         steps("loading the model (the first run converts it once, about a minute)", status)
         try:
