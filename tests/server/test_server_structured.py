@@ -27,6 +27,10 @@ class Person(BaseModel):
     member: bool
 
 
+#: Person's schema as a strict client sends it (no other properties).
+STRICT = {**Person.model_json_schema(), "additionalProperties": False}
+
+
 def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
 
@@ -91,6 +95,26 @@ def test_json_object_and_the_beta_parse_and_responses_text_format(serve: Any, ma
         model=MODEL, messages=_messages(2), response_format=Person, max_tokens=60, temperature=0
     )
     assert isinstance(beta.choices[0].message.parsed, Person)
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "p", "schema": STRICT, "strict": True},
+    }
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=_messages(2),
+            response_format=fmt,
+            max_tokens=60,
+            temperature=0,
+            n=2,
+            stream=True,
+        )
+    )
+    for index in (0, 1):  # each choice keeps its own grammar state
+        text = "".join(
+            c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == index
+        )
+        Person.model_validate_json(text)
     resp = client.responses.parse(
         model=MODEL, input="Describe a person.", text_format=Person, max_output_tokens=60
     )
