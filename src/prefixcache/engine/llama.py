@@ -282,8 +282,7 @@ class LlamaRunner(ModelRunner):
 
     def _step(self, pool: KVPool, segments: Sequence[Segment]) -> torch.Tensor:
         if self.native is not None:
-            rows = padded_rows(sum(len(s.tokens) for s in segments))
-            return native_step(self, self.native, pool, segments, rows)
+            return native_step(self, self.native, pool, segments)
         dev, B = self.device, pool.block_size
         tokens: list[int] = []
         positions: list[int] = []

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from prefixcache.engine.kernels import KernelsUnavailableError, NativeKernels, resolve
 from prefixcache.engine.pool import KVPool
@@ -77,8 +76,9 @@ class StepPlan:
             table = s.table
             slots.extend(table[p // B] * B + p % B for p in range(s.start, s.end))
             tokens.extend(s.tokens)
-            if s.want_logits:
-                self.last_rows.append(len(tokens) - 1)
+            if s.want_logits:  # every row of the segment for prompt logprobs, else its last
+                first = len(tokens) - len(s.tokens)
+                self.last_rows.extend(range(first, len(tokens)) if s.all_logits else (len(tokens) - 1,))
         if tables and (min(tables) < 0 or max(tables) >= num_blocks):
             raise IndexError(f"a block table names a block outside the pool (0..{num_blocks - 1})")
         self.n, self.R = len(tokens), R
@@ -93,12 +93,14 @@ class StepPlan:
 
 
 def native_step(
-    runner: LlamaRunner, k: NativeKernels, pool: KVPool, segments: Sequence[Segment], R: int
+    runner: LlamaRunner, k: NativeKernels, pool: KVPool, segments: Sequence[Segment]
 ) -> torch.Tensor:
     """``runner.step`` on the kernels (the caller holds the runner's lock, inference mode).
-    ``R``: the GEMMs' row count for the step's rows (padding rows are zeros)."""
-    from prefixcache.engine.llama import padded_rows
-
+    The weight products go through the runner's GEMM rule (``engine/gemm.py``), as on the torch
+    path: the same pieces, the same bits per row, dense or 4-bit weights."""
+    gemm = runner.gemm
+    R = gemm.padded(sum(len(s.tokens) for s in segments))
+    rows = gemm.rows(segments, R)
     lib, dt = k.lib, DTYPE_CODES[runner.dtype]
     nt = torch.get_num_threads()
     B = pool.block_size
@@ -116,7 +118,7 @@ def native_step(
         dt, R, hidden, x.data_ptr(), None, _ptr(layers[0]["ln1"]), runner.eps, h.data_ptr(), nt
     )
     for li, lw in enumerate(layers):
-        qkv = F.linear(h, lw["qkv"], lw["qkv_b"])  # [R, (H + 2 KV) * D]
+        qkv = gemm.linear(h, lw["qkv"], lw["qkv_b"], rows)  # [R, (H + 2 KV) * D]
         keys, values = data[li, 0], data[li, 1]
         lib.pc_rope_kv(
             dt, n, H, KV, D, qkv.data_ptr(), plan.pos.data_ptr(), plan.slots.data_ptr(),
@@ -127,15 +129,15 @@ def native_step(
             dt, H, KV, D, q.data_ptr(), keys.data_ptr(), values.data_ptr(), head_stride, B,
             plan.nseg, plan.seg.data_ptr(), plan.tables.data_ptr(), attn.data_ptr(), nt,
         )  # fmt: skip
-        o = F.linear(attn, lw["o"], lw["o_b"])
+        o = gemm.linear(attn, lw["o"], lw["o_b"], rows)
         lib.pc_rms_residual(
             dt, R, hidden, x.data_ptr(), o.data_ptr(), _ptr(lw["ln2"]), runner.eps, h.data_ptr(), nt
         )
-        gu = F.linear(h, lw["gu"], lw["gu_b"])
+        gu = gemm.linear(h, lw["gu"], lw["gu_b"], rows)
         inter = gu.shape[1] // 2
         act = torch.empty(R, inter, dtype=runner.dtype)
         lib.pc_swiglu(dt, R, inter, gu.data_ptr(), act.data_ptr(), nt)
-        down = F.linear(act, lw["down"], lw["down_b"])
+        down = gemm.linear(act, lw["down"], lw["down_b"], rows)
         norm = layers[li + 1]["ln1"] if li + 1 < len(layers) else runner.norm
         lib.pc_rms_residual(
             dt, R, hidden, x.data_ptr(), down.data_ptr(), _ptr(norm), runner.eps, h.data_ptr(), nt
@@ -143,6 +145,6 @@ def native_step(
     if not plan.last_rows:
         return torch.empty(0, runner.vocab_size)
     want = len(plan.last_rows)
-    sel = torch.zeros(padded_rows(want), dtype=torch.long)
+    sel = torch.zeros(gemm.padded(want), dtype=torch.long)
     sel[:want] = torch.tensor(plan.last_rows, dtype=torch.long)
-    return F.linear(h[sel], runner.lm_head)[:want].float()
+    return gemm.linear(h[sel], runner.lm_head, None, gemm.logits_rows(len(sel)))[:want].float()
