@@ -156,3 +156,20 @@ def test_real_model_echo_logprobs_are_the_same_cold_after_a_hit_and_batched(
             assert lp[0] is None and lp[1 : len(ref)] == [e.logprob for e in ref[1:]]
     finally:
         engine.close()
+
+
+def test_chat_prompt_logprobs_cover_the_rendered_prompt(serve: Any, make_engine: Any) -> None:
+    engine = make_engine()
+    server = serve(engine, model_name=MODEL)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    messages = [{"role": "system", "content": SHARED}, {"role": "user", "content": "Hi!"}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1}
+    )
+    pl = r.model_extra["prompt_logprobs"]
+    ids = engine.prompt_ids(messages=messages)
+    want = engine.prompt_logprobs(prompt_token_ids=ids, top=1)
+    assert len(pl) == len(ids) == r.usage.prompt_tokens and pl[0] is None
+    assert [p[str(t)]["logprob"] for p, t in zip(pl[1:], ids[1:], strict=True)] == [
+        e.logprob for e in want[1:]
+    ]

@@ -203,6 +203,15 @@ async def chat_completions(
     grammar = await compile_grammar(state.bridge, ask or forced_tool_grammar(config))
     if grammar is not None:
         kwargs["grammar"] = grammar
+    vllm_part: list[Any] | None = None
+    if body.prompt_logprobs is not None:  # vLLM's extension: the prompt's rows, recomputed
+        if body.stream:
+            raise bad_request(
+                "'prompt_logprobs' is not supported with 'stream': drop one of them.", param="prompt_logprobs"
+            )
+        source = {k: v for k, v in kwargs.items() if k in ("prompt", "messages")}
+        _, entries = await prompt_entries(state.bridge, source, body.prompt_logprobs)
+        vllm_part = vllm_prompt_logprobs(entries, state.bridge.token_text)
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     text = rendered.trace_text()
@@ -230,6 +239,7 @@ async def chat_completions(
                 "system_fingerprint": None,
                 "choices": choices,
                 "usage": openai_usage(fin.usage),
+                **({"prompt_logprobs": vllm_part} if vllm_part is not None else {}),
                 **prefixcache_field(fin.usage, state.bridge.decode),
             }
         )

@@ -159,6 +159,11 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = Field(
         None, description="With logprobs: the most likely alternatives per token (0-20)."
     )
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = Field(
+        None,
+        description="vLLM's extension: each prompt token's logprob and the k (0-20) likeliest tokens at its "
+        "position, recomputed with the cache bypassed (a top-level prompt_logprobs).",
+    )
 
 
 class CompletionRequest(_Sampling):
