@@ -167,7 +167,7 @@ class Soak:
         """A tenant flushing its cache every few seconds (DELETE /v1/cache through the router)."""
         rng = random.Random(7)
         with httpx.Client(base_url=self.router_url, timeout=300) as c:
-            while not self.stop.wait(6.0):
+            while self.args.flush_every > 0 and not self.stop.wait(self.args.flush_every):
                 t0 = time.monotonic()
                 try:
                     key = rng.choice(self.keys)
@@ -279,6 +279,9 @@ def main() -> None:  # noqa: PLR0915 - one linear script: set up, run, classify,
     ap.add_argument("--capacity", default="32MiB", help="each replica's memory KV budget")
     ap.add_argument("--invalid-share", type=float, default=0.3, help="share of invalid requests")
     ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument(
+        "--flush-every", type=float, default=6.0, help="seconds between two DELETE /v1/cache (0: none)"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/soak.md")
     args = ap.parse_args()
 
