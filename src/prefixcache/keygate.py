@@ -18,9 +18,24 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from prefixcache.limits import Refuse, RejectedBody
 
 #: Paths answered without a key: probes, Prometheus, the dashboard page (its data is gated) and
-#: the API's own description. vLLM's ``/ping`` and ``/version`` probes are public there too.
+#: the API's own description. vLLM's ``/ping`` and ``/version`` probes are public there too, and so
+#: are SGLang's engine descriptions that SMG reads before it has a key (they say what ``/health``
+#: says: the model and the engine's limits, nothing of any tenant).
 PUBLIC_PATHS = frozenset(
-    {"/health", "/ping", "/version", "/metrics", "/dashboard", "/openapi.json", "/docs", "/redoc"}
+    {
+        "/health",
+        "/ping",
+        "/version",
+        "/server_info",
+        "/get_server_info",
+        "/model_info",
+        "/get_model_info",
+        "/metrics",
+        "/dashboard",
+        "/openapi.json",
+        "/docs",
+        "/redoc",
+    }
 )
 #: Path prefixes answered without a key (the dashboard's static assets).
 PUBLIC_PREFIXES = ("/dashboard/",)
