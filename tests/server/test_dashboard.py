@@ -274,15 +274,32 @@ def axis_labels(html: str, chart: str) -> list[str]:
     return re.findall(r'<text[^>]*class="axis"[^>]*>([^<]*)</text>', svg.group(0))
 
 
-def round_label(text: str) -> bool:
-    """A tick label of a nice scale: its number is 1, 2, 2.5 or 5 times a power of ten, or 0."""
+def tick_value(text: str) -> float:
+    """A tick label's number ('2.5k' -> 2500, '40%' -> 40)."""
     import re
 
-    number = float(re.sub(r"[^0-9.]", "", text) or 0)
-    if number == 0:
-        return True
-    scaled = number / 10 ** __import__("math").floor(__import__("math").log10(number))
-    return any(abs(scaled - m * k) < 1e-6 for m in (1, 2, 2.5, 5) for k in (1, 2, 3, 4, 5, 6, 8))
+    scale = 1000.0 if text.rstrip().endswith("k") else 1e6 if text.rstrip().endswith("M") else 1.0
+    return float(re.sub(r"[^0-9.]", "", text) or 0) * scale
+
+
+def nice_step(step: float) -> bool:
+    """1, 2, 2.5 or 5 times a power of ten."""
+    import math
+
+    if step <= 0:
+        return False
+    scaled = step / 10 ** math.floor(math.log10(step))
+    return any(abs(scaled - m) < 1e-6 for m in (1, 2, 2.5, 5, 10))
+
+
+def round_ticks(labels: list[str]) -> bool:
+    """Ticks evenly spaced by a nice step, each a multiple of it (0, 500, 1000, ... or 0, 2.5, 5)."""
+    values = sorted(tick_value(t) for t in labels)
+    steps = {round(b - a, 9) for a, b in zip(values, values[1:], strict=False)}
+    if len(steps) != 1:
+        return False
+    (step,) = steps
+    return nice_step(step) and all(abs(v / step - round(v / step)) < 1e-6 for v in values)
 
 
 def test_dashboard_page_shows_live_numbers_in_chromium(serve, make_engine, browse) -> None:
@@ -306,7 +323,7 @@ def test_dashboard_page_shows_live_numbers_in_chromium(serve, make_engine, brows
         labels = axis_labels(dom.html, chart)
         assert "now" in labels, labels
         ticks = [t for t in labels if t != "now" and not t.startswith("-")]
-        assert len(ticks) == 5 and all(round_label(t) for t in ticks), ticks
+        assert len(ticks) == 5 and round_ticks(ticks), ticks
 
     for i in range(2, 5):
         chat(server.url, SYSTEM_A, f"q{i}", "sk-alpha")
