@@ -37,7 +37,7 @@ def _one_class(n: int, decode: bool) -> Rows:
 def test_rows_are_invariant_to_the_row_count_and_offset(
     dtype: torch.dtype, decode: bool, threads: int
 ) -> None:
-    rule = gemm_rule(dtype, torch.device("cpu"))
+    rule = gemm_rule(dtype, torch.device("cpu"), SHAPES)  # the rule the runner picks on this machine
     gen = torch.Generator().manual_seed(threads)
     for out_f, in_f in SHAPES:
         w = (torch.randn(out_f, in_f, generator=gen) * 0.05).to(dtype)
@@ -94,9 +94,23 @@ def test_the_rule_is_named_in_the_cache_namespace(tiny_runner) -> None:
 
     f32 = LlamaRunner.from_model_runner(tiny_runner, dtype="float32")
     bf16 = LlamaRunner.from_model_runner(tiny_runner, dtype="bfloat16")
-    assert f32.gemm.tag() == "gemm-p128-d16p" and bf16.gemm.tag() == "gemm-p128-d32"
+    assert f32.gemm.tag() == "gemm-p128-d16p"
+    assert bf16.gemm.tag() == ("gemm-p128-d32p" if bf16.gemm.pad_decode else "gemm-p128-d32")
     other = copy.copy(f32)
     other.gemm = dataclasses.replace(f32.gemm, prefill_piece=64)
     assert other.fingerprint(16) != f32.fingerprint(16)
     cuda = gemm_rule(torch.float32, torch.device("cuda"))
     assert cuda == GemmRule(0, 0, True, legacy=True) and cuda.padded(5) == 8 and cuda.tag() == "gemm-pad4"
+
+
+def test_bf16_decode_rows_are_padded_where_the_probe_finds_unpadded_counts_differ(monkeypatch) -> None:
+    """On a machine whose bf16 kernels differ below 32 rows, the rule pads decode rows to exactly
+    32 (a fixed shape), and its tag (so the cache namespace) says so."""
+    import prefixcache.engine.gemm as gemm
+
+    shapes = [(960, 576), (576, 576)]
+    monkeypatch.setattr(gemm, "unpadded_rows_invariant", lambda shape, dtype, upto: shape != (576, 576))
+    rule = gemm.gemm_rule(torch.bfloat16, torch.device("cpu"), shapes)
+    assert rule.pad_decode and rule.tag() == "gemm-p128-d32p"
+    monkeypatch.setattr(gemm, "unpadded_rows_invariant", lambda shape, dtype, upto: True)
+    assert not gemm.gemm_rule(torch.bfloat16, torch.device("cpu"), shapes).pad_decode

@@ -17,14 +17,16 @@ re-checks every rule the runner uses):
 - A fixed ``M`` gives the same bits for a row wherever it sits among the ``M`` rows (checked at
   offsets), for every ``M`` tried.
 
-So rows are computed in **pieces of fixed shape** per row class: decode rows (and the logits rows)
-in pieces of at most ``decode_piece`` rows, unpadded where every count up to that is invariant
-(bfloat16) or padded to exactly ``decode_piece`` (float32); prefill rows in pieces of exactly
-``prefill_piece`` rows (the last padded with zero rows). Prefill rows and decode rows never share
-a piece, and each class always uses its own shapes, so a prompt row has the same bits in a
-one-row tail as in a 512-row chunk, and a decode row the same bits alone as in a batch of 16.
-On CUDA the rule is the previous one (one GEMM over a multiple of 4 rows); :meth:`GemmRule.tag`
-names the rule in the cache namespace, so engines with different rules never share blocks.
+So rows are computed in **pieces of fixed shape** per row class: decode rows (and the logits
+rows) in pieces of at most ``decode_piece`` rows, unpadded where every count up to that is
+invariant (bfloat16, where a probe of the model's weight shapes on this machine and thread count
+confirms it at start-up) or padded to exactly ``decode_piece`` (float32, and bfloat16
+elsewhere); prefill rows in pieces of exactly ``prefill_piece`` rows (the last padded with zero
+rows). Prefill rows and decode rows never share a piece, and each class always uses its own
+shapes, so a prompt row has the same bits in a one-row tail as in a 512-row chunk, and a decode
+row the same bits alone as in a batch of 16. On CUDA the rule is the previous one (one GEMM over
+a multiple of 4 rows); :meth:`GemmRule.tag` names the rule in the cache namespace, so engines
+with different rules never share blocks.
 
 Weights may be dense tensors or :class:`prefixcache.engine.quant.Q4Weight` (4-bit, see that
 module): both go through the same pieces.
@@ -139,10 +141,31 @@ class GemmRule:
         return outs
 
 
-def gemm_rule(dtype: torch.dtype, device: torch.device) -> GemmRule:
-    """The rule for a runner computing in ``dtype`` on ``device`` (module doc)."""
+_CHECKED: dict[tuple[int, int, int], bool] = {}
+
+
+def unpadded_rows_invariant(shape: tuple[int, int], dtype: torch.dtype, upto: int) -> bool:
+    """Whether, on this machine and thread count, every row count 1..``upto`` of ``F.linear``
+    with a weight of ``shape`` gives the rows of the one-row product (a seeded random probe,
+    remembered per shape and thread count)."""
+    key = (*shape, torch.get_num_threads())
+    if key not in _CHECKED:
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(*shape, generator=gen).to(dtype)
+        x = torch.randn(upto, shape[1], generator=gen).to(dtype)
+        one = torch.cat([F.linear(x[i : i + 1], w) for i in range(upto)])
+        _CHECKED[key] = all(torch.equal(F.linear(x[:m], w), one[:m]) for m in range(2, upto + 1))
+    return _CHECKED[key]
+
+
+def gemm_rule(dtype: torch.dtype, device: torch.device, shapes: Sequence[tuple[int, int]] = ()) -> GemmRule:
+    """The rule for a runner computing in ``dtype`` on ``device`` (module doc). ``shapes``: the
+    weights' ``(out, in)`` shapes; bfloat16 decode rows go unpadded only where this machine's
+    kernels are checked to be invariant at every count up to the piece for each of them (else
+    they are padded, like float32's, and the tag says so)."""
     if device.type != "cpu":
         return GemmRule(prefill_piece=0, decode_piece=0, pad_decode=True, legacy=True)
     if dtype == torch.bfloat16:
-        return GemmRule(PREFILL_PIECE, BF16_DECODE_PIECE, pad_decode=False)
+        ok = all(unpadded_rows_invariant(s, dtype, BF16_DECODE_PIECE) for s in shapes)
+        return GemmRule(PREFILL_PIECE, BF16_DECODE_PIECE, pad_decode=not ok)
     return GemmRule(PREFILL_PIECE, F32_DECODE_PIECE, pad_decode=True)

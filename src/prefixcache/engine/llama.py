@@ -202,7 +202,13 @@ class LlamaRunner(ModelRunner):
             cos, sin = inner.rotary_emb(probe, positions)
         self.cos = cos[0].to(dt).contiguous()  # [context, head_dim]
         self.sin = sin[0].to(dt).contiguous()
-        self.gemm = gemm_rule(dt, self.device)  # how every weight product keeps rows invariant
+        shapes = {
+            tuple(t.shape) for lw in self.layers for k, t in lw.items() if t is not None and t.dim() == 2
+        }
+        shapes.add(tuple(self.lm_head.shape))
+        self.gemm = gemm_rule(
+            dt, self.device, sorted(shapes)
+        )  # how every weight product keeps rows invariant
         self.model = None  # the Hugging Face modules are not used past this point
         self.lock = base.lock  # runners built from one base share the cores
         self.native, self.kernels = pick_kernels(self, kernels)
