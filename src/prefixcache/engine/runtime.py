@@ -39,7 +39,9 @@ def dtype_source(dtype: str, device: Any = "cpu") -> str:
 
 def describe_runtime(engine: Any) -> str:
     """One line: runner, dtype (and where it came from), weight format, threads, device, kernels."""
-    runner = engine.runner
+    runner = getattr(engine, "runner", None)
+    if runner is None:  # an engine double without a runner (tests), or one not built yet
+        return "runner unknown"
     kind = getattr(runner, "kind", None) or "hf"
     dtype = runner.dtype_name
     parts = [
@@ -50,5 +52,9 @@ def describe_runtime(engine: Any) -> str:
     ]
     line = ", ".join(parts)
     if kind == "llama":
-        line += f", kernels: {kernels_line()}"
+        if getattr(runner, "native", None) is None and not kernels_line().startswith("torch"):
+            # the kernels are built, but this runner does not use them (forced, dtype, device, shape)
+            line += f", kernels: torch path ({getattr(runner, 'kernels', 'torch')})"
+        else:
+            line += f", kernels: {kernels_line()}"
     return line
