@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -107,7 +109,9 @@ def main() -> None:
     md = [
         "# 4-bit weights against the float weights",
         "",
-        f"`benchmarks/bench_quality.py` (dtype {res['dtype']}), text `benchmarks/data/quality.txt`.",
+        f"`python {' '.join(shlex.quote(a) for a in sys.argv)}` (dtype {res['dtype']}, "
+        f"{base.threads} threads), text `benchmarks/data/quality.txt`. The perplexity is of this "
+        "small, already 4-bit-derived model on short windows: compare the two columns, not the value.",
         "",
         "| figure | float | q4 |",
         "|---|---:|---:|",
