@@ -245,7 +245,9 @@ def test_miss_reason_and_busting_panels(serve, make_engine, browse) -> None:
         {"tenant": "alpha", "endpoint": "/v1/chat/completions", **f} for f in row["busting"]
     ]
     assert [f["kind"] for f in alpha["busting"]] == ["timestamp"] and beta["busting"] == []
-    assert dashboard(server.url, "sk-ops").json()["busting"] == alpha["busting"]  # admin: every tenant's
+    ops = dashboard(server.url, "sk-ops")
+    assert ops.status_code == 200 and "busting" in ops.json(), (ops.status_code, ops.text[:500])
+    assert ops.json()["busting"] == alpha["busting"]  # admin: every tenant's
 
     dom = browse(server.url + "/dashboard#key=sk-alpha")
     [finding] = dom.rows("busting")

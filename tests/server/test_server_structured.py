@@ -230,7 +230,8 @@ def test_a_forced_tool_call_follows_its_schema_on_openai_and_anthropic(serve: An
     an = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
     m = an.messages.create(
         model=MODEL,
-        max_tokens=60,
+        max_tokens=200,  # room for the whole call: a cut one is stop_reason max_tokens, not tool_use
+        extra_body={"temperature": 0.0},  # greedy: the default temperature is 1 and this call has no seed
         tools=[{"name": "forecast", "input_schema": WEATHER}],
         tool_choice={"type": "tool", "name": "forecast"},
         messages=[{"role": "user", "content": "Forecast please."}],
