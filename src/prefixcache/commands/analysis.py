@@ -31,6 +31,15 @@ trace_app = typer.Typer(
 )
 
 
+#: ``--format`` of the reports (audit, simulate).
+ReportFormatOpt = Annotated[
+    str,
+    typer.Option(
+        "--format", help="table (fits the terminal: wide tables are stacked), markdown, csv or json."
+    ),
+]
+
+
 def _progress() -> Progress:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
@@ -143,13 +152,7 @@ def audit(
     ttl: Annotated[str, typer.Option(help="Cache TTL: 300, 5m, 1h.")] = "300",
     html: Annotated[Path | None, typer.Option("--html", help="Write an HTML report with plots.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
-    fmt: Annotated[
-        str,
-        typer.Option(
-            "--format",
-            help="table (fits the terminal: wide tables are stacked), markdown, csv or json.",
-        ),
-    ] = "table",
+    fmt: ReportFormatOpt = "table",
     plots: Annotated[
         Path | None, typer.Option(help="Also save the plots as PNG files in this folder.")
     ] = None,
@@ -278,13 +281,7 @@ def simulate(
         typer.Option(help="ttl=60,300,900,3600 or capacity=1GiB,4GiB (also replicas=, block_size=)."),
     ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
-    fmt: Annotated[
-        str,
-        typer.Option(
-            "--format",
-            help="table (fits the terminal: wide tables are stacked), markdown, csv or json.",
-        ),
-    ] = "table",
+    fmt: ReportFormatOpt = "table",
     plot: Annotated[Path | None, typer.Option(help="With --sweep: save the curve as PNG.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random routing.")] = 0,
     tokenizer: Annotated[str | None, typer.Option(help="Tokenizer for text prompts.")] = None,

@@ -125,27 +125,9 @@ _MODEL = Query(None, description="The served model (any other is a 404).")
 
 
 @router.get("/v1/loads", summary="Requests running and waiting, KV cache use (SGLang shape)")
-async def loads_v1(
-    request: Request,
-    include: str | None = _INCLUDE,
-    model: str | None = _MODEL,
-    tenant: Tenant = Depends(get_tenant),
-) -> Any:
-    return await _loads(request, include, model)
-
-
 @router.get("/loads", summary="As GET /v1/loads")
-async def loads(
-    request: Request,
-    include: str | None = _INCLUDE,
-    model: str | None = _MODEL,
-    tenant: Tenant = Depends(get_tenant),
-) -> Any:
-    return await _loads(request, include, model)
-
-
 @router.get("/get_loads", summary="As GET /v1/loads (SGLang's older name)")
-async def get_loads(
+async def loads(
     request: Request,
     include: str | None = _INCLUDE,
     model: str | None = _MODEL,
