@@ -20,7 +20,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("pc_kernels.c")
+#: Every C file of this folder goes into the one library (pc_kernels.c, the GEMM, the 4-bit kernels).
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 #: No fast-math, no contraction of a*b+c into FMA by the compiler (the source writes its FMAs).
 FLAGS = (
     "-O3",
@@ -79,7 +80,10 @@ def isa_name(macros: list[str]) -> str:
 
 
 def source_hash() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()
 
 
 def cache_dir() -> Path:
@@ -106,7 +110,7 @@ def build(force: bool = False) -> Path:
     except OSError as exc:
         raise BuildError(f"cannot write to {folder}: {exc}") from exc
     try:
-        _run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"])
+        _run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"])
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
