@@ -76,7 +76,7 @@ class Namespace:
 
 
 def block_keys(
-    tokens: Sequence[int] | np.ndarray,
+    tokens: Sequence[int] | np.ndarray | None,
     namespace: Namespace | bytes,
     block_size: int,
     hasher: Hasher = sha256_hasher,
@@ -87,9 +87,11 @@ def block_keys(
     """Keys of the full blocks of ``tokens`` (at most ``limit`` of them), in order.
 
     A trailing partial block has no key. ``packed`` may pass ``pack_tokens(tokens)`` when the
-    caller already has it.
+    caller already has it (``tokens`` may then be None).
     """
-    data = packed if packed is not None else pack_tokens(tokens)
+    if packed is None and tokens is None:
+        raise ValueError("block_keys needs tokens or packed")
+    data = packed if packed is not None else pack_tokens(tokens)  # type: ignore[arg-type]
     step = 4 * block_size
     n = len(data) // step
     if limit is not None:

@@ -125,7 +125,7 @@ class LeafQueues:
                 lru.move_to_end(run, False)
         queue = self.expiry[run.ttl_s]
         others = iter(queue)
-        first = next(others)
+        first: Run | None = next(others)
         lead_in_class = first is run
         if lead_in_class:
             first = next(others, None)

@@ -254,7 +254,7 @@ class PrefixCache:
             packed = pack_tokens(tokens)
         full_blocks = len(packed) // (4 * block_size)
         if keys is None:
-            keys = block_keys(tokens, ns, block_size, self.hasher, packed=packed)
+            keys = block_keys(None, ns, block_size, self.hasher, packed=packed)
         elif len(keys) != full_blocks:
             raise ValueError(f"keys has {len(keys)} entries; the prompt has {full_blocks} full blocks")
         return align, keys, packed, self.policy.block_ttls(len(keys), block_size, ttl_s, ttl_plan)

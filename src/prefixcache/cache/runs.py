@@ -171,7 +171,8 @@ class RunTree:
             # Anything else (the prompt leaves the run, a collision) is match_run's to sort out.
             found, count, collided = self.match_run(keys, packed, at, stop, parent)
             if count:
-                segments.append((found, at - found.depth, count))  # type: ignore[union-attr]
+                assert found is not None  # match_run finds a run whenever it counts blocks
+                segments.append((found, at - found.depth, count))
                 at += count
                 parent = keys[at - 1]
             if collided or not count:

@@ -118,6 +118,7 @@ class BlockStore(BudgetedTree):
                 continue
             parent_run = None
             if at:
+                assert last is not None  # a block before ``at`` is held, so is its run
                 parent_run = last
                 if at < parent_run.depth + len(parent_run.keys):  # a new branch off the middle of a run
                     parent_run = last = self.split(parent_run, at - 1 - parent_run.depth)

@@ -8,6 +8,7 @@ anything after it, and the concatenated deltas always equal the final text.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Sequence
 from typing import Any
 
@@ -109,7 +110,7 @@ class TokenText:
     def text(self, token_id: int) -> str:
         return self.bytes(token_id).decode("utf-8", errors="backslashreplace")
 
-    def _lookup(self, token_id: int) -> bytes:
+    def _lookup(self, token_id: int) -> builtins.bytes:
         own = getattr(self.tok, "token_bytes", None)
         if own is not None:
             return bytes(own(token_id))

@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from prefixcache.cache import CacheStats, FakeClock, PrefixCache
@@ -494,7 +494,7 @@ class Engine:
         cancel: CancelSignal = None,
         return_logits: bool = False,
         grammar: Grammar | None = None,
-    ) -> Iterator[PromptDone | ChoiceDelta | Completion]:
+    ) -> Generator[PromptDone | ChoiceDelta | Completion, None, None]:
         """Yield one :class:`PromptDone` once the prompt is prefilled (its cache usage is final
         then), :class:`ChoiceDelta` items as the choices decode, then one :class:`Completion`.
 

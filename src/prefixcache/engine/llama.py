@@ -188,12 +188,14 @@ class LlamaRunner(ModelRunner):
                     "down_b": w(mlp.down_proj.bias),
                 }
             )
-        self.embed = w(inner.embed_tokens.weight)
+        embed = w(inner.embed_tokens.weight)
+        assert embed is not None
+        self.embed: torch.Tensor = embed
         self.norm = w(inner.norm.weight)
         head = hf.get_output_embeddings()
-        self.lm_head = (
-            self.embed if getattr(cfg, "tie_word_embeddings", False) or head is None else w(head.weight)
-        )
+        lm_head = self.embed if getattr(cfg, "tie_word_embeddings", False) or head is None else w(head.weight)
+        assert lm_head is not None
+        self.lm_head: torch.Tensor = lm_head
         self.scaling = float(getattr(inner.layers[0].self_attn, "scaling", self.head_dim**-0.5))
         # RoPE tables from the model's own rotary module (any rope_type transformers supports).
         with torch.inference_mode():
@@ -202,10 +204,13 @@ class LlamaRunner(ModelRunner):
             cos, sin = inner.rotary_emb(probe, positions)
         self.cos = cos[0].to(dt).contiguous()  # [context, head_dim]
         self.sin = sin[0].to(dt).contiguous()
-        shapes = {
-            tuple(t.shape) for lw in self.layers for k, t in lw.items() if t is not None and t.dim() == 2
+        shapes: set[tuple[int, int]] = {
+            (t.shape[0], t.shape[1])
+            for lw in self.layers
+            for t in lw.values()
+            if t is not None and t.dim() == 2
         }
-        shapes.add(tuple(self.lm_head.shape))
+        shapes.add((self.lm_head.shape[0], self.lm_head.shape[1]))
         self.gemm = gemm_rule(
             dt, self.device, sorted(shapes)
         )  # how every weight product keeps rows invariant
@@ -350,6 +355,8 @@ class LlamaRunner(ModelRunner):
     def _rms(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if weight is None:  # (a norm without a scale)
+            return h.to(x.dtype)
         return weight * h.to(x.dtype)
 
     @staticmethod

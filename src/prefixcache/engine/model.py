@@ -166,7 +166,7 @@ def _convert_gguf(path: Path, sha: str, home: Path) -> Path:
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     # The GGUF "quantizer" only marks the model as not serialisable; the weights are plain
     # float32 tensors by now, so drop the marker to save them as safetensors.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # (transformers types it as always set)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -228,6 +228,8 @@ class ModelRunner:
         self.weights_id = weights_id
         self.name = name
         self.dtype_name = dtype
+        #: The file or folder the weights came from (``--weights q4`` reads a GGUF's groups).
+        self.source_path: Path | None = None
         self.dtype = _torch_dtype(dtype)
         self.device = next(model.parameters()).device
         self.threads = threads or os.cpu_count() or 1
@@ -275,7 +277,7 @@ class ModelRunner:
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype, attn_implementation="sdpa")
         tok = AutoTokenizer.from_pretrained(str(folder))
         dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        hf.to(dev).eval()
+        hf.to(dev).eval()  # type: ignore[arg-type]  # (transformers wraps .to with a decorator the checker misreads)
         # (the weights as loaded: a runner may compute in another dtype, which it logs itself)
         log.info("loaded %s weights as %s on %s in %.1f s", path.name, dtype, dev, time.perf_counter() - t0)
         runner = cls(hf, tok, weights_id=f"sha256:{sha}", name=path.stem, dtype=dtype, threads=threads)

@@ -62,7 +62,12 @@ def prompt_logprobs(
     if n < 2:
         return out
     pool = runner.new_pool(-(-n // block_size) + 1, block_size)  # block 0 pads
-    blocks = [pool.alloc() for _ in range(-(-n // block_size))]
+    blocks = []
+    for _ in range(-(-n // block_size)):
+        block = pool.alloc()
+        if block is None:  # (the pool was sized for exactly these blocks)
+            raise RuntimeError("prompt logprobs: the scratch KV pool is exhausted (a bug)")
+        blocks.append(block)
     table = [b.index for b in blocks]
     for start in range(0, n - 1, chunk):  # row p predicts token p + 1; the last row is not needed
         stop = min(n - 1, start + chunk)

@@ -174,8 +174,8 @@ def breakpoint_token_ends(
             common += 1
         cut_ids = encode(tok, cut_text[:common])
         n = 0
-        for a, b in zip(cut_ids, full_ids, strict=False):
-            if a != b:
+        for cut_id, full_id in zip(cut_ids, full_ids, strict=False):
+            if cut_id != full_id:
                 break
             n += 1
         # The last shared id may be a longer token in the full prompt that only starts here.

@@ -18,7 +18,7 @@ from prefixcache.engine.model import DTYPE_ENV, machine_dtype
 def kernels_line() -> str:
     """The kernel set in use: the kernels package's own description, else the torch ops."""
     try:
-        from prefixcache.engine import kernels  # type: ignore[attr-defined]
+        from prefixcache.engine import kernels
 
         return str(kernels.describe())
     except ImportError:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefixcache.cache import Match
 from prefixcache.cache.keys import BlockHash, pack_tokens
-from prefixcache.engine.llama import Segment
+from prefixcache.engine.llama import LlamaRunner, Segment
 from prefixcache.engine.pool import KVPool, PoolBlock
 from prefixcache.engine.sampling import InvalidRequestError
 from prefixcache.engine.sequence import Choice, SequenceGroup
@@ -68,6 +68,9 @@ class BatchWorker(Worker):
         if max_batch < 1 or token_budget < 1:
             raise ValueError(f"max_batch and token_budget must be >= 1; got {max_batch}, {token_budget}")
         self.engine = engine
+        if not isinstance(engine.runner, LlamaRunner):
+            raise TypeError("the batch worker steps a paged KV pool: it needs the engine's own runner")
+        self.runner: LlamaRunner = engine.runner
         self.pool = pool
         self.block_size = pool.block_size
         self.reserve_blocks = reserve_blocks
@@ -298,7 +301,7 @@ class BatchWorker(Worker):
             return
         started = time.perf_counter()
         try:
-            logits = self.engine.runner.step(self.pool, [seg for _, _, seg in plan] + audit)
+            logits = self.runner.step(self.pool, [seg for _, _, seg in plan] + audit)
         except BaseException as exc:  # every request of the step fails; the loop goes on
             if self.auditor is not None:
                 self.auditor.step_failed(self)
@@ -309,15 +312,15 @@ class BatchWorker(Worker):
         self.steps += 1
         self.step_s += time.perf_counter() - started
         row = 0
-        for group, choice, seg in plan:
+        for group, decoded, seg in plan:
             out = logits[row] if seg.want_logits else None
             row += seg.want_logits
             if group not in self.running:  # it failed earlier in this loop
                 continue
             try:
-                if choice is not None:
+                if decoded is not None:
                     self.decoded_rows += 1
-                    self._take(group, choice, out)
+                    self._take(group, decoded, out)
                 else:
                     self.prefilled_tokens += len(seg.tokens)
                     group.computed = seg.end

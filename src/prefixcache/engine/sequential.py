@@ -90,7 +90,7 @@ class SequentialWorker(Worker):
                     job.post(delta)
                 if not self._decode(job, past, choice):
                     return job.finish_cancelled()
-            first_logits = logits.clone() if r.return_logits else None
+            first_logits = logits.clone() if r.return_logits and logits is not None else None
             job.finish(
                 Completion(
                     [

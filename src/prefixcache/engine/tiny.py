@@ -117,7 +117,7 @@ def tiny_llama(
         eos_token_id=EOS,
         pad_token_id=PAD,
         tie_word_embeddings=False,
-        attn_implementation="sdpa",
+        attn_implementation="sdpa",  # type: ignore[call-arg]  # (a PretrainedConfig kwarg the stubs omit)
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

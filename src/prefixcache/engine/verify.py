@@ -344,6 +344,7 @@ class Auditor:
         first = block if block is not None else 0
         doomed = check.keys[first:]
         cache = worker.engine.cache
+        assert cache is not None  # (the audit runs only with the cache on)
         removed, left = cache.invalidate(check.ns, doomed)
         tiers = cache.remove_tier_keys(check.ns, doomed)
         if left:
@@ -381,6 +382,7 @@ class Auditor:
 
     def _remove_doomed(self, worker: BatchWorker) -> None:
         cache = worker.engine.cache
+        assert cache is not None  # (the audit runs only with the cache on)
         still = []
         for ns, keys in self._doomed:
             _, left = cache.invalidate(ns, keys)

@@ -117,10 +117,10 @@ def to_messages(req: _Prompt) -> tuple[list[Message], list[Breakpoint]]:
     system = req.system_blocks()
     if system:
         turn = conv.open_turn({"role": "system", "content": ""})
-        for block in system:
-            turn["content"] += block.text
-            if block.cache_control is not None:
-                breakpoints.append(Breakpoint(conv.snapshot(), n_tools, _ttl(block.cache_control)))
+        for text_block in system:
+            turn["content"] += text_block.text
+            if text_block.cache_control is not None:
+                breakpoints.append(Breakpoint(conv.snapshot(), n_tools, _ttl(text_block.cache_control)))
     for mi, m in enumerate(req.messages):
         current: Message | None = None  # the turn text and calls of this message go to
         for bi, block in enumerate(m.blocks()):

@@ -204,7 +204,9 @@ def create_app(
         busting=busting,
         caller_text=CallerText(
             TextPolicy(caller_text) if caller_text else TextPolicy.default(api_keys is not None),
-            lambda tenant, ids: bridge.cache.block_keys(ids, bridge.namespace(tenant.name, tenant.salt)),
+            lambda tenant, ids: bridge.enabled_cache.block_keys(
+                ids, bridge.namespace(tenant.name, tenant.salt)
+            ),
             bridge.block_size,
             _shared_tenants(api_keys),
         ),

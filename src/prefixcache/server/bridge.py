@@ -372,9 +372,14 @@ class EngineBridge:
     def cache(self) -> Any | None:
         return getattr(self.engine, "cache", None)
 
-    def namespace(self, tenant: str, salt: bytes) -> Any:
-        """The cache namespace of this tenant's requests (same as the engine's)."""
+    @property
+    def enabled_cache(self) -> Any:
+        """The engine's cache; a 400 (``cache_disabled``) when the server runs without one."""
         cache = self.cache
         if cache is None:
             raise APIError(400, "The prompt cache is disabled on this server.", code="cache_disabled")
-        return cache.namespace(self.engine.fingerprint, tenant=tenant, salt=salt)
+        return cache
+
+    def namespace(self, tenant: str, salt: bytes) -> Any:
+        """The cache namespace of this tenant's requests (same as the engine's)."""
+        return self.enabled_cache.namespace(self.engine.fingerprint, tenant=tenant, salt=salt)

@@ -23,7 +23,7 @@ import logging
 from typing import Any
 
 from prefixcache.kvevents.publisher import KVEventPublisher
-from prefixcache.kvevents.wire import HashFormat, external_hash
+from prefixcache.kvevents.wire import HashFormat, external_hash, hash_as_int
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class PromptBlocks:
 
 
 def blocks_header(prompt_tokens: int, block_size: int, keys: list[bytes]) -> str:
-    hashes = ",".join(f"{external_hash(k, HashFormat.INT):016x}" for k in keys[:MAX_BLOCKS])
+    hashes = ",".join(f"{hash_as_int(external_hash(k, HashFormat.INT)):016x}" for k in keys[:MAX_BLOCKS])
     return f"{prompt_tokens} {block_size} {hashes}"
 
 

@@ -245,8 +245,8 @@ async def create_message(
                     yield _event("content_block_delta", event)
                 continue
             if isinstance(item, CallsFound):
-                for event in blocks.tool_uses(item):
-                    yield event
+                for frame in blocks.tool_uses(item):
+                    yield frame
                 continue
             state.record(request, tenant, item, text, ttl_s=longest)
             reason, seq = stop_reason(item, called=blocks.called)

@@ -320,7 +320,7 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
         _check_vocabulary(state, kwargs["prompt_token_ids"])  # before any decode (echo) sees them
     echo = ""
     if body.echo:
-        ids = kwargs.get("prompt_token_ids")
+        ids = list(kwargs.get("prompt_token_ids") or [])
         echo = prompt if isinstance(prompt, str) else await state.bridge.run(lambda: state.bridge.decode(ids))
     tokens = state.bridge.token_text
     # The prompt's own logprobs (echo + logprobs, or vLLM's prompt_logprobs): its rows recomputed

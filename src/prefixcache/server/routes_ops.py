@@ -145,8 +145,8 @@ async def cache_flush(request: Request, tenant: Tenant = Depends(get_tenant)) ->
     disk and Redis tiers (``tier_entries_removed``: per tier). Other tenants' entries stay."""
     bridge = get_state(request).bridge
     ns = bridge.namespace(tenant.name, tenant.salt)
-    removed = await bridge.run(lambda: bridge.cache.flush(ns))
-    tiers = await bridge.run(lambda: bridge.cache.remove_tier_entries(ns))
+    removed = await bridge.run(lambda: bridge.enabled_cache.flush(ns))
+    tiers = await bridge.run(lambda: bridge.enabled_cache.remove_tier_entries(ns))
     return {"flushed_blocks": removed, "tier_entries_removed": tiers}
 
 
@@ -167,7 +167,7 @@ async def _prefix_ids(request: Request, body: PinRequest) -> list[int]:
     if body.tools is not None:
         if "messages" not in kw:
             raise bad_request("'tools' needs 'messages' (the system prefix they go with).", param="tools")
-        chat = ChatCompletionRequest.model_construct(messages=body.messages, tools=body.tools)
+        chat = ChatCompletionRequest.model_construct(model="", messages=body.messages or [], tools=body.tools)
         renderer = bridge.renderer(chat_tool_config(chat))
         conversation = chat_conversation(body.messages or [])
         text = await bridge.run(lambda: renderer.text(conversation, add_generation_prompt=False))
@@ -205,7 +205,7 @@ async def cache_pin(body: PinRequest, request: Request, tenant: Tenant = Depends
     )
     state.record(request, tenant, fin, None)
     try:
-        pinned = await bridge.run(lambda: bridge.cache.pin(ids, ns))
+        pinned = await bridge.run(lambda: bridge.enabled_cache.pin(ids, ns))
     except TenantPinBudgetExceeded as e:
         message = (
             f"This tenant's share of the pinned budget is full: {e.used} of its {e.limit} bytes are pinned "
@@ -224,7 +224,7 @@ async def cache_unpin(body: PinRequest, request: Request, tenant: Tenant = Depen
     bridge = get_state(request).bridge
     ns = bridge.namespace(tenant.name, tenant.salt)
     ids = await _prefix_ids(request, body)
-    unpinned = await bridge.run(lambda: bridge.cache.unpin(ids, ns))
+    unpinned = await bridge.run(lambda: bridge.enabled_cache.unpin(ids, ns))
     return {"unpinned_tokens": unpinned}
 
 

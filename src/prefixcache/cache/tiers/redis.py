@@ -195,6 +195,8 @@ class RedisTier:
                             self._stats.misses += 1
                         stop = True
                         break
+                    if isinstance(value, str):  # a client built with decode_responses
+                        value = value.encode("latin-1")
                     try:
                         parent = keys[index - 1] if index else False
                         entry = self.codec.decode(

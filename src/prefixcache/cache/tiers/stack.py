@@ -80,7 +80,7 @@ class TierStack:
                     at,
                     at + 1,
                     None,
-                    lambda _index, p=payload, size=nbytes: (p, size),
+                    _constant_payload(payload, nbytes),
                     namespace=namespace,
                     tenant=tenant,
                     ttls=ttls,
@@ -123,3 +123,12 @@ class TierStack:
             for tier in self.tiers:
                 if not tier.write_through:
                     tier.put(block)
+
+
+def _constant_payload(payload: Any, nbytes: int) -> Callable[[int], tuple[Any, int]]:
+    """A payload function for a one-block insert: that block's payload and size."""
+
+    def fn(_index: int) -> tuple[Any, int]:
+        return payload, nbytes
+
+    return fn
