@@ -177,7 +177,8 @@ def classify(
     if recent is not None:
         head = packed[: n * step]
         for other in recent.of(namespace):
-            if len(other) < (n + 1) * step or not other.startswith(head):
+            # (a prompt whose last block is partial counts too: the edit may fall in that block)
+            if len(other) <= n * step or not other.startswith(head):
                 continue
             index = _first_difference(ours, other[n * step : (n + 1) * step])
             # (at an equal divergence the recent prompt wins: it is the whole cached prompt, where
@@ -205,10 +206,11 @@ def classify(
 
 def _first_difference(ours: bytes, other: bytes) -> int | None:
     """The first token (4 bytes each) where two blocks of packed tokens differ, or None when
-    they agree (a collision or an uncached copy of the same block: no divergence to report)."""
-    if ours == other or len(other) < len(ours):
+    they agree where both have tokens (a collision, an uncached copy of the same block, or one
+    a prefix of the other: no divergence to report). Either may be a partial block."""
+    if ours == other:
         return None
-    for index in range(0, len(ours), 4):
+    for index in range(0, min(len(ours), len(other)), 4):
         if ours[index : index + 4] != other[index : index + 4]:
             return index // 4
     return None
