@@ -150,8 +150,18 @@ def test_a_disk_entry_with_wrong_kv_under_a_valid_mac_is_caught_and_removed(
         b.close()
 
 
+class _ChunkDependentAttention(LlamaRunner):
+    """The torch attention, scaled when a call has more than 400 query rows: a kernel whose bits
+    depend on the chunk a row is computed in, as a split chosen by the query length would be
+    (torch's SDPA is that on some CPUs and not on others, so it cannot be the control here)."""
+
+    def _attend(self, q: Any, plan: Any, kp: Any, vp: Any) -> Any:
+        out = super()._attend(q, plan, kp, vp)
+        return out * 1.01 if plan.rows.numel() > 400 else out
+
+
 def test_a_kernel_made_non_invariant_on_purpose_is_caught(tiny_runner: Any) -> None:
-    sdpa = LlamaRunner(tiny_runner, attention="sdpa")  # its split depends on the query length
+    sdpa = _ChunkDependentAttention(tiny_runner, kernels="torch")
     engine = Engine(sdpa, prefill_chunk=512, verify_rate=1.0)
     try:
         ids = _ids(6, 700)
