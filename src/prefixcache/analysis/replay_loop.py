@@ -23,13 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from prefixcache.analysis.config import SimConfig
-from prefixcache.analysis.costs import TokenTotals
+from prefixcache.analysis.costs import LONG_TTL_S, TokenTotals
 from prefixcache.analysis.feed import TraceFeed
-from prefixcache.analysis.keychains import KeyChains
 from prefixcache.analysis.trace import Trace
+from prefixcache.analysis.trace.keychains import KeyChains
 from prefixcache.cache import FakeClock, Namespace, PrefixCache, pack_tokens
 
-LONG_TTL_S = 3600  # a write asked to live this long or longer is the 1 h class (priced 2x by anthropic)
 _LONG_SEGMENT_BYTES = 1024  # a loaded trace's segments this long (shared system prompts) stay packed
 _MAX_KEPT_SEGMENTS = 4096  # packed segments kept, before the memo starts over
 

@@ -35,10 +35,10 @@ import numpy as np
 from prefixcache.analysis.config import ROUTINGS, SimConfig
 from prefixcache.analysis.costs import CostBreakdown, TokenTotals, price, pricing_profile
 from prefixcache.analysis.feed import TraceFeed, TraceUnsorted, can_stream, stream
-from prefixcache.analysis.keychains import paused_gc
 from prefixcache.analysis.replay_loop import replay_requests
 from prefixcache.analysis.sim_checks import break_even_rows, load_rows
 from prefixcache.analysis.trace import Trace, load_trace
+from prefixcache.analysis.trace.keychains import paused_gc
 from prefixcache.cache import PrefixCache
 
 log = logging.getLogger(__name__)
