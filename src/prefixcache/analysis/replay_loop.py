@@ -247,6 +247,7 @@ class SimRouter:
         self.rng = random.Random(cfg.seed)
         self.names = replica_names(self.count)
         self.roots: dict[str, bytes] = {}  # tenant -> chain root
+        self.placed: dict[tuple[str, bytes], int] = {}  # (tenant, leading blocks) -> replica
 
     def choose(
         self, tokens: np.ndarray | None, ns: Namespace, now: float, keys: list[bytes], packed: bytes
@@ -281,11 +282,21 @@ class SimRouter:
     def affinity(self, tokens: np.ndarray, ns: Namespace) -> int:
         """The router's prefix-affinity choice: rendezvous hashing of the affinity key, the chained
         hash of the first ``affinity_blocks`` blocks from the tenant's root."""
+        head = pack_tokens(tokens[: self.affinity_blocks * self.block_size])
+        placed = self.placed.get((ns.tenant, head))
+        if placed is not None:  # most requests share a leading part (a system prompt)
+            return placed
         root = self.roots.get(ns.tenant)
         if root is None:
             root = self.roots[ns.tenant] = chain_root(ns.tenant)
         key = affinity_key(tokens, root, self.block_size, self.affinity_blocks)
-        return rendezvous_order(key, self.names)[0]
+        if len(self.placed) >= _MAX_PLACED:
+            self.placed.clear()
+        placed = self.placed[(ns.tenant, head)] = rendezvous_order(key, self.names)[0]
+        return placed
+
+
+_MAX_PLACED = 1 << 16  # remembered prefix-affinity placements, before the memo starts over
 
 
 def replica_names(count: int) -> list[str]:
