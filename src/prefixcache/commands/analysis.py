@@ -14,11 +14,9 @@ import typer
 
 from prefixcache.analysis.report.tables import report_console
 from prefixcache.commands.options import duration, input_file, output_file, size
-from prefixcache.commands.progress import progress
+from prefixcache.commands.progress import Stages, progress
 
 if TYPE_CHECKING:
-    from rich.progress import Progress
-
     from prefixcache.analysis.costs import CostModel
     from prefixcache.analysis.trace import Trace
 
@@ -44,20 +42,6 @@ ReportFormatOpt = Annotated[
 def _check_file(path: Path) -> None:
     if not path.is_file():
         raise typer.BadParameter(f"no such trace file: {path}", param_hint="TRACE")
-
-
-class _Stages:
-    """``progress(stage, done, total)`` callbacks drawn as one bar per stage (total 0: unknown)."""
-
-    def __init__(self, prog: Progress) -> None:
-        self.prog = prog
-        self.tasks: dict[str, int] = {}
-
-    def __call__(self, stage: str, done: float, total: float) -> None:
-        task = self.tasks.get(stage)
-        if task is None:
-            task = self.tasks[stage] = self.prog.add_task(stage, total=total or None)
-        self.prog.update(task, completed=done, total=total or None)
 
 
 def _load(path: Path, tokenizer: str | None) -> Trace:
@@ -186,7 +170,7 @@ def audit(
     )
     with progress() as prog:
         try:
-            res = audit_file(trace, cfg, tokenizer=tokenizer, progress=_Stages(prog))
+            res = audit_file(trace, cfg, tokenizer=tokenizer, progress=Stages(prog))
         except TraceFormatError as exc:
             raise typer.BadParameter(str(exc), param_hint="TRACE") from None
     console = report_console()
@@ -317,7 +301,7 @@ def simulate(
         _check_file(trace)
         with progress() as prog:
             try:
-                results = [simulate_file(trace, cfg, tokenizer=tokenizer, progress=_Stages(prog))]
+                results = [simulate_file(trace, cfg, tokenizer=tokenizer, progress=Stages(prog))]
             except TraceFormatError as exc:
                 raise typer.BadParameter(str(exc), param_hint="TRACE") from None
         if json_out:

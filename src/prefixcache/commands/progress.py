@@ -1,4 +1,4 @@
-"""The progress bar of the analysis commands (audit, simulate, trace synth and import)."""
+"""The progress bars of the analysis commands (audit, simulate, trace synth and import)."""
 
 from __future__ import annotations
 
@@ -27,3 +27,17 @@ def progress() -> Progress:
         refresh_per_second=2,
         disable=not console.is_terminal,
     )
+
+
+class Stages:
+    """``progress(stage, done, total)`` callbacks drawn as one bar per stage (total 0: unknown)."""
+
+    def __init__(self, prog: Progress) -> None:
+        self.prog = prog
+        self.tasks: dict[str, int] = {}
+
+    def __call__(self, stage: str, done: float, total: float) -> None:
+        task = self.tasks.get(stage)
+        if task is None:
+            task = self.tasks[stage] = self.prog.add_task(stage, total=total or None)
+        self.prog.update(task, completed=done, total=total or None)
