@@ -31,8 +31,8 @@ from rich.table import Table
 
 from prefixcache.analysis.audit import AuditConfig, audit, audit_file
 from prefixcache.analysis.simulate import SimConfig, simulate, simulate_file
-from prefixcache.analysis.synth import DEFAULT_SCENARIO, parse_endpoint, synthesize
 from prefixcache.analysis.trace import load_trace
+from prefixcache.analysis.trace.synth import DEFAULT_SCENARIO, parse_endpoint, synthesize
 
 RESULTS = Path(__file__).parent / "results" / "analysis.md"
 TARGET_S = 60.0  # issue 4: audit and simulate 10^6 requests in under 60 s

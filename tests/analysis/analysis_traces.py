@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from prefixcache.analysis.synth import parse_endpoint, synthesize
 from prefixcache.analysis.trace import TraceWriter
+from prefixcache.analysis.trace.synth import parse_endpoint, synthesize
 
 
 def make_trace(path: Path, specs: list[str], requests: int, seed: int = 0) -> Path:

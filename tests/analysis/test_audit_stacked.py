@@ -15,8 +15,8 @@ from rich.console import Console
 
 from prefixcache.analysis.audit import AuditConfig, audit
 from prefixcache.analysis.report import print_audit
-from prefixcache.analysis.spans import BustingDetector, Pair
 from prefixcache.analysis.trace import ByteTokenizer, load_trace
+from prefixcache.analysis.trace.spans import BustingDetector, Pair
 
 SYSTEM = 600
 

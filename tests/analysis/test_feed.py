@@ -18,11 +18,12 @@ import orjson
 import pytest
 
 from prefixcache.analysis.audit import AuditConfig, audit_file
-from prefixcache.analysis.keychains import KeyChains
 from prefixcache.analysis.simulate import SimConfig, simulate, simulate_file
 from prefixcache.analysis.trace import TraceFormatError, TraceWriter, load_trace
+from prefixcache.analysis.trace.keychains import KeyChains
 
 feed_mod = importlib.import_module("prefixcache.analysis.feed")
+reader_mod = importlib.import_module("prefixcache.analysis.feed_reader")
 audit_mod = importlib.import_module("prefixcache.analysis.audit")
 
 pytestmark = pytest.mark.skipif("fork" not in mp.get_all_start_methods(), reason="streams need fork")
@@ -34,8 +35,9 @@ FP, B = "feed-test", 16
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Many batches (the reader is forked, so it sees the patched module), and a tiny key-state
     bound so the reader drops trie nodes and the receiver must forget them in step."""
-    monkeypatch.setattr(feed_mod, "CHUNK_LINES", 97)
-    monkeypatch.setattr(feed_mod, "KeyChains", functools.partial(KeyChains, max_states=40))
+    monkeypatch.setattr(reader_mod, "CHUNK_LINES", 97)
+    for mod in (feed_mod, reader_mod):
+        monkeypatch.setattr(mod, "KeyChains", functools.partial(KeyChains, max_states=40))
 
 
 def _rewrite(src: Path, dst: Path, fn) -> Path:
@@ -204,7 +206,7 @@ def test_a_bad_line_is_reported_with_its_number(
 
 
 def test_a_dead_reader_is_an_error_not_a_hang(scenario_trace: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = feed_mod._read
+    real = reader_mod._read
 
     def dies(path, tokenizer, block_size, fingerprint, send):  # noqa: ANN001
         def send_then_die(kind, msg):  # noqa: ANN001
@@ -213,7 +215,7 @@ def test_a_dead_reader_is_an_error_not_a_hang(scenario_trace: Path, monkeypatch:
 
         real(path, tokenizer, block_size, fingerprint, send_then_die)
 
-    monkeypatch.setattr(feed_mod, "_read", dies)
+    monkeypatch.setattr(reader_mod, "_read", dies)
     with pytest.raises(RuntimeError, match="trace reader process stopped"):
         simulate_file(scenario_trace, SimConfig())
 

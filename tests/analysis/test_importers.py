@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 from prefixcache.analysis.audit import AuditConfig, audit
 from prefixcache.analysis.config import SimConfig
-from prefixcache.analysis.importers import import_trace
 from prefixcache.analysis.simulate import simulate
 from prefixcache.analysis.trace import TraceFormatError, load_trace
+from prefixcache.analysis.trace.importers import import_trace
 from prefixcache.cli import app
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -8,7 +8,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from prefixcache.analysis.keychains import _MIX_ADD, _MIX_MUL, _P, KeyChains
+from prefixcache.analysis.trace.keychains import _MIX_ADD, _MIX_MUL, _P, KeyChains
 from prefixcache.cache import FakeClock, Namespace, PrefixCache, block_keys
 
 _M = (1 << 64) - 1

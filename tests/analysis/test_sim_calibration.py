@@ -19,7 +19,7 @@ from prefixcache.analysis.report import plot_sweep
 from prefixcache.analysis.simulate import SimConfig, simulate
 from prefixcache.analysis.trace import load_trace
 from prefixcache.cache.tiers import BlockLayout
-from prefixcache.server.tracelog import TraceWriter, engine_header
+from prefixcache.server.tracelog import TraceLog, engine_header
 
 SRC = str(Path(prefixcache.__file__).resolve().parents[1])
 SHIPPED = json.loads(shipped_calibration().read_text())
@@ -61,7 +61,7 @@ def test_a_server_trace_header_records_the_kv_dtype_and_simulate_sizes_the_cache
     header = engine_header(_Engine())
     assert header == {"dtype": "bfloat16", "kv_bytes_per_token": 2 * 30 * 3 * 64 * 2, "block_size": 16}
     path = tmp_path / "server.jsonl"
-    TraceWriter(path, tokenizer="bytes", header=header).close()
+    TraceLog(path, tokenizer="bytes", header=header).close()
     first = json.loads(path.read_text().splitlines()[0])
     assert first["dtype"] == "bfloat16" and first["kv_bytes_per_token"] == 23040
     # A trace with that header (requests appended) is simulated at 23,040 bytes per token.

@@ -16,7 +16,7 @@ from analysis_traces import make_trace
 from rich.console import Console
 
 import prefixcache
-from prefixcache.analysis.tables import ReportTable, shorten_left, tables_from_markdown
+from prefixcache.analysis.report.tables import ReportTable, shorten_left, tables_from_markdown
 
 SRC = str(Path(prefixcache.__file__).resolve().parents[1])
 ENDPOINTS = ["/v1/chat/completions", "/v1/messages", "support-assistant-eu-west-production"]

@@ -320,8 +320,8 @@ def test_odd_token_values_behave_as_numpy_says(tmp_path: Path) -> None:
 
 
 def test_a_last_line_torn_by_a_crash_is_skipped_with_a_warning(tmp_path, caplog) -> None:
-    from prefixcache.analysis.synth import parse_endpoint, synthesize
     from prefixcache.analysis.trace import TraceFormatError, load_trace
+    from prefixcache.analysis.trace.synth import parse_endpoint, synthesize
 
     path = tmp_path / "t.jsonl"
     synthesize(path, [parse_endpoint("ep:rate=2,system=100")], requests=20)

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefixcache.analysis.spans import BustingDetector, Pair, find_busting
-from prefixcache.analysis.synth import parse_endpoint, synthesize
 from prefixcache.analysis.trace import ByteTokenizer, load_trace
+from prefixcache.analysis.trace.spans import BustingDetector, Pair, find_busting
+from prefixcache.analysis.trace.synth import parse_endpoint, synthesize
 from prefixcache.server.busting import LiveBusting
 
 BUSTING = (

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from prefixcache.analysis.trace import load_trace
-from prefixcache.server.tracelog import TraceWriter, trace_keys
+from prefixcache.server.tracelog import TraceLog, trace_keys
 
 MODEL = "test-model"
 KEYS = {"sk-a": "alpha", "sk-b": "beta"}
@@ -36,7 +36,7 @@ def test_the_trace_file_is_0600_and_its_new_directories_0700(tmp_path):
     old = os.umask(0o022)  # a usual umask: without the explicit modes files would be 0644
     try:
         path = tmp_path / "new" / "deeper" / "trace.jsonl"
-        TraceWriter(path, tokenizer="bytes").close()
+        TraceLog(path, tokenizer="bytes").close()
     finally:
         os.umask(old)
     assert _mode(path) == 0o600
@@ -47,13 +47,13 @@ def test_an_existing_world_readable_trace_is_kept_and_warned_about(tmp_path, cap
     path = tmp_path / "trace.jsonl"
     path.write_text("")
     path.chmod(0o644)
-    TraceWriter(path).close()
+    TraceLog(path).close()
     assert _mode(path) == 0o644 and "chmod 600" in caplog.text
 
 
 def test_keys_only_cannot_include_text(tmp_path):
     with pytest.raises(ValueError, match="keys-only"):
-        TraceWriter(tmp_path / "t.jsonl", include_text=True, keys_only=True)
+        TraceLog(tmp_path / "t.jsonl", include_text=True, keys_only=True)
 
 
 def test_keys_only_trace_has_no_tokens_or_text_and_replays(serve, make_engine, tmp_path):

@@ -16,7 +16,6 @@ from __future__ import annotations
 from prefixcache.analysis.audit import AuditConfig, AuditResult, audit
 from prefixcache.analysis.costs import CostModel, Pricing, cost_model, price, pricing_profile
 from prefixcache.analysis.simulate import ROUTINGS, SimConfig, SimResult, simulate, sweep
-from prefixcache.analysis.synth import EndpointSpec, parse_endpoint, synthesize
 from prefixcache.analysis.trace import (
     FORMAT_VERSION,
     Trace,
@@ -25,6 +24,7 @@ from prefixcache.analysis.trace import (
     load_tokenizer,
     load_trace,
 )
+from prefixcache.analysis.trace.synth import EndpointSpec, parse_endpoint, synthesize
 
 __all__ = [
     "FORMAT_VERSION",

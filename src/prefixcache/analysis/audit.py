@@ -41,9 +41,9 @@ from prefixcache.analysis.audit_findings import NO_TEXT_FINDINGS, endpoint_rows,
 from prefixcache.analysis.audit_scan import scan
 from prefixcache.analysis.config import AuditConfig, SimConfig
 from prefixcache.analysis.feed import TraceFeed, TraceUnsorted, can_stream, stream
-from prefixcache.analysis.keychains import paused_gc
 from prefixcache.analysis.simulate import simulate
 from prefixcache.analysis.trace import Trace, TraceFormatError, iter_lines, load_trace
+from prefixcache.analysis.trace.keychains import paused_gc
 
 log = logging.getLogger(__name__)
 

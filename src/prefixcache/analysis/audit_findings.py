@@ -17,8 +17,8 @@ import numpy as np
 from prefixcache.analysis.audit_scan import PrefixVersion, ScanResult
 from prefixcache.analysis.config import AuditConfig
 from prefixcache.analysis.costs import Pricing, pricing_profile
-from prefixcache.analysis.spans import Finding, Pair, find_busting
 from prefixcache.analysis.trace import Trace, load_tokenizer
+from prefixcache.analysis.trace.spans import Finding, Pair, find_busting
 
 
 def endpoint_rows(

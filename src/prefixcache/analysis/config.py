@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 from prefixcache.analysis.costs import CostModel
 from prefixcache.cache import model_fingerprint
 from prefixcache.cache.config import DEFAULTS
+from prefixcache.routing import POLICIES
 
-#: The simulator's routings (``SimConfig.routing``); the module docstring of
+#: The simulator's routings (``SimConfig.routing``), the router's policies
+#: (:data:`prefixcache.routing.POLICIES`); the module docstring of
 #: :mod:`~prefixcache.analysis.simulate` says what each does.
-ROUTINGS = ("round-robin", "random", "least-loaded", "prefix-affinity", "cache-aware")
+ROUTINGS = POLICIES
 
 
 @dataclass(slots=True)

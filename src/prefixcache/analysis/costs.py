@@ -55,6 +55,11 @@ def default_calibration() -> Path:
 PROFILES = ("anthropic", "openai", "self-hosted")
 
 
+#: A cache write asked to live this long or longer is the 1 h TTL class (priced
+#: ``write_long_mult``: 2x the base input price at anthropic).
+LONG_TTL_S = 3600
+
+
 @dataclass(frozen=True, slots=True)
 class CostModel:
     """What a token costs the simulated replica: cache bytes and prefill seconds."""

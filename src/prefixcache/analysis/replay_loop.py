@@ -7,7 +7,7 @@ outcome: per-request columns, the token totals and the caches. Turning that into
 caller's.
 
 Parts: :class:`_Replicas` (the caches on one clock, their prefill queues, the namespaces),
-:class:`_Router` (picks a replica; reads the caches, never mutates them), :class:`_KeepWarm`
+:class:`SimRouter` (picks a replica; reads the caches, never mutates them), :class:`_KeepWarm`
 (refreshes due on a heap) and :class:`_Prompts` (a request's tokens as packed bytes). Each
 request costs O(runs on the prompt's path) in its cache, plus C-level copies of its new tokens
 and keys (and, for cache-aware routing, one walk per replica), never O(cache size).
@@ -15,21 +15,21 @@ and keys (and, for cache-aware routing, one walk per replica), never O(cache siz
 
 from __future__ import annotations
 
-import hashlib
 import heapq
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from prefixcache.analysis.config import SimConfig
-from prefixcache.analysis.costs import TokenTotals
+from prefixcache.analysis.costs import LONG_TTL_S, TokenTotals
 from prefixcache.analysis.feed import TraceFeed
-from prefixcache.analysis.keychains import KeyChains
 from prefixcache.analysis.trace import Trace
+from prefixcache.analysis.trace.keychains import KeyChains
 from prefixcache.cache import FakeClock, Namespace, PrefixCache, pack_tokens
+from prefixcache.routing import affinity_index, chain_root, chunk_chain, random_pick, rendezvous_order
 
-LONG_TTL_S = 3600  # a write asked to live this long or longer is the 1 h class (priced 2x by anthropic)
 _LONG_SEGMENT_BYTES = 1024  # a loaded trace's segments this long (shared system prompts) stay packed
 _MAX_KEPT_SEGMENTS = 4096  # packed segments kept, before the memo starts over
 
@@ -62,7 +62,7 @@ class _Replay:
         self.feed = feed
         self.cfg = cfg
         self.replicas = _Replicas(feed, cfg)
-        self.router = _Router(cfg, self.replicas)
+        self.router = SimRouter(cfg, self.replicas)
         self.prompts = _Prompts(feed)
         warm = {feed.endpoints.index(e): p for e, p in cfg.keep_warm.items() if e in feed.endpoints}
         self.keep_warm = _KeepWarm(feed, cfg, warm, self.replicas, self.router) if warm else None
@@ -227,21 +227,27 @@ def _unpacked(packed: bytes) -> np.ndarray:
     return np.frombuffer(packed, dtype=np.uint32)
 
 
-class _Router:
-    """Picks a replica per request (:data:`~prefixcache.analysis.config.ROUTINGS`).
+class SimRouter:
+    """Picks a replica per request (:data:`~prefixcache.analysis.config.ROUTINGS`), as the router
+    that ships does where it can (:mod:`prefixcache.routing`): round-robin from replica 0, the
+    same seeded draw for random, the router's rendezvous hashing of the router's chained prefix
+    key for prefix-affinity (over token blocks: a trace has no text). Least-loaded and cache-aware
+    are the simulator's own (the load model has no in-flight count; cache-aware reads the caches).
     :meth:`choose` may read the caches but never mutates them."""
 
     def __init__(self, cfg: SimConfig, replicas: _Replicas) -> None:
         self.policy = cfg.routing
-        self.affinity_tokens = cfg.affinity_blocks * cfg.block_size
+        self.affinity_blocks = cfg.affinity_blocks
         self.block_size = cfg.block_size
         self.cost = cfg.cost
         self.caches = replicas.caches
         self.busy = replicas.busy
         self.count = len(self.caches)
-        self.last_round_robin = 0
-        self.rng = np.random.default_rng(cfg.seed)
-        self.salts = [r.to_bytes(4, "little") for r in range(self.count)]
+        self.routed = 0  # round-robin's position
+        self.rng = random.Random(cfg.seed)
+        self.names = replica_names(self.count)
+        self.roots: dict[str, bytes] = {}  # tenant -> chain root
+        self.placed: dict[tuple[str, bytes], int] = {}  # (tenant, leading blocks) -> replica
 
     def choose(
         self, tokens: np.ndarray | None, ns: Namespace, now: float, keys: list[bytes], packed: bytes
@@ -251,10 +257,10 @@ class _Router:
             return 0
         policy = self.policy
         if policy == "round-robin":
-            self.last_round_robin = (self.last_round_robin + 1) % self.count
-            return self.last_round_robin
+            self.routed += 1
+            return (self.routed - 1) % self.count
         if policy == "random":
-            return int(self.rng.integers(self.count))
+            return random_pick(self.rng, self.count)
         if policy == "least-loaded":
             return self.least_loaded(now)
         if tokens is None:
@@ -274,11 +280,37 @@ class _Router:
         return min(range(self.count), key=lambda r: (max(self.busy[r] - now, 0.0), r))
 
     def affinity(self, tokens: np.ndarray, ns: Namespace) -> int:
-        """Rendezvous hash of the tenant's namespace and the first ``affinity_blocks`` blocks."""
-        head = pack_tokens(tokens[: self.affinity_tokens])
-        digest = hashlib.blake2b(ns.root + head, digest_size=16).digest()
-        scores = [hashlib.blake2b(digest + s, digest_size=8).digest() for s in self.salts]
-        return max(range(self.count), key=scores.__getitem__)
+        """The router's prefix-affinity choice: rendezvous hashing of the affinity key, the chained
+        hash of the first ``affinity_blocks`` blocks from the tenant's root."""
+        head = pack_tokens(tokens[: self.affinity_blocks * self.block_size])
+        placed = self.placed.get((ns.tenant, head))
+        if placed is not None:  # most requests share a leading part (a system prompt)
+            return placed
+        root = self.roots.get(ns.tenant)
+        if root is None:
+            root = self.roots[ns.tenant] = chain_root(ns.tenant)
+        key = affinity_key(tokens, root, self.block_size, self.affinity_blocks)
+        if len(self.placed) >= _MAX_PLACED:
+            self.placed.clear()
+        placed = self.placed[(ns.tenant, head)] = rendezvous_order(key, self.names)[0]
+        return placed
+
+
+_MAX_PLACED = 1 << 16  # remembered prefix-affinity placements, before the memo starts over
+
+
+def replica_names(count: int) -> list[str]:
+    """The simulated replicas' names, which rendezvous hashing weighs (as the router weighs URLs)."""
+    return [f"replica-{r}" for r in range(count)]
+
+
+def affinity_key(tokens: np.ndarray, root: bytes, block_size: int, affinity_blocks: int) -> str:
+    """The prefix-affinity key of a prompt: :func:`prefixcache.routing.chunk_chain` over its full
+    blocks (at least one piece, as the router cuts text), at depth ``affinity_blocks``."""
+    n = min(max(len(tokens) // block_size, 1), max(1, affinity_blocks))
+    pieces = (pack_tokens(tokens[i * block_size : (i + 1) * block_size]) for i in range(n))
+    chunks = chunk_chain(root, pieces)
+    return chunks[affinity_index(len(chunks), affinity_blocks)]
 
 
 class _KeepWarm:
@@ -293,7 +325,7 @@ class _KeepWarm:
         cfg: SimConfig,
         prefix_tokens: dict[int, int],
         replicas: _Replicas,
-        router: _Router,
+        router: SimRouter,
     ) -> None:
         self.prefix_tokens = prefix_tokens  # endpoint id -> tokens to keep warm
         self.replicas = replicas

@@ -21,10 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache.analysis.costs import break_even_reuse, pricing_profile
+from prefixcache.analysis.costs import LONG_TTL_S, break_even_reuse, pricing_profile
 from prefixcache.analysis.trace import Trace
-
-LONG_TTL_S = 3600  # (as replay_loop's: a write asked to live this long is the 1 h class)
 
 
 def load_rows(

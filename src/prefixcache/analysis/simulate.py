@@ -10,8 +10,10 @@ Load model: a replica prefills one request at a time (FIFO); a request's estimat
 wait for the replica plus its own uncached prefill at ``prefill_tps``. Decode is assumed to be
 batched alongside and is not queued.
 
-Routing (:data:`ROUTINGS`): round-robin; random (seeded); least-loaded (smallest prefill backlog);
-prefix-affinity (rendezvous hash of the tenant and the first K blocks); cache-aware (the replica
+Routing (:data:`ROUTINGS`, the router's policies): round-robin and random (seeded) and
+prefix-affinity (rendezvous hashing of the chained key of the tenant and the first K blocks) as
+``prefixcache route`` places requests (:mod:`prefixcache.routing`); least-loaded (smallest
+prefill backlog); cache-aware (the replica
 whose cache holds the longest prefix, probed without touching; it moves to the least-loaded
 replica when the wait there would cost more than the prefill the hit saves).
 
@@ -35,10 +37,10 @@ import numpy as np
 from prefixcache.analysis.config import ROUTINGS, SimConfig
 from prefixcache.analysis.costs import CostBreakdown, TokenTotals, price, pricing_profile
 from prefixcache.analysis.feed import TraceFeed, TraceUnsorted, can_stream, stream
-from prefixcache.analysis.keychains import paused_gc
 from prefixcache.analysis.replay_loop import replay_requests
 from prefixcache.analysis.sim_checks import break_even_rows, load_rows
 from prefixcache.analysis.trace import Trace, load_trace
+from prefixcache.analysis.trace.keychains import paused_gc
 from prefixcache.cache import PrefixCache
 
 log = logging.getLogger(__name__)

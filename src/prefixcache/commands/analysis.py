@@ -12,12 +12,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from prefixcache.analysis.tables import report_console
+from prefixcache.analysis.report.tables import report_console
 from prefixcache.commands.options import duration, input_file, output_file, size
+from prefixcache.commands.progress import Stages, progress
 
 if TYPE_CHECKING:
-    from rich.progress import Progress
-
     from prefixcache.analysis.costs import CostModel
     from prefixcache.analysis.trace import Trace
 
@@ -40,50 +39,16 @@ ReportFormatOpt = Annotated[
 ]
 
 
-def _progress() -> Progress:
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
-
-    # On stderr, so that --json output on stdout stays clean. Redrawn twice a second, and not at
-    # all when stderr is not a terminal: the redraw thread takes the GIL from the replay loop
-    # (at 10 redraws a second a piped `simulate` of 10^5 requests took 40% longer).
-    console = Console(stderr=True)
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TaskProgressColumn(),
-        TimeElapsedColumn(),
-        transient=True,
-        console=console,
-        refresh_per_second=2,
-        disable=not console.is_terminal,
-    )
-
-
 def _check_file(path: Path) -> None:
     if not path.is_file():
         raise typer.BadParameter(f"no such trace file: {path}", param_hint="TRACE")
-
-
-class _Stages:
-    """``progress(stage, done, total)`` callbacks drawn as one bar per stage (total 0: unknown)."""
-
-    def __init__(self, prog: Progress) -> None:
-        self.prog = prog
-        self.tasks: dict[str, int] = {}
-
-    def __call__(self, stage: str, done: float, total: float) -> None:
-        task = self.tasks.get(stage)
-        if task is None:
-            task = self.tasks[stage] = self.prog.add_task(stage, total=total or None)
-        self.prog.update(task, completed=done, total=total or None)
 
 
 def _load(path: Path, tokenizer: str | None) -> Trace:
     from prefixcache.analysis.trace import TraceFormatError, count_lines, load_trace
 
     _check_file(path)
-    prog = _progress()
+    prog = progress()
     total = count_lines(path) if not prog.disable else 0  # a bar's total: only when one is drawn
     with prog:
         task = prog.add_task(f"reading {path.name}", total=total or None)
@@ -124,14 +89,14 @@ def synth(
     """Write a seeded synthetic trace of the scenarios that make or break prompt caching."""
     from rich.console import Console
 
-    from prefixcache.analysis.synth import DEFAULT_SCENARIO, parse_endpoint, synthesize
+    from prefixcache.analysis.trace.synth import DEFAULT_SCENARIO, parse_endpoint, synthesize
 
     output_file(out, "OUT")
     try:
         specs = [parse_endpoint(s) for s in (endpoint or DEFAULT_SCENARIO)]
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--endpoint") from None
-    with _progress() as prog:
+    with progress() as prog:
         task = prog.add_task("synthesizing", total=requests)
         res = synthesize(
             out,
@@ -203,9 +168,9 @@ def audit(
         tokenizer=tokenizer,
         min_shared_tokens=min_shared,
     )
-    with _progress() as prog:
+    with progress() as prog:
         try:
-            res = audit_file(trace, cfg, tokenizer=tokenizer, progress=_Stages(prog))
+            res = audit_file(trace, cfg, tokenizer=tokenizer, progress=Stages(prog))
         except TraceFormatError as exc:
             raise typer.BadParameter(str(exc), param_hint="TRACE") from None
     console = report_console()
@@ -334,9 +299,9 @@ def simulate(
     if not sweep and not keep_warm:
         # One run, streamed: a reader process parses the file while this one replays.
         _check_file(trace)
-        with _progress() as prog:
+        with progress() as prog:
             try:
-                results = [simulate_file(trace, cfg, tokenizer=tokenizer, progress=_Stages(prog))]
+                results = [simulate_file(trace, cfg, tokenizer=tokenizer, progress=Stages(prog))]
             except TraceFormatError as exc:
                 raise typer.BadParameter(str(exc), param_hint="TRACE") from None
         if json_out:
@@ -359,7 +324,7 @@ def simulate(
             cfg.keep_warm = load_keep_warm(keep_warm, tr)
         except (ValueError, KeyError, TypeError) as exc:
             raise typer.BadParameter(f"{keep_warm}: {exc}", param_hint="--keep-warm") from None
-    with _progress() as prog:
+    with progress() as prog:
         if sweep_spec is not None:
             name, raw, field, values = sweep_spec
             results = []
@@ -409,7 +374,7 @@ def _sweep(spec: str) -> tuple[str, list[str], str, list[float]]:
 
 def _format(fmt: str, json_out: bool) -> bool:
     """Whether to print JSON (``--json`` or ``--format json``); a bad ``--format`` is refused."""
-    from prefixcache.analysis.tables import FORMATS
+    from prefixcache.analysis.report.tables import FORMATS
 
     if fmt not in FORMATS:
         raise typer.BadParameter(f"{fmt!r}: choose one of {', '.join(FORMATS)}", param_hint="--format")
@@ -431,7 +396,7 @@ def _check_folder(path: Path | None, hint: str) -> None:
 
 
 def _block_size(trace: Path, given: int | None) -> int:
-    from prefixcache.analysis.importers import block_size_for
+    from prefixcache.analysis.trace.importers import block_size_for
 
     try:
         return block_size_for(trace, given)
@@ -448,7 +413,7 @@ def _cost_model(
 
     from prefixcache.analysis import hardware
     from prefixcache.analysis.costs import cost_model
-    from prefixcache.analysis.importers import header_of
+    from prefixcache.analysis.trace.importers import header_of
 
     model = cost_model(None, calibration)
     header = header_of(trace)

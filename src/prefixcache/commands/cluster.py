@@ -38,7 +38,7 @@ from prefixcache.commands.warm import cluster_secret
 #: ``--max-connections``' default (uvicorn answers 503 beyond it, before any route runs).
 DEFAULT_MAX_CONNECTIONS = 1024
 
-POLICIES = ("prefix-affinity", "cache-aware", "round-robin", "least-loaded")
+POLICIES = ("prefix-affinity", "cache-aware", "round-robin", "least-loaded", "random")
 
 
 def _check_policy(value: str) -> str:
@@ -65,7 +65,7 @@ def route(
         typer.Option(
             callback=_check_policy,
             help="prefix-affinity (hash of the prompt's leading part), cache-aware (track which replica "
-            "holds which prefix), round-robin, least-loaded.",
+            "holds which prefix), round-robin, least-loaded, random (seeded: what simulate models).",
         ),
     ] = "cache-aware",
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",

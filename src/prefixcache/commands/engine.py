@@ -243,7 +243,7 @@ def bench(
     single-pass prefill, decode and hashing+lookup time, for each runner in one run; print a
     table and write benchmarks/results/."""
 
-    from prefixcache.analysis.tables import FORMATS, emit_markdown, report_console
+    from prefixcache.analysis.report.tables import FORMATS, emit_markdown, report_console
     from prefixcache.engine.bench import markdown, run_bench, write_results
     from prefixcache.engine.bench_peer import peer_lines, run_llamacpp
     from prefixcache.engine.engine import quantized_runner, select_runner

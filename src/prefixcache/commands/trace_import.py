@@ -43,15 +43,15 @@ def trace_import(
     """Convert a public or foreign trace so that `audit` and `simulate` read it (docs/ops.md)."""
     from rich.console import Console
 
-    from prefixcache.analysis.importers import FORMATS, import_trace
     from prefixcache.analysis.trace import TraceFormatError
-    from prefixcache.commands.analysis import _progress
+    from prefixcache.analysis.trace.importers import FORMATS, import_trace
+    from prefixcache.commands.progress import progress
 
     if from_format not in FORMATS:
         raise typer.BadParameter(f"choose one of {', '.join(FORMATS)}", param_hint="--from")
     if not src.is_file():
         raise typer.BadParameter(f"no such file: {src}", param_hint="SRC")
-    with _progress() as prog:
+    with progress() as prog:
         task = prog.add_task(f"importing {src.name}", total=None)
         try:
             res = import_trace(

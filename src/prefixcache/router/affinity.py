@@ -1,7 +1,8 @@
 """What the router knows about a request's prefix, without a tokenizer.
 
 The router cannot compute the replicas' block keys (it has no tokenizer and no tenant salt), so
-it works on text: the request is rendered to a canonical string (tenant credential, model,
+it works on text (with the key functions of :mod:`prefixcache.routing`, which the simulator
+uses on token blocks): the request is rendered to a canonical string (tenant credential, model,
 tools, system, then each message's role and text, in order), cut into ``chunk_chars`` pieces, and
 hashed in a chain like the block keys: ``h[i] = sha256(h[i-1] || chunk i)``. Two requests share
 ``h[i]`` exactly when they share the first ``(i+1) * chunk_chars`` characters of that rendering,
@@ -14,12 +15,12 @@ group explicitly and becomes the first chunk.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from prefixcache.content import content_text
+from prefixcache.routing import affinity_index, chain_root, chunk_chain, explicit_affinity
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,17 +100,12 @@ def prefix_key(
     if explicit is None and isinstance(body.get("metadata"), dict):
         explicit = body["metadata"].get("prompt_cache_key")
     text = render_prompt(body, chunk_chars * max_chunks)
-    prev = hashlib.sha256(b"prefixcache-router\x00" + credential.encode()).digest()
+    root = chain_root(credential, None if explicit is None else str(explicit))
+    n_full = max(len(text) // chunk_chars, 1)
+    pieces = (text[i * chunk_chars : (i + 1) * chunk_chars].encode() for i in range(n_full))
+    chunks = chunk_chain(root, pieces)
     if explicit is not None:
-        prev = hashlib.sha256(prev + b"key\x00" + str(explicit).encode()).digest()
-    chunks: list[str] = []
-    n_full = len(text) // chunk_chars
-    for i in range(max(n_full, 1)):
-        piece = text[i * chunk_chars : (i + 1) * chunk_chars]
-        prev = hashlib.sha256(prev + piece.encode()).digest()
-        chunks.append(prev.hex()[:32])
-    if explicit is not None:
-        first = hashlib.sha256(b"explicit\x00" + credential.encode() + b"\x00" + str(explicit).encode())
-        return PrefixKey(affinity=first.hexdigest()[:32], chunks=tuple(chunks), explicit=True)
-    idx = min(len(chunks), max(1, affinity_chars // chunk_chars)) - 1
+        affinity = explicit_affinity(credential, str(explicit))
+        return PrefixKey(affinity=affinity, chunks=tuple(chunks), explicit=True)
+    idx = affinity_index(len(chunks), affinity_chars // chunk_chars)
     return PrefixKey(affinity=chunks[idx], chunks=tuple(chunks), explicit=False)

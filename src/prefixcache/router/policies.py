@@ -6,7 +6,8 @@ preferred replica's in-flight count runs far above the least-loaded one
 (``in_flight > load_factor * min + load_slack``) the least-loaded replica goes first instead,
 since queueing behind a hot replica costs more than one prefill.
 
-* ``round-robin``: rotate; ignores prefixes (the baseline).
+* ``round-robin``: rotate from the first replica; ignores prefixes (the baseline).
+* ``random``: a seeded draw (``random.Random(seed)``), the rest in order after it.
 * ``least-loaded``: fewest in-flight requests, ties broken by fewest routed.
 * ``prefix-affinity``: rendezvous hashing of the affinity key (a fixed leading part of the
   prompt, or ``prompt_cache_key``) over the healthy replicas: stable, stateless, and when a
@@ -23,8 +24,8 @@ since queueing behind a hot replica costs more than one prefill.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
+import random
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -35,12 +36,14 @@ from enum import StrEnum
 from prefixcache.cache.config import DEFAULTS
 from prefixcache.router.affinity import PrefixKey
 from prefixcache.router.kv_index import KVIndex
+from prefixcache.routing import random_pick, rendezvous_order
 
 
 class Policy(StrEnum):
     PREFIX_AFFINITY = "prefix-affinity"
     CACHE_AWARE = "cache-aware"
     ROUND_ROBIN = "round-robin"
+    RANDOM = "random"
     LEAST_LOADED = "least-loaded"
 
 
@@ -68,12 +71,9 @@ class Replica:
 
 
 def rendezvous(key: str, replicas: Sequence[Replica]) -> list[Replica]:
-    """Highest-random-weight order of ``replicas`` for ``key`` (stable across processes)."""
-
-    def weight(r: Replica) -> bytes:
-        return hashlib.blake2b(f"{key}|{r.url}".encode(), digest_size=8).digest()
-
-    return sorted(replicas, key=weight, reverse=True)
+    """Highest-random-weight order of ``replicas`` for ``key`` (stable across processes;
+    :func:`prefixcache.routing.rendezvous_order` over their URLs)."""
+    return [replicas[i] for i in rendezvous_order(key, [r.url for r in replicas])]
 
 
 @dataclass(slots=True)
@@ -156,6 +156,7 @@ class Router:
         record_ttl_s: float = DEFAULTS.default_ttl_s,
         clock: Callable[[], float] = time.monotonic,
         kv_index: KVIndex | None = None,
+        seed: int = 0,
     ) -> None:
         if not urls:
             raise ValueError("the router needs at least one --replica URL")
@@ -166,6 +167,7 @@ class Router:
         self.record = PrefixRecord(ttl_s=record_ttl_s, clock=clock)
         self.kv_index = kv_index  # replicas' KV events (cache-aware only), or None
         self._rr = itertools.count()
+        self._rng = random.Random(seed)  # the random policy's draws
         self._lock = threading.Lock()
         self.load_fallbacks = 0
         self.failovers = 0
@@ -191,6 +193,9 @@ class Router:
         if self.policy is Policy.ROUND_ROBIN:
             start = next(self._rr) % len(alive)
             return alive[start:] + alive[:start]
+        if self.policy is Policy.RANDOM:
+            pick = alive[random_pick(self._rng, len(alive))]
+            return [pick, *(r for r in alive if r is not pick)]
         if self.policy is Policy.LEAST_LOADED:
             return sorted(alive, key=lambda r: (r.in_flight, r.routed))
         hashed = rendezvous(key.affinity, alive)

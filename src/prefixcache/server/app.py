@@ -57,7 +57,7 @@ from prefixcache.server.limits import BodyLimit, default_max_body_bytes, refuse_
 from prefixcache.server.metrics import Metrics
 from prefixcache.server.snapshots import SnapshotReader
 from prefixcache.server.state import ServerState
-from prefixcache.server.tracelog import TraceWriter, engine_header
+from prefixcache.server.tracelog import TraceLog, engine_header
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def create_app(
     )
     trace = None
     if trace_log:
-        trace = TraceWriter(
+        trace = TraceLog(
             trace_log,
             include_text=trace_text,
             tokenizer=trace_tokenizer,

@@ -2,7 +2,7 @@
 
 The audit (``prefixcache audit``) finds busting in a trace after the fact; this module finds it
 while the traffic flows, with the same detector
-(:class:`~prefixcache.analysis.spans.BustingDetector`): each finished request of an endpoint is
+(:class:`~prefixcache.analysis.trace.spans.BustingDetector`): each finished request of an endpoint is
 paired with the most similar of that endpoint's last ``window`` prompts (the one it shares the
 longest token prefix with; the earliest on a tie), and the pair goes to the endpoint's detector,
 whose window holds the last ``window`` pairs. A finding is a variable span (timestamp, uuid,
@@ -45,7 +45,7 @@ from prometheus_client.registry import Collector
 
 from prefixcache.analysis.audit_findings import busting_rows
 from prefixcache.analysis.costs import pricing_profile
-from prefixcache.analysis.spans import BustingDetector, Finding, Pair
+from prefixcache.analysis.trace.spans import BustingDetector, Finding, Pair
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from prefixcache.server.diagnostics import DiagnosticsRecord
 from prefixcache.server.errors import APIError
 from prefixcache.server.metrics import Metrics
 from prefixcache.server.snapshots import SnapshotReader
-from prefixcache.server.tracelog import TraceWriter
+from prefixcache.server.tracelog import TraceLog
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class ServerState:
     bridge: EngineBridge
     auth: Authenticator
     metrics: Metrics
-    trace: TraceWriter | None
+    trace: TraceLog | None
     model_name: str
     snapshots: SnapshotReader  # cache reads off the event loop (/metrics, GET /v1/cache)
     dashboard: DashboardRecorder  # GET /v1/dashboard: series and top prefixes

@@ -32,21 +32,20 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import stat
-import threading
 import time
 from pathlib import Path
 from typing import IO, Any
 
+from prefixcache.analysis.trace.format import FORMAT_VERSION
+from prefixcache.analysis.trace.writer import TraceWriter
 from prefixcache.cache.keys import block_keys
 from prefixcache.server.bridge import Finished
 
 log = logging.getLogger(__name__)
 
-TRACE_VERSION = 1
 #: Mixed into the root of privacy-mode keys, so that they never equal the cache's keys.
 TRACE_KEY_LABEL = b"prefixcache-trace-keys-v1"
 
@@ -98,9 +97,10 @@ def engine_header(engine: Any) -> dict[str, Any]:
     return {"dtype": dtype, "kv_bytes_per_token": per_block // block * itemsize, "block_size": block}
 
 
-class TraceWriter:
-    """Appends trace lines to a file; thread-safe, flushed per line. ``keys_only``: privacy mode
-    (block keys of ``block_size`` tokens instead of token ids; see the module docstring)."""
+class TraceLog:
+    """The server's trace log: one line per request through the analysis' :class:`TraceWriter`
+    (the file created 0600, flushed per line). ``keys_only``: privacy mode (block keys of
+    ``block_size`` tokens instead of token ids; see the module docstring)."""
 
     def __init__(
         self,
@@ -120,17 +120,12 @@ class TraceWriter:
         self.block_size = block_size
         make_private_dirs(self.path.parent)
         new = not self.path.exists() or self.path.stat().st_size == 0
-        self._fh: IO[str] = open_private(self.path)
-        self._lock = threading.Lock()
-        if new and (tokenizer or header):
-            # The header names the tokenizer of the ids, so the audit decodes spans with it, and
-            # the KV dtype and bytes per token, so the simulator sizes the cache as the server did.
-            line: dict[str, Any] = {"v": TRACE_VERSION, "type": "header"}
-            if tokenizer:
-                line["tokenizer"] = tokenizer
-            line.update(header or {})
-            self._fh.write(json.dumps(line) + "\n")
-            self._fh.flush()
+        # The header names the tokenizer of the ids, so the audit decodes spans with it, and the
+        # KV dtype and bytes per token, so the simulator sizes the cache as the server did.
+        head = ({"tokenizer": tokenizer} if tokenizer else {}) | (header or {})
+        self._writer = TraceWriter(
+            self.path, header=head if new and head else None, opener=open_private, ensure_ascii=False
+        )
 
     def record(
         self,
@@ -153,7 +148,7 @@ class TraceWriter:
             keys = trace_keys(result.prompt_token_ids, salt, self.block_size)
             prompt = {"block_keys": keys, "block_size": self.block_size}
         line: dict[str, Any] = {
-            "v": TRACE_VERSION,
+            "v": FORMAT_VERSION,
             "ts": round(time.time() if ts is None else ts, 6),
             "tenant": tenant,
             "endpoint": endpoint,
@@ -175,16 +170,14 @@ class TraceWriter:
             line["prompt_cache_key"] = cache_key[:200]
         if self.include_text and text:
             line.update(text)
-        data = json.dumps(line, separators=(",", ":"), ensure_ascii=False)
-        with self._lock:
-            if self._fh.closed:
-                return
-            try:
-                self._fh.write(data + "\n")
-                self._fh.flush()
-            except OSError:
-                log.exception("cannot write the trace log %s", self.path)
+        if self._writer.closed:
+            return
+        try:
+            self._writer.write(line)
+        except ValueError:  # closed meanwhile (shutdown)
+            return
+        except OSError:
+            log.exception("cannot write the trace log %s", self.path)
 
     def close(self) -> None:
-        with self._lock:
-            self._fh.close()
+        self._writer.close()

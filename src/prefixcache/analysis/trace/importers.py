@@ -37,7 +37,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from prefixcache.analysis.trace import FORMAT_VERSION, TraceFormatError, _open_binary, iter_lines
+from prefixcache.analysis.trace.format import FORMAT_VERSION, TraceFormatError
+from prefixcache.analysis.trace.reader import iter_lines, open_binary
 
 FORMATS = ("mooncake", "qwen-bailian", "openai", "anthropic", "trace-log")
 BLOCK_SIZES = {"mooncake": 512, "qwen-bailian": 16}
@@ -147,7 +148,7 @@ def _requests(
 def _lines(src: Path, progress: Callable[[int, int], None] | None) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) of every non-blank line, with progress in bytes read."""
     total = src.stat().st_size if src.suffix != ".gz" else 0  # (a .gz: bytes read are not its size)
-    with _open_binary(src) as fh:
+    with open_binary(src) as fh:
         for lineno, raw in enumerate(fh, 1):
             if progress is not None and lineno % 10_000 == 0:
                 progress(fh.tell() if hasattr(fh, "tell") else 0, total)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.markup import escape
 
-from prefixcache.analysis.tables import ReportTable
+from prefixcache.analysis.report.tables import ReportTable
 
 if TYPE_CHECKING:
     from prefixcache.analysis.simulate import SimResult

@@ -11,15 +11,10 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prefixcache.analysis.report import (
-    AUDIT_PLOTS,
-    _pct,
-    _png,
-    advice_lines,
-    audit_tables,
-    fix_lines,
-)
-from prefixcache.analysis.tables import ReportTable, plain
+from prefixcache.analysis.report.audit import AUDIT_PLOTS, advice_lines, audit_tables, fix_lines
+from prefixcache.analysis.report.common import pct as _pct
+from prefixcache.analysis.report.common import png as _png
+from prefixcache.analysis.report.tables import ReportTable, plain
 
 if TYPE_CHECKING:
     from prefixcache.analysis.audit import AuditResult

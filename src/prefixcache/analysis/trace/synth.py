@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache.analysis.keychains import paused_gc
-from prefixcache.analysis.trace import TraceWriter, load_tokenizer
+from prefixcache.analysis.trace.keychains import paused_gc
+from prefixcache.analysis.trace.tokenize import load_tokenizer
+from prefixcache.analysis.trace.writer import TraceWriter
 
 log = logging.getLogger(__name__)
 

@@ -1,46 +1,11 @@
-"""Request traces: the JSONL format (version 1), a writer, a reader and a columnar loader.
-
-Format (one JSON object per line, UTF-8; unknown fields are ignored, so it can grow):
-
-* Request lines (``"type"`` absent or ``"request"``)::
-
-    {"v": 1, "ts": 1764412800.25,          # seconds (any origin; only differences matter)
-     "tenant": "acme",                      # optional, default "default"
-     "endpoint": "support-bot",             # optional, default "default"
-     # the prompt, one of (first present wins):
-     "tokens": [1, 2, 3],                   # token ids
-     "parts": ["sys-v1", [17, 42]],         # segment refs (str) and literal token runs (list)
-     "prompt": "text",                      # raw text, tokenized on load
-     "messages": [{"role": "user", "content": "hi"}],  # OpenAI/Anthropic shape, rendered + tokenized
-     "block_keys": ["9f2c...", ...],        # hex chained block keys only (privacy mode), with
-     "block_size": 16, "prompt_tokens": 812,  # the block size and the prompt length
-     # optional measurements (what the server saw):
-     "cached_tokens": 768, "cache_write_tokens": 32, "ttft_s": 0.41, "output_tokens": 120,
-     "ttl": 300}                            # the TTL the request asked for (seconds)
-
-* Segment lines define a named token run that later ``parts`` refer to (synthetic traces use them
-  so a shared system prompt is written, stored and hashed once)::
-
-    {"v": 1, "type": "segment", "id": "sys-v1", "tokens": [...]}
-
-* An optional header line: ``{"v": 1, "type": "header", "tokenizer": "bytes", ...}``; its
-  ``tokenizer`` names the tokenizer that produced the token ids (decoding for the audit's span
-  classification uses it unless ``--tokenizer`` says otherwise).
-
-A segment must appear before the first request that refers to it. Lines with ``"v"`` other than
-1 are rejected with an error naming the line.
-"""
+"""A whole trace read into columns (:class:`Trace`), segments and names interned."""
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import io
 import json
-import logging
-import threading
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,147 +13,12 @@ from typing import Any
 import numpy as np
 import orjson
 
-from prefixcache.analysis.keychains import paused_gc
-from prefixcache.analysis.tokenize import (
-    ByteTokenizer,
-    HFTokenizer,
-    Tokenizer,
-    load_tokenizer,
-    render_messages,
-)
+from prefixcache.analysis.trace.format import FORMAT_VERSION, TOKEN_DTYPE, TraceFormatError
+from prefixcache.analysis.trace.keychains import paused_gc
+from prefixcache.analysis.trace.reader import check_line, open_binary, parse_fallback
+from prefixcache.analysis.trace.tokenize import Tokenizer, load_tokenizer, render_messages
 
-log = logging.getLogger(__name__)
-
-__all__ = [
-    "FORMAT_VERSION",
-    "ByteTokenizer",
-    "HFTokenizer",
-    "Tokenizer",
-    "Trace",
-    "TraceFormatError",
-    "TraceWriter",
-    "count_lines",
-    "iter_lines",
-    "load_tokenizer",
-    "load_trace",
-    "render_messages",
-]
-
-FORMAT_VERSION = 1
-TOKEN_DTYPE = np.uint32
-
-
-class TraceFormatError(ValueError):
-    """A trace line that cannot be read; the message names the file and line."""
-
-
-# ---------------------------------------------------------------------------------- writing
-class TraceWriter:
-    """Appends trace lines to a file (``.gz`` compresses). Thread-safe; flushes every line
-    unless ``flush_every`` says otherwise. Use as a context manager or call :meth:`close`."""
-
-    def __init__(
-        self, path: str | Path, *, header: dict[str, Any] | None = None, flush_every: int = 1
-    ) -> None:
-        self.path = Path(path)
-        self._fh: io.TextIOBase = (
-            gzip.open(self.path, "at", encoding="utf-8")  # noqa: SIM115 - the writer owns the file
-            if self.path.suffix == ".gz"
-            else open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
-        )
-        self._lock = threading.Lock()
-        self._flush_every = max(1, flush_every)
-        self._n = 0
-        if header is not None:
-            self._write({"v": FORMAT_VERSION, "type": "header", **header})
-
-    def _write(self, obj: dict[str, Any]) -> None:
-        line = json.dumps(obj, separators=(",", ":")) + "\n"
-        with self._lock:
-            self._fh.write(line)
-            self._n += 1
-            if self._n % self._flush_every == 0:
-                self._fh.flush()
-
-    def segment(self, seg_id: str, tokens: list[int] | np.ndarray) -> None:
-        self._write(
-            {"v": FORMAT_VERSION, "type": "segment", "id": seg_id, "tokens": [int(t) for t in tokens]}
-        )
-
-    def request(self, ts: float, **fields: Any) -> None:
-        """One request line. ``fields`` as in the module docstring; None values are dropped."""
-        obj: dict[str, Any] = {"v": FORMAT_VERSION, "ts": round(float(ts), 6)}
-        for k, val in fields.items():
-            if val is None:
-                continue
-            if isinstance(val, np.ndarray):
-                val = val.tolist()
-            elif k == "block_keys":
-                val = [b.hex() if isinstance(b, bytes | bytearray) else str(b) for b in val]
-            obj[k] = val
-        self._write(obj)
-
-    def close(self) -> None:
-        with self._lock:
-            self._fh.close()
-
-    def __enter__(self) -> TraceWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-# ---------------------------------------------------------------------------------- reading
-def _open_binary(p: Path) -> Any:
-    return gzip.open(p, "rb") if p.suffix == ".gz" else open(p, "rb", buffering=1 << 20)  # noqa: SIM115
-
-
-def _slow_parse(p: Path | str, lineno: int, line: bytes) -> Any:
-    """A line orjson rejected: blank (None), something only the stdlib reads (NaN, Infinity), a
-    last line torn by a crash (None, with a warning), or a TraceFormatError naming the line."""
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise TraceFormatError(f"{p}:{lineno}: not UTF-8 ({exc.reason}); is this a JSONL trace?") from None
-    if not text.strip():
-        return None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        if not line.endswith(b"\n"):  # only the last line can lack its newline: cut short
-            log.warning(
-                "%s:%d: the last line is cut short (the writer stopped mid-line, e.g. a crash): skipped",
-                p,
-                lineno,
-            )
-            return None
-        raise TraceFormatError(f"{p}:{lineno}: not JSON ({exc.msg}); is this a JSONL trace?") from None
-
-
-def _check(p: Path | str, lineno: int, obj: Any) -> None:
-    if type(obj) is not dict:
-        raise TraceFormatError(f"{p}:{lineno}: not a JSON object; is this a JSONL trace?")
-    v = obj.get("v", FORMAT_VERSION)
-    if v != FORMAT_VERSION:
-        raise TraceFormatError(f"{p}:{lineno}: trace format v{v}; this version reads v{FORMAT_VERSION}")
-
-
-def iter_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, parsed object) for each non-blank line. Raises TraceFormatError."""
-    p = Path(path)
-    loads = orjson.loads
-    with _open_binary(p) as fh:
-        for lineno, line in enumerate(fh, 1):
-            try:
-                obj = loads(line)
-            except orjson.JSONDecodeError:
-                obj = _slow_parse(p, lineno, line)
-                if obj is None:
-                    continue
-            if type(obj) is not dict or obj.get("v", FORMAT_VERSION) != FORMAT_VERSION:
-                _check(p, lineno, obj)
-            yield lineno, obj
+__all__ = ["Trace", "TraceBuilder", "load_trace"]
 
 
 @dataclass(slots=True)
@@ -251,7 +81,7 @@ def _name_id(ids: dict[str, int], raw_ids: dict[str | None, int], raw: Any) -> i
     return i
 
 
-class _Builder:
+class TraceBuilder:
     """Accumulates request lines into a :class:`Trace`, interning segments and names.
 
     Segments are interned by their uint32 bytes (``seg_index``) and stored in one buffer
@@ -384,11 +214,11 @@ class _Builder:
             try:
                 obj = loads(line)
             except decode_error:
-                obj = _slow_parse(where, lineno, line)
+                obj = parse_fallback(where, lineno, line)
                 if obj is None:
                     continue
             if type(obj) is not dict or obj.get("v", version) != version:
-                _check(where, lineno, obj)
+                check_line(where, lineno, obj)
             if "type" in obj and obj["type"] != "request":
                 self._other(obj["type"], lineno, obj, where)
                 continue
@@ -499,20 +329,11 @@ def load_trace(
     ``tokenizer`` overrides the header's (text prompts only need one). ``progress(lines)`` is
     called every 10,000 lines. Raises :class:`TraceFormatError` naming the bad line.
     """
-    b = _Builder(tokenizer)
+    b = TraceBuilder(tokenizer)
     where = str(path)
     # paused_gc: a million parsed lines are a million short-lived dicts, and no cycles
-    with paused_gc(), _open_binary(Path(path)) as fh:
+    with paused_gc(), open_binary(Path(path)) as fh:
         b.read(fh, where, progress)
     if not b.parts:
         raise TraceFormatError(f"{path}: no request lines; is this a prefixcache trace (JSONL, v1)?")
     return b.build()
-
-
-def count_lines(path: str | Path) -> int:
-    """Lines in the file (for progress bars); cheap relative to parsing."""
-    p = Path(path)
-    if p.suffix == ".gz":
-        return 0
-    with open(p, "rb") as fh:
-        return sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 20), b""))

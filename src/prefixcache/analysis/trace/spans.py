@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache.analysis.trace import Tokenizer
+from prefixcache.analysis.trace.tokenize import Tokenizer
 
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _ISO = re.compile(r"\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?")
