@@ -188,14 +188,11 @@ class LlamaRunner(ModelRunner):
                     "down_b": w(mlp.down_proj.bias),
                 }
             )
-        embed = w(inner.embed_tokens.weight)
-        assert embed is not None
-        self.embed: torch.Tensor = embed
+        self.embed: torch.Tensor = w(inner.embed_tokens.weight)  # type: ignore[assignment]  # (never None)
         self.norm = w(inner.norm.weight)
         head = hf.get_output_embeddings()
-        lm_head = self.embed if getattr(cfg, "tie_word_embeddings", False) or head is None else w(head.weight)
-        assert lm_head is not None
-        self.lm_head: torch.Tensor = lm_head
+        tied = getattr(cfg, "tie_word_embeddings", False) or head is None
+        self.lm_head: torch.Tensor = self.embed if tied else w(head.weight)  # type: ignore[assignment]
         self.scaling = float(getattr(inner.layers[0].self_attn, "scaling", self.head_dim**-0.5))
         # RoPE tables from the model's own rotary module (any rope_type transformers supports).
         with torch.inference_mode():
@@ -355,9 +352,7 @@ class LlamaRunner(ModelRunner):
     def _rms(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if weight is None:  # (a norm without a scale)
-            return h.to(x.dtype)
-        return weight * h.to(x.dtype)
+        return h.to(x.dtype) if weight is None else weight * h.to(x.dtype)
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
