@@ -193,7 +193,7 @@ def test_checks_run_beside_running_requests_and_never_fail_them(tiny_runner: Any
             assert torch.equal(got.first_logits, want.first_logits) and got.tokens == want.tokens
         counts = _wait_counts(engine.auditor, 6)
         assert counts["differ"] == 0 and counts["equal"] + counts["skipped"] == 6 and counts["equal"] >= 1
-        assert engine._worker.reserved == 0
+        assert engine.worker_stats().reserved_blocks == 0
     finally:
         engine.close()
         cold_engine.close()

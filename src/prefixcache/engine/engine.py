@@ -24,6 +24,7 @@ generated token's logprobs: :meth:`Engine.stream_choices` and :meth:`Engine.gene
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -35,6 +36,7 @@ from typing import Any
 from prefixcache.cache import CacheStats, FakeClock, PrefixCache
 from prefixcache.cache.config import DEFAULTS
 from prefixcache.cache.tiers.codec import BlockLayout
+from prefixcache.engine.config import DEFAULT_PREFILL_CHUNK, RUNNERS, EngineConfig, WorkerConfig, WorkerStats
 from prefixcache.engine.guided import Grammar, Grammars
 from prefixcache.engine.llama import LlamaRunner, unsupported_reason
 from prefixcache.engine.model import ModelRunner, default_dtype, env_dtype
@@ -56,15 +58,10 @@ from prefixcache.engine.types import (
     Request,
 )
 from prefixcache.engine.verify import Auditor, VerifyResult
-from prefixcache.engine.worker import Job
+from prefixcache.engine.worker import Job, Worker
 
 log = logging.getLogger(__name__)
 
-#: Prefill tokens per step (own runner) or per forward pass (HF runner). For the HF runner it is
-#: also the hit granularity: chosen from measurements on SmolLM2/2 cores (docs/engine.md), >= 90%
-#: of single-pass prefill throughput.
-DEFAULT_PREFILL_CHUNK = 512
-RUNNERS = ("auto", "llama", "hf")
 
 
 def select_runner(base: ModelRunner, runner: str = "auto", dtype: str | None = None) -> ModelRunner:
@@ -115,53 +112,40 @@ class Engine:
         self,
         model: str | os.PathLike[str] | ModelRunner | None = None,
         *,
-        runner: str = "auto",
-        enable_cache: bool = True,
-        block_size: int = DEFAULTS.block_size,
-        prefill_chunk: int | None = None,
-        dtype: str | None = None,
+        config: EngineConfig | None = None,
         cache: PrefixCache | None = None,
-        capacity_bytes: int = DEFAULTS.capacity_bytes,
-        pinned_capacity_bytes: int = DEFAULTS.pinned_capacity_bytes,
-        default_ttl_s: float = DEFAULTS.default_ttl_s,
         clock: Callable[[], float] | None = None,
-        threads: int | None = None,
-        max_queue: int = 64,
-        max_batch: int = 16,
-        kv_reserve_tokens: int | None = None,
-        reasons_bytes: int | None = None,
-        miss_reasons: bool = True,
-        verify_rate: float = 0.0,
-        weights: str = "float",
+        **options: Any,
     ) -> None:
         """``model``: a .gguf path, an HF folder, a loaded :class:`ModelRunner` (shared weights),
-        or None (embedded SmolLM2). ``runner``: ``auto`` (the own Llama runner where it can
+        or None (embedded SmolLM2). ``config``: an :class:`EngineConfig`; ``options`` (its field
+        names) replace its fields. ``runner``: ``auto`` (the own Llama runner where it can
         compute the model), ``llama`` or ``hf``. ``dtype``: None picks ``$PREFIXCACHE_DTYPE`` when
         set, else bfloat16 on CPUs with bf16 instructions and on CUDA, float32 elsewhere (the HF
         runner: float32 unless ``dtype`` says otherwise).
         ``cache``: an existing PrefixCache to share (its block size wins); otherwise one is
-        created from the capacity/TTL/clock arguments. ``max_batch``: decode rows per step, a
-        request with ``n`` choices taking ``n`` (own runner); on both runners also the largest
-        ``n``. ``kv_reserve_tokens``: KV pool room for running requests beyond the cache's budget
-        (default 4x the context). ``reasons_bytes``: memory for explaining misses, taken from
-        ``capacity_bytes`` (default: ``DEFAULTS.reasons_bytes``, at most an eighth of it; 0: none).
-        ``miss_reasons`` False: no reason per request at all (a benchmark's baseline).
-        ``verify_rate``: the share of hits the live exactness audit recomputes and compares
-        (``engine/verify.py``; own runner with the cache on; 0: only :meth:`verify`).
+        created from the capacity/TTL arguments and ``clock``. ``max_batch``: decode rows per
+        step, a request with ``n`` choices taking ``n`` (own runner); on both runners also the
+        largest ``n``. ``kv_reserve_tokens``: KV pool room for running requests beyond the
+        cache's budget (default 4x the context). ``reasons_bytes``: memory for explaining misses,
+        taken from ``capacity_bytes`` (default: ``DEFAULTS.reasons_bytes``, at most an eighth of
+        it; 0: none). ``miss_reasons`` False: no reason per request at all (a benchmark's
+        baseline). ``verify_rate``: the share of hits the live exactness audit recomputes and
+        compares (``engine/verify.py``; own runner with the cache on; 0: only :meth:`verify`).
         ``weights``: ``float`` (the model's weights in ``dtype``) or ``q4`` (a GGUF's own Q4_1
         groups through the int4 kernel, own runner on CPU: see ``engine/quant.py``)."""
+        cfg = self.config = EngineConfig.of(config, options)
         env_dtype()  # a bad $PREFIXCACHE_DTYPE fails before the model loads
         if isinstance(model, ModelRunner):
             base = model
         else:
-            load_dtype = dtype if (runner == "hf" and dtype) else "float32"
-            base = ModelRunner.load(model, dtype=load_dtype, threads=threads)
-        self.runner = select_runner(base, runner, dtype)
-        if weights != "float":
-            self.runner = quantized_runner(base, self.runner, weights)
-        if cache is not None:
-            block_size = cache.block_size
-        chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK
+            load_dtype = cfg.dtype if (cfg.runner == "hf" and cfg.dtype) else "float32"
+            base = ModelRunner.load(model, dtype=load_dtype, threads=cfg.threads)
+        self.runner = select_runner(base, cfg.runner, cfg.dtype)
+        if cfg.weights != "float":
+            self.runner = quantized_runner(base, self.runner, cfg.weights)
+        block_size = cache.block_size if cache is not None else cfg.block_size
+        chunk = cfg.chunk
         if chunk < block_size or chunk % block_size:
             raise ValueError(
                 f"prefill_chunk ({chunk}) must be a positive multiple of block_size ({block_size})"
@@ -174,42 +158,48 @@ class Engine:
         self.alignment = self.runner.hit_alignment(block_size, chunk)
         self.clock = clock or (cache.clock if cache is not None else time.monotonic)
         self.cache: PrefixCache | None = None
-        if enable_cache:
+        if cfg.enable_cache:
+            reasons_bytes = cfg.reasons_bytes
             if reasons_bytes is None:
-                reasons_bytes = min(DEFAULTS.reasons_bytes, capacity_bytes // 8)
+                reasons_bytes = min(DEFAULTS.reasons_bytes, cfg.capacity_bytes // 8)
             self.cache = cache or PrefixCache(
                 block_size=block_size,
-                capacity_bytes=capacity_bytes,
-                pinned_capacity_bytes=pinned_capacity_bytes,
-                default_ttl_s=default_ttl_s,
+                capacity_bytes=cfg.capacity_bytes,
+                pinned_capacity_bytes=cfg.pinned_capacity_bytes,
+                default_ttl_s=cfg.default_ttl_s,
                 clock=self.clock,
-                reasons_bytes=reasons_bytes if miss_reasons else 0,
-                explain=miss_reasons,
+                reasons_bytes=reasons_bytes if cfg.miss_reasons else 0,
+                explain=cfg.miss_reasons,
             )
         self.fingerprint = self.runner.fingerprint(block_size, chunk)
         if self.cache is not None:  # a block promoted from a tier must fit the KV layout
             self.cache.set_block_layout(self.block_layout)
         self.pool = None
         self._worker: BatchWorker | SequentialWorker
-        self._max_n = max_batch
+        self._max_n = cfg.max_batch
+        worker_config = WorkerConfig(
+            block_size=block_size,
+            prefill_chunk=chunk,
+            alignment=self.alignment,
+            fingerprint=self.fingerprint,
+            max_queue=cfg.max_queue,
+            max_batch=cfg.max_batch,
+            max_wait_s=cfg.max_wait_s,
+        )
         if isinstance(self.runner, LlamaRunner):
-            self.pool, reserve = self._new_pool(kv_reserve_tokens)
-            if self.cache is not None and self.cache.adopt is None:
-                self.cache.adopt = self.pool.adopt  # blocks promoted from a tier land in the pool
-            self._worker = BatchWorker(
-                self,
-                self.pool,
-                reserve_blocks=reserve,
-                max_batch=max_batch,
-                token_budget=chunk,
-                max_queue=max_queue,
-            )
+            self.pool, reserve = self._new_pool(cfg.kv_reserve_tokens)
+            if self.cache is not None:
+                self.pool.watch(self.cache.store)  # the cache's holds on pool blocks
+                if self.cache.adopt is None:
+                    self.cache.adopt = self.pool.adopt  # blocks promoted from a tier land in the pool
+            worker_config = dataclasses.replace(worker_config, reserve_blocks=reserve)
+            self._worker = BatchWorker(self.runner, self.pool, self.cache, worker_config)
         else:
-            self._worker = SequentialWorker(self, max_queue=max_queue)
+            self._worker = SequentialWorker(self.runner, self.cache, worker_config)
         #: The live exactness audit (own runner, cache on), or None.
         self.auditor: Auditor | None = None
         if isinstance(self._worker, BatchWorker) and self.cache is not None:
-            self.auditor = self._worker.auditor = Auditor(verify_rate)
+            self.auditor = self._worker.auditor = Auditor(cfg.verify_rate)
 
     def _new_pool(self, reserve_tokens: int | None) -> tuple[Any, int]:
         """The KV pool: the cache's byte budget (pinned included) plus the running reserve."""
@@ -259,6 +249,20 @@ class Engine:
 
     def stats(self, tenant: str | None = None) -> CacheStats:
         return self.cache.stats(tenant) if self.cache is not None else CacheStats()
+
+    def worker_stats(self) -> WorkerStats:
+        """The request worker's counters (prefilled tokens, steps, what is running)."""
+        worker: Worker = self._worker
+        return worker.stats()
+
+    def check_integrity(self) -> None:
+        """Check the cache's invariants and, with the own runner, that every KV pool block is
+        free, held by the cache or held by running requests, as counted (between two steps).
+        Raises AssertionError (:class:`~prefixcache.engine.pool.PoolIntegrityError`) saying what
+        is wrong."""
+        if self.cache is not None:
+            self.cache.check_integrity()
+        self._worker.between_steps(self._worker.check_integrity)
 
     def close(self) -> None:
         """Stop the worker after the requests already queued. Idempotent."""

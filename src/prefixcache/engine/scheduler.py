@@ -1,6 +1,6 @@
 """Continuous batching: one engine step at a time over every running request.
 
-    worker = BatchWorker(engine, pool, max_batch=16, token_budget=512)
+    worker = BatchWorker(runner, pool, cache, WorkerConfig(block_size=16, prefill_chunk=512, ...))
 
 Each step decodes one token for every choice of every request past its prefill (one row each)
 and spends the rest of ``token_budget`` on prefill chunks of the others, all in one
@@ -21,7 +21,7 @@ cannot keep it out; a request that could never fit is refused when submitted.
 
 KV blocks: a request reserves, at admission, the pool blocks its prompt and ``max_tokens`` can
 need (``reserve_blocks`` in all); blocks come from the pool as its rows are computed; a hit's
-blocks are the cache's own, read in place. The pool holds the cache's budget plus the reserve,
+blocks are the cache's own, read in place (the request holds them: ``engine/pool.py``). The pool holds the cache's budget plus the reserve,
 so a reserved request never finds the pool empty. ``n`` > 1 shares one prefill: the prompt is
 computed once, then its choices read its full blocks in place and each decodes into its own
 blocks from a copy of the prompt's last, partial block (``engine/sequence.py``).
@@ -32,51 +32,44 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from prefixcache.cache import Match
+from prefixcache.cache import Match, PrefixCache
 from prefixcache.cache.keys import BlockHash, pack_tokens
+from prefixcache.engine.config import WorkerConfig, WorkerStats
 from prefixcache.engine.llama import LlamaRunner, Segment
 from prefixcache.engine.pool import KVPool, PoolBlock
 from prefixcache.engine.sampling import InvalidRequestError
 from prefixcache.engine.sequence import Choice, SequenceGroup
 from prefixcache.engine.types import PromptDone, Request, Usage
 from prefixcache.engine.verify import Auditor
-from prefixcache.engine.worker import Job, Worker
-
-if TYPE_CHECKING:  # pragma: no cover
-    from prefixcache.engine.engine import Engine
+from prefixcache.engine.worker import Call, Job, Worker
 
 log = logging.getLogger(__name__)
 
 
 class BatchWorker(Worker):
-    """The step loop of an :class:`Engine` over a :class:`LlamaRunner` (see the module doc)."""
+    """The step loop over a :class:`LlamaRunner`, its pool and the cache (see the module doc)."""
 
     def __init__(
-        self,
-        engine: Engine,
-        pool: KVPool,
-        *,
-        reserve_blocks: int,
-        max_batch: int = 16,
-        token_budget: int = 512,
-        max_queue: int = 64,
-        max_wait_s: float = 5.0,
+        self, runner: LlamaRunner, pool: KVPool, cache: PrefixCache | None, config: WorkerConfig
     ) -> None:
-        super().__init__(None, max_queue=max_queue)
-        if max_batch < 1 or token_budget < 1:
-            raise ValueError(f"max_batch and token_budget must be >= 1; got {max_batch}, {token_budget}")
-        self.engine = engine
-        if not isinstance(engine.runner, LlamaRunner):
-            raise TypeError("the batch worker steps a paged KV pool: it needs the engine's own runner")
-        self.runner: LlamaRunner = engine.runner
+        super().__init__(None, max_queue=config.max_queue)
+        if config.max_batch < 1 or config.prefill_chunk < 1:
+            raise ValueError(
+                f"max_batch and token_budget must be >= 1; got {config.max_batch}, {config.prefill_chunk}"
+            )
+        if not isinstance(runner, LlamaRunner):
+            raise TypeError("the batch worker steps a paged KV pool: it needs the own runner")
+        self.runner: LlamaRunner = runner
         self.pool = pool
+        self.cache = cache
+        self.config = config
         self.block_size = pool.block_size
-        self.reserve_blocks = reserve_blocks
-        self.max_batch = max_batch
-        self.token_budget = token_budget
-        self.max_wait_s = max_wait_s
+        self.reserve_blocks = config.reserve_blocks
+        self.max_batch = config.max_batch
+        self.token_budget = config.prefill_chunk
+        self.max_wait_s = config.max_wait_s
         self.waiting: list[Job] = []
         self.running: list[SequenceGroup] = []
         self.reserved = 0
@@ -92,11 +85,48 @@ class BatchWorker(Worker):
         #: prompt's end and recomputes them in the steps' spare budget.
         self.auditor: Auditor | None = None
 
+    def namespace(self, tenant: str, salt: bytes) -> Any:
+        assert self.cache is not None
+        return self.cache.namespace(self.config.fingerprint, tenant=tenant, salt=salt)
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats(
+            prefilled_tokens=self.prefilled_tokens,
+            steps=self.steps,
+            decoded_rows=self.decoded_rows,
+            step_s=self.step_s,
+            waiting=len(self.waiting),
+            running=len(self.running),
+            reserved_blocks=self.reserved,
+            rows=self.rows,
+        )
+
+    def holdings(self) -> list[PoolBlock]:
+        """Every pool hold the running requests and the audit take, one entry per hold."""
+        out: list[PoolBlock] = []
+        for group in self.running:
+            out.extend(group.blocks)
+            for choice in group.choices:
+                out.extend(choice.blocks)
+        if self.auditor is not None:
+            out.extend(self.auditor.holdings())
+        return out
+
+    def check_integrity(self) -> None:
+        """The pool's counts against the cache's payloads and the running requests' tables
+        (call between steps: :meth:`Worker.between_steps`)."""
+        cached: list[Any] = []
+        if self.cache is not None:
+            for run in self.cache.store.runs():
+                cached.extend(run.payloads)
+        self.pool.check_integrity(cached=cached, held=self.holdings())
+
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
         while True:
             audit = self.auditor is not None and self.auditor.busy
             self._intake(block=not self.running and not self.waiting and not audit)
+            self._run_calls()
             if self._closing and not self.running and not self.waiting:
                 return
             self._drop_cancelled()
@@ -114,6 +144,8 @@ class BatchWorker(Worker):
         while True:
             if job is None:
                 self._closing = True
+            elif isinstance(job, Call):
+                self._calls.append(job)
             else:
                 self.waiting.append(job)
             try:
@@ -136,7 +168,7 @@ class BatchWorker(Worker):
             self.auditor.before_admit(self)
         if not self.waiting or self.rows >= self.max_batch:
             return
-        cache = self.engine.cache
+        cache = self.cache
         now = time.perf_counter()
         inflight = self._inflight_keys() if cache is not None else {}
         order = sorted(self.waiting, key=lambda j: self._priority(j, now))
@@ -171,7 +203,7 @@ class BatchWorker(Worker):
             )
 
     def _need(self, req: Request) -> int:
-        return SequenceGroup.blocks_needed(req, self.block_size, self.engine.context_len)
+        return SequenceGroup.blocks_needed(req, self.block_size, self.runner.context_len)
 
     def _fits(self, req: Request) -> bool:
         """Room for ``req`` now: decode rows for its choices and pool blocks for its reservation."""
@@ -181,7 +213,7 @@ class BatchWorker(Worker):
         if now - job.submitted > self.max_wait_s:
             return (0, 0, job.submitted)
         cached = 0
-        cache = self.engine.cache
+        cache = self.cache
         if cache is not None and len(self.waiting) > 1:
             keys, packed = self._keys(job)
             cached = cache.cached_prefix(keys, packed)
@@ -192,7 +224,8 @@ class BatchWorker(Worker):
         req: Request = job.request
         if req.keys is None:
             req.packed = pack_tokens(req.ids)
-            req.keys = self.engine.cache.block_keys(req.ids, self.engine.namespace(req.tenant, req.salt))  # type: ignore[union-attr]
+            assert self.cache is not None
+            req.keys = self.cache.block_keys(req.ids, self.namespace(req.tenant, req.salt))
         return req.keys, req.packed
 
     def _inflight_keys(self) -> dict[BlockHash, SequenceGroup]:
@@ -209,7 +242,7 @@ class BatchWorker(Worker):
         req: Request = job.request
         B = self.block_size
         n = len(req.ids)
-        cache = self.engine.cache
+        cache = self.cache
         match: Match | None = None
         if cache is not None:
             keys, packed = self._keys(job)
@@ -219,16 +252,17 @@ class BatchWorker(Worker):
                 cached = cache.cached_prefix(keys, packed)
                 if cached < len(keys) and keys[cached] in inflight and cached * B < n - 1:
                     return None  # another request is computing our next block right now
-            ns = self.engine.namespace(req.tenant, req.salt)
+            ns = self.namespace(req.tenant, req.salt)
             match = cache.match(
                 None,
                 ns,
-                align_tokens=self.engine.alignment,
+                align_tokens=self.config.alignment,
                 ttl_s=req.ttl_s,
                 ttl_plan=req.ttl_plan,
                 keys=keys,
                 packed=packed,
             )
+            self.pool.settle_adopted()  # blocks promoted for it that found no room go back
         if not job.start():  # cancelled meanwhile
             if match is not None and cache is not None:
                 cache.release(match)
@@ -242,18 +276,19 @@ class BatchWorker(Worker):
         self.reserved += group.reserved
         self.rows += group.width
         if match is not None and match.cached_blocks:
-            for block in match.blocks:
+            for block in match.blocks:  # the request holds each hit block while it reads it
                 payload = block.payload
-                if not (isinstance(payload, PoolBlock) and payload.pool is self.pool):
-                    payload = self._copy_in(payload)
-                group.blocks.append(payload)
+                if isinstance(payload, PoolBlock) and payload.pool is self.pool:
+                    group.blocks.append(self.pool.hold(payload))
+                else:
+                    group.blocks.append(self._copy_in(payload))
             group.computed = group.committed = match.cached_tokens
         return group
 
     def _copy_in(self, payload: Any) -> PoolBlock:
         """A hit block held elsewhere (a tier's tensor, another engine's pool): a private copy."""
-        block = self.pool.adopt(payload)
-        if not (isinstance(block, PoolBlock) and block.pool is self.pool):
+        block = self.pool.copy_in(payload)
+        if block is None:
             raise RuntimeError(
                 "a cached block could not be copied into the KV pool (full, or another layout)"
             )
@@ -342,7 +377,7 @@ class BatchWorker(Worker):
 
     def _commit(self, group: SequenceGroup) -> None:
         """Store the full prompt blocks computed so far (the pool blocks themselves)."""
-        cache, m = self.engine.cache, group.match
+        cache, m = self.cache, group.match
         if cache is None or m is None:
             return
         upto = group.computed // self.block_size * self.block_size
@@ -355,13 +390,13 @@ class BatchWorker(Worker):
 
     def _prompt_done(self, group: SequenceGroup, logits: Any) -> None:
         """The prompt's last row: report its usage, start its choices, sample their first tokens."""
-        engine = self.engine
+        runner = self.runner
         group.first_token_at = time.perf_counter()
         if group.request.return_logits:
             group.first_logits = logits.clone()
         if self.auditor is not None:  # before fork: the hit's blocks are the group's here
             self.auditor.sample(self, group, logits)
-        group.fork(self.pool, engine.tokenizer, engine.runner.eos_token_ids, engine.context_len)
+        group.fork(self.pool, runner.tokenizer, runner.eos_token_ids, runner.context_len)
         m = group.match
         cached, written = (m.usage.cached_tokens, m.usage.cache_write_tokens) if m is not None else (0, 0)
         group.job.post(
@@ -373,13 +408,13 @@ class BatchWorker(Worker):
         for choice in group.choices:
             self._take(group, choice, logits)
 
-    @staticmethod
-    def _take(group: SequenceGroup, choice: Choice, logits: Any) -> None:
+    def _take(self, group: SequenceGroup, choice: Choice, logits: Any) -> None:
         delta = choice.take(logits)
         if delta is not None:
             group.job.post(delta)
-        if choice.finish_reason:
-            choice.blocks = []  # its own blocks go back now; shared ones when the last reader ends
+        if choice.finish_reason:  # its holds go: its own blocks are free, shared ones at the last reader
+            blocks, choice.blocks = choice.blocks, []
+            self.pool.free_all(blocks)
 
     def _finish(self, group: SequenceGroup) -> None:
         group.job.finish(group.completion())
@@ -390,10 +425,10 @@ class BatchWorker(Worker):
         if group not in self.running:
             return
         self.running.remove(group)
-        cache = self.engine.cache
+        cache = self.cache
         if group.match is not None and cache is not None:
             cache.release(group.match)
-        group.drop_blocks()  # the blocks not committed go back to the pool
+        group.drop_blocks(self.pool)  # its holds go: blocks the cache does not hold are free
         self.reserved -= group.reserved
         self.rows -= group.width
         group.reserved = 0

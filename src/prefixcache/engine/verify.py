@@ -31,7 +31,6 @@ import logging
 import random
 import threading
 import time
-import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -118,7 +117,7 @@ class _Check:
     ids: list[int]
     ns: Any
     keys: list[Any]  # the hit blocks' keys, in prompt order
-    refs: list[weakref.ref[PoolBlock]]  # the hit blocks themselves (alive while cached or read)
+    refs: list[PoolBlock]  # the hit blocks' handles (live while cached or read; not held while pending)
     logits: torch.Tensor  # the row the sampler received
     match: Any  # the request's Match: the check starts once it is released
     future: Future[VerifyResult] | None = None
@@ -209,9 +208,9 @@ class Auditor:
             return
         check = _Check(
             ids=list(group.request.ids),
-            ns=worker.engine.namespace(group.request.tenant, group.request.salt),
+            ns=worker.namespace(group.request.tenant, group.request.salt),
             keys=list(group.keys[:cached]),
-            refs=[weakref.ref(b) for b in group.blocks[:cached]],
+            refs=list(group.blocks[:cached]),
             logits=logits.detach().clone(),
             match=m,
             future=future,
@@ -278,6 +277,11 @@ class Auditor:
         finally:
             self._abort(worker, check)
 
+    def holdings(self) -> list[PoolBlock]:
+        """The pool blocks the running check holds (its own and the hit's), one entry per hold."""
+        check = self._active
+        return [*check.blocks, *check.held] if check is not None else []
+
     def step_failed(self, worker: BatchWorker) -> None:
         check = self._active
         if check is not None:
@@ -295,8 +299,8 @@ class Auditor:
             if not check.match.released:  # its request still runs: later
                 self._pending.append(check)
                 continue
-            held = [ref() for ref in check.refs]
-            if any(b is None for b in held):  # a hit block left the cache: nothing to compare
+            held = check.refs
+            if not all(worker.pool.live(b) for b in held):  # a hit block left the cache: nothing to compare
                 self._finish(check, VerifyResult("skipped", len(check.ids), check.cached_tokens))
                 continue
             B = worker.block_size
@@ -304,7 +308,7 @@ class Auditor:
             if worker.reserved + need > worker.reserve_blocks:
                 self._pending.appendleft(check)
                 return None
-            check.held = held  # type: ignore[assignment]
+            check.held = [worker.pool.hold(b) for b in held]
             check.reserved = need
             check.computed = 0
             worker.reserved += need
@@ -318,6 +322,8 @@ class Auditor:
             self._active = None
         worker.reserved -= check.reserved
         check.reserved = 0
+        worker.pool.free_all(check.blocks)
+        worker.pool.free_all(check.held)
         check.blocks = []
         check.held = []
         check.computed = 0
@@ -343,7 +349,7 @@ class Auditor:
             return
         first = block if block is not None else 0
         doomed = check.keys[first:]
-        cache = worker.engine.cache
+        cache = worker.cache
         assert cache is not None  # (the audit runs only with the cache on)
         removed, left = cache.invalidate(check.ns, doomed)
         tiers = cache.remove_tier_keys(check.ns, doomed)
@@ -381,7 +387,7 @@ class Auditor:
         self._finish(check, VerifyResult("differ", len(check.ids), check.cached_tokens, diff))
 
     def _remove_doomed(self, worker: BatchWorker) -> None:
-        cache = worker.engine.cache
+        cache = worker.cache
         assert cache is not None  # (the audit runs only with the cache on)
         still = []
         for ns, keys in self._doomed:
