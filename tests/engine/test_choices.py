@@ -247,7 +247,9 @@ def test_bad_n_and_logprobs_are_clear_errors(tiny_runner: Any) -> None:
 def test_an_overdue_request_that_does_not_fit_is_not_overtaken(tiny_runner: Any) -> None:
     """max_batch 2, A running (1 row): B (n=2) does not fit, C (n=1) would. B waited past
     max_wait_s, so C may not take the free row before it: B runs after A, C after B."""
-    engine = Engine(tiny_runner, prefill_chunk=16, max_batch=2, max_wait_s=0.0)  # every waiter overdue at once
+    engine = Engine(
+        tiny_runner, prefill_chunk=16, max_batch=2, max_wait_s=0.0
+    )  # every waiter overdue at once
     order: list[str] = []
 
     def run(name: str, n: int) -> None:

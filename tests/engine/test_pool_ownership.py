@@ -75,7 +75,9 @@ def test_a_cancel_signal_mid_decode_aborts_and_frees(tiny_runner: Any) -> None:
 def test_blocks_the_cache_evicts_go_back_to_the_pool(tiny_runner: Any) -> None:
     probe = Engine(tiny_runner, prefill_chunk=16)
     assert probe.pool is not None
-    engine = Engine(tiny_runner, prefill_chunk=16, capacity_bytes=4 * probe.pool.block_nbytes, reasons_bytes=0)
+    engine = Engine(
+        tiny_runner, prefill_chunk=16, capacity_bytes=4 * probe.pool.block_nbytes, reasons_bytes=0
+    )
     assert engine.pool is not None
     for seed in range(6):
         engine.generate(prompt_token_ids=_ids(10 + seed, 40), max_tokens=2)  # 2 full blocks each
@@ -122,7 +124,9 @@ def test_a_leaked_hold_is_detected(tiny_runner: Any) -> None:
     block = next(b.payload for b in engine.cache.store)
     assert isinstance(block, PoolBlock)
     engine.pool.hold(block)  # a hold no request accounts for
-    with pytest.raises(PoolIntegrityError, match=rf"block {block.index}: 1 request holds counted, 0 found \(a leaked hold\)"):
+    with pytest.raises(
+        PoolIntegrityError, match=rf"block {block.index}: 1 request holds counted, 0 found \(a leaked hold\)"
+    ):
         engine.check_integrity()
     engine.pool.free(block)
     _idle_consistent(engine)

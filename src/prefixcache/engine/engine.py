@@ -63,7 +63,6 @@ from prefixcache.engine.worker import Job, Worker
 log = logging.getLogger(__name__)
 
 
-
 def select_runner(base: ModelRunner, runner: str = "auto", dtype: str | None = None) -> ModelRunner:
     """The runner an engine uses for ``base``: the own Llama runner where it can compute the
     model (``auto``, ``llama``), else (or with ``hf``) the Hugging Face one."""

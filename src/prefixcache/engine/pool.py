@@ -188,9 +188,7 @@ class KVPool:
                     self._live[index] = None
                     self._free.appendleft(index)  # reused last: later listeners may still read it
 
-    def check_integrity(
-        self, cached: Iterable[Any] = (), held: Iterable[PoolBlock] = ()
-    ) -> None:
+    def check_integrity(self, cached: Iterable[Any] = (), held: Iterable[PoolBlock] = ()) -> None:
         """Prove that free + cache-held + request-held is every block, against the truth:
         ``cached``, the payloads the cache holds now (others than this pool's blocks are
         skipped), and ``held``, every request hold (one entry per block table reading a block).
@@ -225,7 +223,11 @@ class KVPool:
                 if in_cache != (index in cache_truth):
                     problems.append(
                         f"block {index}: the pool counts it as "
-                        + ("cache-held; the cache does not hold it" if in_cache else "not cache-held; the cache holds it")
+                        + (
+                            "cache-held; the cache does not hold it"
+                            if in_cache
+                            else "not cache-held; the cache holds it"
+                        )
                     )
                 elif in_cache and cache_truth[index] is not block:
                     problems.append(f"block {index}: the cache holds a stale handle of it")
@@ -237,9 +239,7 @@ class KVPool:
             for index in cache_truth:
                 if index in free_set:
                     problems.append(f"block {index} is free but the cache holds it")
-            accounted = len(free) + sum(
-                1 for i in range(1, self.num_blocks) if self._live[i] is not None
-            )
+            accounted = len(free) + sum(1 for i in range(1, self.num_blocks) if self._live[i] is not None)
             if accounted != self.num_blocks - 1:
                 problems.append(f"{accounted} blocks accounted for, of {self.num_blocks - 1}")
         if problems:

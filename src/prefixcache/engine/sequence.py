@@ -7,8 +7,8 @@
 :class:`Choice` is shared by both runners. :class:`SequenceGroup` is the batch scheduler's view
 of one admitted request: the prompt's block table while it is prefilled, then ``n`` choices that
 each hold a block table made of the prompt's full blocks (shared :class:`PoolBlock` handles,
-never written again, one hold per table) and blocks of their own (a copy of the prompt's last, partial block, then
-the blocks their generated tokens fill).
+never written again, one hold per table) and blocks of their own (a copy of the prompt's last,
+partial block, then the blocks their generated tokens fill).
 """
 
 from __future__ import annotations
