@@ -22,9 +22,9 @@ cannot keep it out; a request that could never fit is refused when submitted.
 KV blocks: a request reserves, at admission, the pool blocks its prompt and ``max_tokens`` can
 need (``reserve_blocks`` in all); blocks come from the pool as its rows are computed; a hit's
 blocks are the cache's own, read in place (the request holds them: ``engine/pool.py``). The
-pool holds the cache's budget plus the reserve, so a reserved request never finds it empty. ``n`` > 1 shares one prefill: the prompt is
-computed once, then its choices read its full blocks in place and each decodes into its own
-blocks from a copy of the prompt's last, partial block (``engine/sequence.py``).
+pool holds the cache's budget plus the reserve, so a reserved request never finds it empty.
+``n`` > 1 shares one prefill: the prompt is computed once, then its choices read its full blocks
+in place and each decodes into its own blocks from a copy of the prompt's last, partial block (``engine/sequence.py``).
 """
 
 from __future__ import annotations
