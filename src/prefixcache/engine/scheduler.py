@@ -24,7 +24,8 @@ need (``reserve_blocks`` in all); blocks come from the pool as its rows are comp
 blocks are the cache's own, read in place (the request holds them: ``engine/pool.py``). The
 pool holds the cache's budget plus the reserve, so a reserved request never finds it empty.
 ``n`` > 1 shares one prefill: the prompt is computed once, then its choices read its full blocks
-in place and each decodes into its own blocks from a copy of the prompt's last, partial block (``engine/sequence.py``).
+in place and each decodes into its own blocks from a copy of the prompt's last, partial block
+(``engine/sequence.py``).
 """
 
 from __future__ import annotations
