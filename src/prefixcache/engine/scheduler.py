@@ -8,16 +8,13 @@ and spends the rest of ``token_budget`` on prefill chunks of the others, all in 
 choices finish, or when they are cancelled or fail. ``max_batch`` bounds the decode rows: a
 request with ``n`` choices takes ``n`` of them.
 
-Admission, in this order of preference: a request that has waited longer than ``max_wait_s``
-(oldest first, so nothing starves); then the longest cached prefix (SGLang's longest-prefix
-policy: it is cheapest now and its blocks may be evicted later); then arrival order. A request
-whose next uncached block is being prefilled right now by a running request waits for that
-request's commit instead of computing the same blocks again (in-flight dedup): prompts sharing
-a prefix that arrive together prefill it once. Prefill commits its full blocks after every step
-(the pool block the step wrote becomes the cache's payload: no copy), so a waiting request reads
-them as soon as they land. An overdue request that does not fit yet (decode rows for its ``n``
-choices, pool blocks for its reservation) stops the admission pass, so later, smaller requests
-cannot keep it out; a request that could never fit is refused when submitted.
+Admission (``engine/admission.py``): overdue requests first, then the longest cached prefix,
+then arrival order. A request whose next uncached block is being prefilled right now by a running
+request waits for that request's commit instead of computing the same blocks again (in-flight
+dedup): prompts sharing a prefix that arrive together prefill it once. Prefill commits its full
+blocks after every step (the pool block the step wrote becomes the cache's payload: no copy), so
+a waiting request reads them as soon as they land. An overdue request that does not fit yet
+stops the admission pass, so later, smaller requests cannot keep it out.
 
 KV blocks: a request reserves, at admission, the pool blocks its prompt and ``max_tokens`` can
 need (``reserve_blocks`` in all); blocks come from the pool as its rows are computed; a hit's
@@ -36,11 +33,11 @@ import time
 from typing import Any
 
 from prefixcache.cache import Match, PrefixCache
-from prefixcache.cache.keys import BlockHash, pack_tokens
+from prefixcache.cache.keys import BlockHash
+from prefixcache.engine.admission import Admission
 from prefixcache.engine.config import WorkerConfig, WorkerStats
 from prefixcache.engine.llama import LlamaRunner, Segment
 from prefixcache.engine.pool import KVPool, PoolBlock
-from prefixcache.engine.sampling import InvalidRequestError
 from prefixcache.engine.sequence import Choice, SequenceGroup
 from prefixcache.engine.types import PromptDone, Request, Usage
 from prefixcache.engine.verify import Auditor
@@ -70,7 +67,13 @@ class BatchWorker(Worker):
         self.reserve_blocks = config.reserve_blocks
         self.max_batch = config.max_batch
         self.token_budget = config.prefill_chunk
-        self.max_wait_s = config.max_wait_s
+        self.admission = Admission(
+            block_size=pool.block_size,
+            context_len=runner.context_len,
+            max_batch=config.max_batch,
+            reserve_blocks=config.reserve_blocks,
+            max_wait_s=config.max_wait_s,
+        )
         self.waiting: list[Job] = []
         self.running: list[SequenceGroup] = []
         self.reserved = 0
@@ -169,13 +172,12 @@ class BatchWorker(Worker):
             self.auditor.before_admit(self)
         if not self.waiting or self.rows >= self.max_batch:
             return
-        cache = self.cache
+        cache, policy = self.cache, self.admission
         now = time.perf_counter()
-        inflight = self._inflight_keys() if cache is not None else {}
-        order = sorted(self.waiting, key=lambda j: self._priority(j, now))
-        for job in order:
-            if not self._fits(job.request):
-                if now - job.submitted > self.max_wait_s:
+        inflight = policy.inflight_keys(self.running) if cache is not None else {}
+        for job in policy.order(self.waiting, now, cache, self.namespace):
+            if not policy.fits(job.request, self.rows, self.reserved):
+                if policy.overdue(job, now):
                     break  # an overdue request waits for room: nothing admitted past it
                 continue
             try:
@@ -194,49 +196,10 @@ class BatchWorker(Worker):
                     inflight.setdefault(key, group)
 
     def validate(self, request: Request) -> None:
-        """A request whose reservation exceeds the whole reserve could never be admitted."""
-        need = self._need(request)
-        if need > self.reserve_blocks:
-            raise InvalidRequestError(
-                f"n={request.n} choices of up to {request.max_tokens} tokens need {need} KV blocks, more "
-                f"than this engine reserves for running requests ({self.reserve_blocks}); lower n or "
-                "max_tokens (or raise kv_reserve_tokens)"
-            )
+        self.admission.validate(request)
 
-    def _need(self, req: Request) -> int:
-        return SequenceGroup.blocks_needed(req, self.block_size, self.runner.context_len)
-
-    def _fits(self, req: Request) -> bool:
-        """Room for ``req`` now: decode rows for its choices and pool blocks for its reservation."""
-        return self.rows + req.n <= self.max_batch and self.reserved + self._need(req) <= self.reserve_blocks
-
-    def _priority(self, job: Job, now: float) -> tuple[int, int, float]:
-        if now - job.submitted > self.max_wait_s:
-            return (0, 0, job.submitted)
-        cached = 0
-        cache = self.cache
-        if cache is not None and len(self.waiting) > 1:
-            keys, packed = self._keys(job)
-            cached = cache.cached_prefix(keys, packed)
-        return (1, -cached, job.submitted)
-
-    def _keys(self, job: Job) -> tuple[list[BlockHash], bytes]:
-        """The request's block keys and packed tokens, computed once per job."""
-        req: Request = job.request
-        if req.keys is None:
-            req.packed = pack_tokens(req.ids)
-            assert self.cache is not None
-            req.keys = self.cache.block_keys(req.ids, self.namespace(req.tenant, req.salt))
-        return req.keys, req.packed
-
-    def _inflight_keys(self) -> dict[BlockHash, SequenceGroup]:
-        """Keys of the blocks that running requests are prefilling and have not committed yet."""
-        out: dict[BlockHash, SequenceGroup] = {}
-        for group in self.running:
-            if group.prefilling and group.match is not None:
-                for key in group.keys[group.committed // self.block_size :]:
-                    out.setdefault(key, group)
-        return out
+    def need(self, req: Request) -> int:
+        return self.admission.need(req)
 
     def _prepare(self, job: Job, inflight: dict[BlockHash, SequenceGroup]) -> SequenceGroup | None:
         """Match, reserve and build the block table of ``job`` (which fits); None when it must wait."""
@@ -246,7 +209,7 @@ class BatchWorker(Worker):
         cache = self.cache
         match: Match | None = None
         if cache is not None:
-            keys, packed = self._keys(job)
+            keys, packed = self.admission.keys(job, cache, self.namespace)
             if self.auditor is not None and self.auditor.holds_back(keys):
                 return None  # a block it would read was found wrong and is not removed yet
             if inflight:
@@ -272,7 +235,7 @@ class BatchWorker(Worker):
             self._retire(job)
             return None
         group = SequenceGroup(
-            job=job, request=req, reserved=self._need(req), match=match, started=time.perf_counter()
+            job=job, request=req, reserved=self.need(req), match=match, started=time.perf_counter()
         )
         self.reserved += group.reserved
         self.rows += group.width
@@ -295,7 +258,7 @@ class BatchWorker(Worker):
             )
         return block
 
-    def _alloc(self) -> PoolBlock:
+    def alloc(self) -> PoolBlock:
         block = self.pool.alloc()
         if block is None:  # the reserve makes this unreachable; say so loudly if it is not
             raise RuntimeError("the KV pool is exhausted despite reservations (a bug)")
@@ -374,7 +337,7 @@ class BatchWorker(Worker):
     def _grow(self, blocks: list[PoolBlock], upto: int) -> None:
         """Extend a block table to cover positions ``[0, upto)``."""
         while len(blocks) * self.block_size < upto:
-            blocks.append(self._alloc())
+            blocks.append(self.alloc())
 
     def _commit(self, group: SequenceGroup) -> None:
         """Store the full prompt blocks computed so far (the pool blocks themselves)."""

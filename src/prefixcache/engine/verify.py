@@ -34,16 +34,34 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from prefixcache.cache import PrefixCache
 from prefixcache.engine.llama import Segment
+from prefixcache.engine.pool import KVPool, PoolBlock
+from prefixcache.engine.sequence import SequenceGroup
+from prefixcache.engine.types import Request
 
-if TYPE_CHECKING:  # pragma: no cover
-    from prefixcache.engine.pool import PoolBlock
-    from prefixcache.engine.scheduler import BatchWorker
-    from prefixcache.engine.sequence import SequenceGroup
+
+class BatchWorker(Protocol):
+    """What the audit reads and takes of the batch scheduler (``engine/scheduler.py``)."""
+
+    waiting: list[Any]
+    running: list[SequenceGroup]
+    reserved: int
+    reserve_blocks: int
+    block_size: int
+    pool: KVPool
+    cache: PrefixCache | None
+
+    def namespace(self, tenant: str, salt: bytes) -> Any: ...
+
+    def need(self, req: Request) -> int: ...
+
+    def alloc(self) -> PoolBlock: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +244,7 @@ class Auditor:
         check = self._active
         if check is not None and worker.waiting:
             free = worker.reserve_blocks - worker.reserved
-            if any(free < worker._need(job.request) <= free + check.reserved for job in worker.waiting):
+            if any(free < worker.need(job.request) <= free + check.reserved for job in worker.waiting):
                 self._abort(worker, check)
                 self._pending.appendleft(check)
 
@@ -251,7 +269,7 @@ class Auditor:
         B = worker.block_size
         try:
             while len(check.blocks) * B < stop:
-                check.blocks.append(worker._alloc())
+                check.blocks.append(worker.alloc())
         except RuntimeError:  # (the reservation makes this unreachable) give up this check, not the loop
             log.exception("exactness audit: no KV block for a check")
             self._abort(worker, check)
