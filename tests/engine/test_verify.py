@@ -1,4 +1,4 @@
-"""The live exactness audit (engine/verify.py): a hit recomputed with the cache bypassed.
+"""The live exactness audit (engine/serving/verify.py): a hit recomputed with the cache bypassed.
 
 Each injected fault (a flipped bit in a cached pool block, a disk entry with wrong KV under a valid
 MAC, an attention kernel made non-invariant on purpose) is caught, the blocks concerned are
@@ -19,7 +19,7 @@ from prefixcache.cache import PrefixCache
 from prefixcache.cache.tiers import DiskTier, TensorCodec, flush_tiers
 from prefixcache.engine.engine import Engine
 from prefixcache.engine.llama import LlamaRunner
-from prefixcache.engine.verify import Auditor
+from prefixcache.engine.serving.verify import Auditor
 
 
 def _ids(seed: int, n: int = 60) -> list[int]:

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from prefixcache.cache import PrefixCache
-from prefixcache.engine import kv
 from prefixcache.engine.engine import Engine, chunk_schedule
 from prefixcache.engine.llama import LlamaRunner, Segment
 from prefixcache.engine.model import ModelRunner
+from prefixcache.engine.serving import kv
 
 Progress = Callable[[str], None]
 

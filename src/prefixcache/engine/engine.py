@@ -10,11 +10,11 @@
 Two runners, chosen by the model (``runner="auto"``):
 
 * **The own Llama runner** (:class:`~prefixcache.engine.llama.LlamaRunner`; Llama, SmolLM2,
-  Mistral, Qwen2): continuous batching over a paged KV pool (``engine/scheduler.py``). Its
+  Mistral, Qwen2): continuous batching over a paged KV pool (``engine/serving/scheduler.py``). Its
   forward is row- and batch-invariant, so a hit may end on any block boundary, every full block
   of a prompt is stored, and hits are bitwise exact also when batched with other requests.
 * **The Hugging Face runner** (any other causal LM, or ``runner="hf"``): one request at a time
-  (``engine/sequential.py``). Its bits depend on the rows a pass computes, so a hit is rounded
+  (``engine/serving/sequential.py``). Its bits depend on the rows a pass computes, so a hit is rounded
   down to a prefill-chunk boundary (the runner's alignment) and only blocks inside complete
   chunks are committed (see docs/engine.md).
 
@@ -37,14 +37,16 @@ from prefixcache.cache import CacheStats, FakeClock, PrefixCache
 from prefixcache.cache.config import DEFAULTS
 from prefixcache.cache.tiers.codec import BlockLayout
 from prefixcache.engine.config import DEFAULT_PREFILL_CHUNK, RUNNERS, EngineConfig, WorkerConfig, WorkerStats
-from prefixcache.engine.guided import Grammar, Grammars
 from prefixcache.engine.llama import LlamaRunner, unsupported_reason
 from prefixcache.engine.model import ModelRunner, default_dtype, env_dtype
-from prefixcache.engine.prompt_logprobs import PromptLogprob, prompt_logprobs
 from prefixcache.engine.prompts import check_prompt_text, encode, max_token_bytes, render_chat
-from prefixcache.engine.sampling import InvalidRequestError, SamplingParams
-from prefixcache.engine.scheduler import BatchWorker
-from prefixcache.engine.sequential import SequentialWorker, chunk_schedule
+from prefixcache.engine.serving.guided import Grammar, Grammars
+from prefixcache.engine.serving.prompt_logprobs import PromptLogprob, prompt_logprobs
+from prefixcache.engine.serving.sampling import InvalidRequestError, SamplingParams
+from prefixcache.engine.serving.scheduler import BatchWorker
+from prefixcache.engine.serving.sequential import SequentialWorker, chunk_schedule
+from prefixcache.engine.serving.verify import Auditor, VerifyResult
+from prefixcache.engine.serving.worker import Job, Worker
 from prefixcache.engine.types import (
     MAX_TOP_LOGPROBS,
     ChoiceDelta,
@@ -57,8 +59,6 @@ from prefixcache.engine.types import (
     QueueFullError,
     Request,
 )
-from prefixcache.engine.verify import Auditor, VerifyResult
-from prefixcache.engine.worker import Job, Worker
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class Engine:
         taken from ``capacity_bytes`` (default: ``DEFAULTS.reasons_bytes``, at most an eighth of
         it; 0: none). ``miss_reasons`` False: no reason per request at all (a benchmark's
         baseline). ``verify_rate``: the share of hits the live exactness audit recomputes and
-        compares (``engine/verify.py``; own runner with the cache on; 0: only :meth:`verify`).
+        compares (``engine/serving/verify.py``; own runner with the cache on; 0: only :meth:`verify`).
         ``weights``: ``float`` (the model's weights in ``dtype``) or ``q4`` (a GGUF's own Q4_1
         groups through the int4 kernel, own runner on CPU: see ``engine/quant.py``)."""
         cfg = self.config = EngineConfig.of(config, options)
@@ -358,7 +358,7 @@ class Engine:
     ) -> VerifyResult:
         """Check one prompt now: run it (one token, greedy) and, when it reads cached blocks,
         recompute it with the cache bypassed and compare logits and KV bit for bit (the live
-        audit's check, see ``engine/verify.py``). Raises InvalidRequestError without an audit
+        audit's check, see ``engine/serving/verify.py``). Raises InvalidRequestError without an audit
         (the Hugging Face runner, or the cache off). Past ``timeout_s`` (no spare capacity came):
         result ``skipped``."""
         if self.auditor is None:
@@ -403,7 +403,7 @@ class Engine:
     ) -> list[PromptLogprob | None]:
         """Each prompt token's logprob given the tokens before it (None for the first) and its
         ``top`` (0..20) likeliest alternatives, recomputed with the cache bypassed: bitwise what
-        a cold run gives (``engine/prompt_logprobs.py``). Own runner only."""
+        a cold run gives (``engine/serving/prompt_logprobs.py``). Own runner only."""
         if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(
                 f"prompt logprobs take an integer from 0 to {MAX_TOP_LOGPROBS}; got {top!r}"
@@ -413,7 +413,7 @@ class Engine:
 
     @functools.cached_property
     def grammars(self) -> Grammars:
-        """Structured output's compiler (``engine/guided.py``): ``grammar=engine.grammars.compile(
+        """Structured output's compiler (``engine/serving/guided.py``): ``grammar=engine.grammars.compile(
         "json_schema", schema)`` on a request; compiled grammars are cached per spec."""
         return Grammars(self.tokenizer, self.runner.vocab_size, self.runner.eos_token_ids)
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from prefixcache.content import content_text
-from prefixcache.engine.sampling import InvalidRequestError
+from prefixcache.engine.serving.sampling import InvalidRequestError
 
 Message = dict[str, Any]
 

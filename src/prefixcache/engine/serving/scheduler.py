@@ -8,7 +8,7 @@ and spends the rest of ``token_budget`` on prefill chunks of the others, all in 
 choices finish, or when they are cancelled or fail. ``max_batch`` bounds the decode rows: a
 request with ``n`` choices takes ``n`` of them.
 
-Admission (``engine/admission.py``): overdue requests first, then the longest cached prefix,
+Admission (``engine/serving/admission.py``): overdue requests first, then the longest cached prefix,
 then arrival order. A request whose next uncached block is being prefilled right now by a running
 request waits for that request's commit instead of computing the same blocks again (in-flight
 dedup): prompts sharing a prefix that arrive together prefill it once. Prefill commits its full
@@ -22,7 +22,7 @@ blocks are the cache's own, read in place (the request holds them: ``engine/pool
 pool holds the cache's budget plus the reserve, so a reserved request never finds it empty.
 ``n`` > 1 shares one prefill: the prompt is computed once, then its choices read its full blocks
 in place and each decodes into its own blocks from a copy of the prompt's last, partial block
-(``engine/sequence.py``).
+(``engine/serving/sequence.py``).
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from typing import Any
 
 from prefixcache.cache import Match, PrefixCache
 from prefixcache.cache.keys import BlockHash
-from prefixcache.engine.admission import Admission
 from prefixcache.engine.config import WorkerConfig, WorkerStats
 from prefixcache.engine.llama import LlamaRunner, Segment
 from prefixcache.engine.pool import KVPool, PoolBlock
-from prefixcache.engine.sequence import Choice, SequenceGroup
+from prefixcache.engine.serving.admission import Admission
+from prefixcache.engine.serving.sequence import Choice, SequenceGroup
+from prefixcache.engine.serving.verify import Auditor
+from prefixcache.engine.serving.worker import Call, Job, Worker
 from prefixcache.engine.types import PromptDone, Request, Usage
-from prefixcache.engine.verify import Auditor
-from prefixcache.engine.worker import Call, Job, Worker
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class BatchWorker(Worker):
         self.decoded_rows = 0
         self.step_s = 0.0
         self._closing = False
-        #: The live exactness audit (``engine/verify.py``), or None: it samples hits at their
+        #: The live exactness audit (``engine/serving/verify.py``), or None: it samples hits at their
         #: prompt's end and recomputes them in the steps' spare budget.
         self.auditor: Auditor | None = None
 

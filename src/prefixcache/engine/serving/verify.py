@@ -41,12 +41,12 @@ import torch
 from prefixcache.cache import PrefixCache
 from prefixcache.engine.llama import Segment
 from prefixcache.engine.pool import KVPool, PoolBlock
-from prefixcache.engine.sequence import SequenceGroup
+from prefixcache.engine.serving.sequence import SequenceGroup
 from prefixcache.engine.types import Request
 
 
 class BatchWorker(Protocol):
-    """What the audit reads and takes of the batch scheduler (``engine/scheduler.py``)."""
+    """What the audit reads and takes of the batch scheduler (``engine/serving/scheduler.py``)."""
 
     waiting: list[Any]
     running: list[SequenceGroup]

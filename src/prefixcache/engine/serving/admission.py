@@ -20,10 +20,10 @@ from typing import Any
 
 from prefixcache.cache import PrefixCache
 from prefixcache.cache.keys import BlockHash, pack_tokens
-from prefixcache.engine.sampling import InvalidRequestError
-from prefixcache.engine.sequence import SequenceGroup
+from prefixcache.engine.serving.sampling import InvalidRequestError
+from prefixcache.engine.serving.sequence import SequenceGroup
+from prefixcache.engine.serving.worker import Job
 from prefixcache.engine.types import Request
-from prefixcache.engine.worker import Job
 
 
 class Admission:

@@ -20,12 +20,12 @@ import time
 from typing import Any
 
 from prefixcache.cache import Match, PrefixCache
-from prefixcache.engine import kv
 from prefixcache.engine.config import WorkerConfig, WorkerStats
 from prefixcache.engine.model import ModelRunner
-from prefixcache.engine.sequence import Choice
+from prefixcache.engine.serving import kv
+from prefixcache.engine.serving.sequence import Choice
+from prefixcache.engine.serving.worker import Job, Worker
 from prefixcache.engine.types import Completion, PromptDone, Request, Usage
-from prefixcache.engine.worker import Job, Worker
 
 
 def chunk_schedule(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:

@@ -19,11 +19,11 @@ from typing import Any
 
 from prefixcache.cache import Match
 from prefixcache.cache.keys import BlockHash
-from prefixcache.engine.detok import TextAssembler
 from prefixcache.engine.pool import KVPool, PoolBlock
-from prefixcache.engine.sampling import Sampler, token_logprobs
+from prefixcache.engine.serving.detok import TextAssembler
+from prefixcache.engine.serving.sampling import Sampler, token_logprobs
+from prefixcache.engine.serving.worker import Job
 from prefixcache.engine.types import ChoiceDelta, Completion, GenerationResult, Request, TokenLogprob, Usage
-from prefixcache.engine.worker import Job
 
 
 class Choice:
@@ -58,7 +58,7 @@ class Choice:
         self.context_len = context_len
         self.blocks: list[PoolBlock] = []  # batch runner: this choice's block table, position // B
         self.finished_at = 0.0
-        #: Structured output (``engine/guided.py``): the grammar's state, or None.
+        #: Structured output (``engine/serving/guided.py``): the grammar's state, or None.
         self.guide = request.grammar.matcher() if request.grammar is not None else None
 
     @property
