@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from prefixcache.cache import PrefixCache
 from prefixcache.cache.config import DEFAULTS
 
 #: Prefill tokens per step (own runner) or per forward pass (HF runner). For the HF runner it is
@@ -31,8 +32,23 @@ RUNNERS = ("auto", "llama", "hf")
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Everything an engine is built from but the model, a shared cache and a clock (see
-    :class:`~prefixcache.engine.engine.Engine` for what each field does)."""
+    """Everything an engine is built from but the model, a shared cache and a clock.
+
+    ``runner``: ``auto`` (the own Llama runner where it can compute the model), ``llama`` or
+    ``hf``. ``dtype``: None picks ``$PREFIXCACHE_DTYPE`` when set, else bfloat16 on CPUs with bf16
+    instructions and on CUDA, float32 elsewhere (the HF runner: float32 unless ``dtype`` says
+    otherwise). ``block_size``, ``capacity_bytes``, ``pinned_capacity_bytes``,
+    ``default_ttl_s``: the cache's (unused with a shared cache). ``max_batch``: decode rows per
+    step, a request with ``n`` choices taking ``n`` (own runner); on both runners also the
+    largest ``n``. ``max_wait_s``: how long a waiting request may be passed over.
+    ``kv_reserve_tokens``: KV pool room for running requests beyond the cache's budget (default
+    4x the context). ``reasons_bytes``: memory for explaining misses, taken from
+    ``capacity_bytes`` (default: ``DEFAULTS.reasons_bytes``, at most an eighth of it; 0: none).
+    ``miss_reasons`` False: no reason per request at all (a benchmark's baseline).
+    ``verify_rate``: the share of hits the live exactness audit recomputes and compares
+    (``engine/serving/verify.py``; own runner with the cache on; 0: only ``Engine.verify``).
+    ``weights``: ``float`` (the model's weights in ``dtype``) or ``q4`` (a GGUF's own Q4_1
+    groups through the int4 kernel, own runner on CPU: see ``engine/quant.py``)."""
 
     runner: str = "auto"
     enable_cache: bool = True
@@ -55,6 +71,21 @@ class EngineConfig:
     @property
     def chunk(self) -> int:
         return self.prefill_chunk or DEFAULT_PREFILL_CHUNK
+
+    def make_cache(self, block_size: int, clock: Any) -> PrefixCache:
+        """The engine's own cache, as these settings say."""
+        reasons_bytes = self.reasons_bytes
+        if reasons_bytes is None:
+            reasons_bytes = min(DEFAULTS.reasons_bytes, self.capacity_bytes // 8)
+        return PrefixCache(
+            block_size=block_size,
+            capacity_bytes=self.capacity_bytes,
+            pinned_capacity_bytes=self.pinned_capacity_bytes,
+            default_ttl_s=self.default_ttl_s,
+            clock=clock,
+            reasons_bytes=reasons_bytes if self.miss_reasons else 0,
+            explain=self.miss_reasons,
+        )
 
     @classmethod
     def of(cls, config: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:

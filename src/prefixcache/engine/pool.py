@@ -39,6 +39,18 @@ from typing import Any
 import torch
 
 
+def pool_size(
+    block_nbytes: int, cached_bytes: int | None, reserve_tokens: int | None, context_len: int, block_size: int
+) -> tuple[int, int]:
+    """(blocks, reserve): a pool for the cache's budget (``cached_bytes``, None: no cache), block
+    0 and a reserve of ``reserve_tokens`` (default 4x the context) for running requests."""
+    cached = cached_bytes // block_nbytes + 1 if cached_bytes is not None else 0
+    reserve = -(-(reserve_tokens or 4 * context_len) // block_size)
+    if reserve * block_size < context_len:
+        raise ValueError(f"kv_reserve_tokens must be at least the context ({context_len})")
+    return cached + reserve + 1, reserve
+
+
 class PoolIntegrityError(AssertionError):
     """The pool's counts disagree with who holds its blocks (a leak, a double free, a lost hold)."""
 

@@ -1,4 +1,5 @@
-"""Admission for the batch scheduler: which waiting request runs next, and whether it fits.
+"""Admission: a request's fields checked and made a :class:`Request`; for the batch scheduler,
+which waiting request runs next and whether it fits.
 
     policy = Admission(block_size=16, context_len=2048, max_batch=16, reserve_blocks=512, ...)
     for job in policy.order(waiting, now, cache):      # overdue first, then longest cached prefix
@@ -20,10 +21,70 @@ from typing import Any
 
 from prefixcache.cache import PrefixCache
 from prefixcache.cache.keys import BlockHash, pack_tokens
-from prefixcache.engine.serving.sampling import InvalidRequestError
+from prefixcache.engine.serving.sampling import InvalidRequestError, SamplingParams
 from prefixcache.engine.serving.sequence import SequenceGroup
 from prefixcache.engine.serving.worker import Job
-from prefixcache.engine.types import Request
+from prefixcache.engine.types import MAX_TOP_LOGPROBS, PromptTooLongError, Request
+
+
+def check_request_fields(
+    params: SamplingParams, *, max_n: int, max_tokens: Any, n: Any, logprobs: Any, **_: Any
+) -> None:
+    """Raise InvalidRequestError for fields no engine could run (before the prompt is read)."""
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise InvalidRequestError(f"max_tokens must be an integer >= 1; got {max_tokens!r}")
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_n:
+        raise InvalidRequestError(
+            f"n must be an integer from 1 to {max_n} (this engine's max_batch); got {n!r}"
+        )
+    if logprobs is not None and (
+        not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS
+    ):
+        raise InvalidRequestError(
+            f"logprobs must be None or an integer from 0 to {MAX_TOP_LOGPROBS}; got {logprobs!r}"
+        )
+    params.validate()
+
+
+def make_request(
+    ids: list[int],
+    params: SamplingParams,
+    *,
+    context_len: int,
+    max_tokens: int,
+    stop: str | Iterable[str] | None,
+    tenant: str,
+    salt: bytes | str,
+    ttl_s: float | None,
+    ttl_plan: Iterable[tuple[int, float]] | None,
+    return_logits: bool,
+    n: int,
+    logprobs: int | None,
+) -> Request:
+    """The :class:`Request` for prompt ``ids`` (checked: :func:`check_request_fields` first),
+    or PromptTooLongError / InvalidRequestError."""
+    if len(ids) + max_tokens > context_len:
+        raise PromptTooLongError(
+            f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together "
+            f"{len(ids) + max_tokens}, over the model's context of {context_len} tokens; "
+            "shorten the prompt or lower max_tokens"
+        )
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if ttl_s is not None and not ttl_s > 0:
+        raise InvalidRequestError(f"ttl_s must be > 0 seconds; got {ttl_s!r}")
+    return Request(
+        ids=ids,
+        max_tokens=max_tokens,
+        params=params,
+        stop=stops,
+        tenant=tenant,
+        salt=salt.encode() if isinstance(salt, str) else bytes(salt),
+        ttl_s=ttl_s,
+        ttl_plan=list(ttl_plan) if ttl_plan else None,
+        return_logits=return_logits,
+        n=n,
+        logprobs=logprobs,
+    )
 
 
 class Admission:
@@ -94,4 +155,4 @@ class Admission:
         return out
 
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "check_request_fields", "make_request"]
