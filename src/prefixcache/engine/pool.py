@@ -115,7 +115,7 @@ class KVPool:
         self._holds = [0] * num_blocks  # request holds per block
         self._cached = bytearray(num_blocks)  # 1 while the cache holds the block
         self._adopting: set[int] = set()  # adopted for the cache, its insert event not seen yet
-        self._errors: list[str] = []  # misuse seen by free/hold/the listener, for check_integrity
+        self._errors: list[str] = []  # what the listener saw wrong (it cannot raise into the cache)
 
     def keys(self, layer: int) -> torch.Tensor:
         return self.data[layer, 0]
@@ -152,9 +152,8 @@ class KVPool:
     def hold(self, block: PoolBlock) -> PoolBlock:
         """One more request hold on ``block`` (a live block of this pool); returns it."""
         with self._lock:
-            if not self.live(block):
-                self._errors.append(f"hold of {block!r}, which is not allocated")
-                raise PoolIntegrityError(self._errors[-1])
+            if not self.live(block):  # refused: nothing changes
+                raise PoolIntegrityError(f"hold of {block!r}, which is not allocated")
             self._holds[block.index] += 1
         return block
 
@@ -162,9 +161,8 @@ class KVPool:
         """Drop one request hold on ``block``; it returns to the free list with its last hold."""
         with self._lock:
             index = block.index
-            if not self.live(block) or self._holds[index] < 1:
-                self._errors.append(f"free of {block!r}, which holds nothing")
-                raise PoolIntegrityError(self._errors[-1])
+            if not self.live(block) or self._holds[index] < 1:  # refused: nothing changes
+                raise PoolIntegrityError(f"free of {block!r}, which holds nothing (a double free)")
             self._holds[index] -= 1
             if not self._holds[index] and not self._cached[index]:
                 self._live[index] = None
@@ -206,6 +204,7 @@ class KVPool:
         skipped), and ``held``, every request hold (one entry per block table reading a block).
         Raises :class:`PoolIntegrityError` saying what is wrong."""
         cache_truth = {b.index: b for b in cached if isinstance(b, PoolBlock) and b.pool is self}
+        held = list(held)
         hold_truth = Counter(b.index for b in held)
         stale_holds = [b for b in held if not self.live(b)]
         with self._lock:

@@ -142,8 +142,8 @@ class Worker:
             try:
                 return call.future.result(0.05)
             except FutureTimeout:
-                if not call.future.running() and thread is not None and not thread.is_alive():
-                    return fn()  # the thread ended before taking the call
+                if thread is not None and not thread.is_alive() and not call.future.done():
+                    return fn()  # the thread ended (closed) before taking the call: nothing runs
                 if time.monotonic() > deadline:
                     raise
 
