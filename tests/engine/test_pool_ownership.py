@@ -4,10 +4,13 @@ block (``Engine.check_integrity``), and a hold nobody accounts for is found."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from prefixcache.cache import PrefixCache
+from prefixcache.cache.tiers import attach_tiers, flush_tiers
 from prefixcache.engine.engine import Engine
 from prefixcache.engine.pool import PoolBlock, PoolIntegrityError
 from prefixcache.engine.types import ChoiceDelta, Completion
@@ -143,3 +146,23 @@ def test_a_double_free_is_refused(tiny_runner: Any) -> None:
     with pytest.raises(PoolIntegrityError, match="not allocated"):
         engine.pool.hold(block)  # a stale handle: its block is free (and may be handed out again)
     _idle_consistent(engine)  # refused, so nothing changed
+
+
+def test_blocks_promoted_from_a_disk_tier_are_the_caches(tiny_runner: Any, tmp_path: Path) -> None:
+    def engine_on_disk() -> Engine:
+        cache = PrefixCache(block_size=16)
+        attach_tiers(cache, pin_refresh_s=None, disk_dir=tmp_path)
+        return Engine(tiny_runner, prefill_chunk=16, cache=cache)
+
+    a = engine_on_disk()
+    ids = _ids(7, 130)
+    a.generate(prompt_token_ids=ids, max_tokens=2)
+    assert a.cache is not None
+    flush_tiers(a.cache)
+    a.close()
+    b = engine_on_disk()  # a new process, in effect: its blocks come up from disk into its pool
+    r = b.generate(prompt_token_ids=ids, max_tokens=2)
+    assert r.usage.cached_tokens == 128
+    assert b.pool is not None and b.pool.cache_held_blocks == 8
+    _idle_consistent(b)
+    b.close()
