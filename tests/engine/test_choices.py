@@ -62,7 +62,7 @@ def test_three_choices_prefill_the_prompt_once_and_share_its_blocks(
     assert engine.prefilled_tokens == 50  # one prompt's worth, not three
     assert calls == {"alloc": 4 + 2 + 3, "copy": 2}  # three separate requests would take 15
     assert engine.pool.free_blocks == free
-    assert engine._worker.reserved == 0 and engine._worker.rows == 0
+    assert engine.worker_stats().reserved_blocks == 0 and engine.worker_stats().rows == 0
     assert c.usage.prompt_tokens == 50 and c.usage.completion_tokens == 60
     assert [ch.index for ch in c.choices] == [0, 1, 2]
     engine.close()
@@ -167,7 +167,7 @@ def test_logprobs_are_equal_when_batched_with_other_requests(tiny_runner: Any) -
         t.start()
     for t in threads:
         t.join(120)
-    assert on._worker.steps > 0 and sum(c.usage.cached_tokens for c in out) > 0
+    assert on.worker_stats().steps > 0 and sum(c.usage.cached_tokens for c in out) > 0
     for i, c in enumerate(out):
         ref = off.generate_choices(
             prompt_token_ids=prompts[i], n=1 + i % 3, max_tokens=6, logprobs=2, temperature=1.0, seed=i
@@ -220,7 +220,7 @@ def test_closing_a_stream_of_choices_frees_every_block(tiny_runner: Any) -> None
             break
     stream.close()
     assert engine.pool.free_blocks == free and engine.queue_depth == 0
-    assert engine._worker.reserved == 0 and engine._worker.rows == 0
+    assert engine.worker_stats().reserved_blocks == 0 and engine.worker_stats().rows == 0
     engine.close()
 
 
@@ -247,8 +247,9 @@ def test_bad_n_and_logprobs_are_clear_errors(tiny_runner: Any) -> None:
 def test_an_overdue_request_that_does_not_fit_is_not_overtaken(tiny_runner: Any) -> None:
     """max_batch 2, A running (1 row): B (n=2) does not fit, C (n=1) would. B waited past
     max_wait_s, so C may not take the free row before it: B runs after A, C after B."""
-    engine = Engine(tiny_runner, prefill_chunk=16, max_batch=2)
-    engine._worker.max_wait_s = 0.0  # every waiting request is overdue at once
+    engine = Engine(
+        tiny_runner, prefill_chunk=16, max_batch=2, max_wait_s=0.0
+    )  # every waiter overdue at once
     order: list[str] = []
 
     def run(name: str, n: int) -> None:
@@ -268,7 +269,7 @@ def test_an_overdue_request_that_does_not_fit_is_not_overtaken(tiny_runner: Any)
     }
     with engine.runner.lock:  # A is admitted, then its first step waits here
         threads["A"].start()
-        while not engine._worker.running:
+        while not engine.worker_stats().running:
             time.sleep(0.005)
         threads["B"].start()
         while engine.queue_depth < 2:

@@ -251,5 +251,5 @@ def test_a_request_that_fails_after_its_step_fails_alone(
         engine.generate(prompt_token_ids=list(range(77)), max_tokens=2)
     r = engine.generate(prompt_token_ids=list(range(40)), max_tokens=2)
     assert r.usage.cache_write_tokens == 32
-    assert _refs(engine) == 0 and engine.queue_depth == 0 and engine._worker.reserved == 0
+    assert _refs(engine) == 0 and engine.queue_depth == 0 and engine.worker_stats().reserved_blocks == 0
     engine.close()

@@ -131,7 +131,7 @@ def test_hits_are_exact_when_batched_with_other_requests(tiny_runner: Any) -> No
         for _ in range(8)
     ]
     results = _concurrently(on, prompts, max_tokens=12)
-    assert on._worker.steps > 0
+    assert on.worker_stats().steps > 0
     for ids, r in zip(prompts, results, strict=True):
         ref = off.generate(prompt_token_ids=ids, max_tokens=12, return_logits=True)
         assert torch.equal(r.first_logits, ref.first_logits)
@@ -160,7 +160,7 @@ def test_a_burst_sharing_a_prefix_prefills_it_once(tiny_runner: Any) -> None:
             time.sleep(0.01)
     for t in threads:
         t.join(60)
-    assert engine._worker.prefilled_tokens == 180 + 4 * 20
+    assert engine.worker_stats().prefilled_tokens == 180 + 4 * 20
     stats = engine.stats()
     assert stats.hit_tokens == 4 * 160
 

@@ -26,6 +26,12 @@ class _Prompt:
         self.ids = ids
         self.blocks = [pool.alloc() for _ in range(-(-(len(ids) + extra) // pool.block_size))]
         self.table = [b.index for b in self.blocks]
+        self.pool = pool
+
+    def free(self) -> None:
+        """Give the blocks back (the pool frees explicitly, not when a handle is dropped)."""
+        self.pool.free_all(self.blocks)
+        self.blocks = []
 
 
 def _run(runner: LlamaRunner, pool: Any, p: _Prompt, cuts: Sequence[int]) -> torch.Tensor:
@@ -60,6 +66,7 @@ def _check_invariance(runner: LlamaRunner, n: int, seed: int) -> list[str]:
         cuts = sorted(set(c for c in cuts if 0 <= c < n) | {0})
         if not torch.equal(_run(runner, pool, p, cuts), one) or not torch.equal(_kv(pool, p, n), full_kv):
             failed.append(name)
+        p.free()
     # a hit at a block boundary that is not a multiple of anything else: shares ref's blocks
     hit = (n // 3) // 16 * 16
     p = _Prompt(runner, pool, ids)

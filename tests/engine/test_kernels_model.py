@@ -82,7 +82,8 @@ def test_a_prompt_split_at_every_block_alone_and_batched(tiny_runner: ModelRunne
             ],
         )
         assert torch.equal(got[1], whole), cut
-        del p, q
+        p.free()
+        q.free()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from prefixcache.engine.engine import Engine
-from prefixcache.engine.prompt_logprobs import prompt_logprobs
-from prefixcache.engine.sampling import InvalidRequestError, token_logprobs
+from prefixcache.engine.serving.prompt_logprobs import prompt_logprobs
+from prefixcache.engine.serving.sampling import InvalidRequestError, token_logprobs
 
 
 def test_each_row_is_the_last_row_of_a_cold_run_cut_there_whatever_the_cache_holds(tiny_runner: Any) -> None:

@@ -11,7 +11,7 @@ import torch
 from prefixcache.engine import PromptTooLongError
 from prefixcache.engine.engine import Engine
 from prefixcache.engine.prompts import max_token_bytes
-from prefixcache.engine.sampling import GREEDY_BELOW, Sampler, SamplingParams
+from prefixcache.engine.serving.sampling import GREEDY_BELOW, Sampler, SamplingParams
 
 
 def test_a_temperature_that_overflows_the_logits_is_greedy() -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from prefixcache.engine.detok import TextAssembler
 from prefixcache.engine.prompts import breakpoint_token_ends, render_chat, render_ids
+from prefixcache.engine.serving.detok import TextAssembler
 from prefixcache.engine.tiny import EOS, ByteChatTokenizer
 
 TOK = ByteChatTokenizer()

@@ -1,4 +1,4 @@
-"""The live exactness audit (engine/verify.py): a hit recomputed with the cache bypassed.
+"""The live exactness audit (engine/serving/verify.py): a hit recomputed with the cache bypassed.
 
 Each injected fault (a flipped bit in a cached pool block, a disk entry with wrong KV under a valid
 MAC, an attention kernel made non-invariant on purpose) is caught, the blocks concerned are
@@ -19,7 +19,7 @@ from prefixcache.cache import PrefixCache
 from prefixcache.cache.tiers import DiskTier, TensorCodec, flush_tiers
 from prefixcache.engine.engine import Engine
 from prefixcache.engine.llama import LlamaRunner
-from prefixcache.engine.verify import Auditor
+from prefixcache.engine.serving.verify import Auditor
 
 
 def _ids(seed: int, n: int = 60) -> list[int]:
@@ -203,7 +203,7 @@ def test_checks_run_beside_running_requests_and_never_fail_them(tiny_runner: Any
             assert torch.equal(got.first_logits, want.first_logits) and got.tokens == want.tokens
         counts = _wait_counts(engine.auditor, 6)
         assert counts["differ"] == 0 and counts["equal"] + counts["skipped"] == 6 and counts["equal"] >= 1
-        assert engine._worker.reserved == 0
+        assert engine.worker_stats().reserved_blocks == 0
     finally:
         engine.close()
         cold_engine.close()

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from prefixcache.engine.engine import Engine
-from prefixcache.engine.sampling import token_logprobs
+from prefixcache.engine.serving.sampling import token_logprobs
 
 MODEL = "tiny"
 SHARED = "System: answer briefly and exactly, the same way every time you are asked. " * 2

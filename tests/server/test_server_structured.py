@@ -164,7 +164,7 @@ def test_the_mask_leaves_the_logits_as_computed(tiny_runner: Any) -> None:
         assert torch.equal(plain.first_logits, guided.first_logits)
         assert guided.text.startswith("{") and plain.text[:1] != "{"
         # The logprob reported is the model's own (unmasked) distribution's.
-        from prefixcache.engine.sampling import token_logprobs
+        from prefixcache.engine.serving.sampling import token_logprobs
 
         assert guided.logprobs[0].logprob == token_logprobs(guided.first_logits, guided.tokens[0], 0)[0]
         Person.model_validate_json(guided.text)

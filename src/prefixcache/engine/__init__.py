@@ -29,9 +29,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from prefixcache.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
+    from prefixcache.engine.config import DEFAULT_PREFILL_CHUNK
+    from prefixcache.engine.engine import Engine
     from prefixcache.engine.model import ModelNotFoundError, ModelRunner
-    from prefixcache.engine.sampling import SamplingParams
+    from prefixcache.engine.serving.sampling import SamplingParams
+    from prefixcache.engine.serving.worker import RequestCancelledError
     from prefixcache.engine.tiny import tiny_llama
     from prefixcache.engine.types import (
         ChoiceDelta,
@@ -46,16 +48,15 @@ if TYPE_CHECKING:  # pragma: no cover
         TokenLogprob,
         Usage,
     )
-    from prefixcache.engine.worker import RequestCancelledError
 
 _WHERE = {
-    "DEFAULT_PREFILL_CHUNK": "engine",
+    "DEFAULT_PREFILL_CHUNK": "config",
     "Engine": "engine",
     "ModelNotFoundError": "model",
     "ModelRunner": "model",
-    "SamplingParams": "sampling",
+    "SamplingParams": "serving.sampling",
     "tiny_llama": "tiny",
-    "RequestCancelledError": "worker",
+    "RequestCancelledError": "serving.worker",
 }
 
 

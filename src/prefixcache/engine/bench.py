@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from prefixcache.cache import PrefixCache
-from prefixcache.engine import kv
 from prefixcache.engine.engine import Engine, chunk_schedule
 from prefixcache.engine.llama import LlamaRunner, Segment
 from prefixcache.engine.model import ModelRunner
+from prefixcache.engine.serving import kv
 
 Progress = Callable[[str], None]
 
@@ -107,12 +107,20 @@ class _Prefill:
     def new_state(self, n: int) -> Any:
         return self._table(n) if self.own else self.runner.new_cache()
 
+    def drop(self, state: Any) -> None:
+        """Give a state's pool blocks back (the pool frees explicitly); a DynamicCache just goes."""
+        if self.own:
+            assert self.pool is not None
+            self.pool.free_all(state)
+
     def run(self, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> float:
         state = self.new_state(len(ids))
         t = time.perf_counter()
         for a, b in spans:
             self.forward(ids[a:b], a, state)
-        return time.perf_counter() - t
+        elapsed = time.perf_counter() - t
+        self.drop(state)
+        return elapsed
 
 
 def prefill_rates(runner: ModelRunner, ids: Sequence[int], chunk: int, repeats: int) -> tuple[float, float]:
@@ -223,7 +231,7 @@ def run_bench(
             t = time.perf_counter()
             prefill.forward(tail_ids, n, fresh)
             floor.append(time.perf_counter() - t)
-            del fresh
+            prefill.drop(fresh)
         paired = statistics.median(w / f for w, f in zip(warm, floor, strict=True))
         res.rows.append(
             TtftRow(

@@ -10,11 +10,11 @@
 Two runners, chosen by the model (``runner="auto"``):
 
 * **The own Llama runner** (:class:`~prefixcache.engine.llama.LlamaRunner`; Llama, SmolLM2,
-  Mistral, Qwen2): continuous batching over a paged KV pool (``engine/scheduler.py``). Its
+  Mistral, Qwen2): continuous batching over a paged KV pool (``engine/serving/scheduler.py``). Its
   forward is row- and batch-invariant, so a hit may end on any block boundary, every full block
   of a prompt is stored, and hits are bitwise exact also when batched with other requests.
 * **The Hugging Face runner** (any other causal LM, or ``runner="hf"``): one request at a time
-  (``engine/sequential.py``). Its bits depend on the rows a pass computes, so a hit is rounded
+  (``engine/serving/sequential.py``). Its bits depend on the rows a pass computes, so a hit is rounded
   down to a prefill-chunk boundary (the runner's alignment) and only blocks inside complete
   chunks are committed (see docs/engine.md).
 
@@ -24,6 +24,7 @@ generated token's logprobs: :meth:`Engine.stream_choices` and :meth:`Engine.gene
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -33,135 +34,72 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from prefixcache.cache import CacheStats, FakeClock, PrefixCache
-from prefixcache.cache.config import DEFAULTS
 from prefixcache.cache.tiers.codec import BlockLayout
-from prefixcache.engine.guided import Grammar, Grammars
-from prefixcache.engine.llama import LlamaRunner, unsupported_reason
-from prefixcache.engine.model import ModelRunner, default_dtype, env_dtype
-from prefixcache.engine.prompt_logprobs import PromptLogprob, prompt_logprobs
-from prefixcache.engine.prompts import check_prompt_text, encode, max_token_bytes, render_chat
-from prefixcache.engine.sampling import InvalidRequestError, SamplingParams
-from prefixcache.engine.scheduler import BatchWorker
-from prefixcache.engine.sequential import SequentialWorker, chunk_schedule
+from prefixcache.engine.config import DEFAULT_PREFILL_CHUNK, EngineConfig, WorkerConfig, WorkerStats
+from prefixcache.engine.llama import LlamaRunner
+from prefixcache.engine.model import ModelRunner, env_dtype
+from prefixcache.engine.pool import KVPool, pool_size
+from prefixcache.engine.prompts import PromptReader
+from prefixcache.engine.runtime import quantized_runner, select_runner
+from prefixcache.engine.serving.admission import check_request_fields, make_request
+from prefixcache.engine.serving.guided import Grammar, Grammars
+from prefixcache.engine.serving.prompt_logprobs import PromptLogprob, prompt_logprobs
+from prefixcache.engine.serving.sampling import InvalidRequestError, SamplingParams
+from prefixcache.engine.serving.scheduler import BatchWorker
+from prefixcache.engine.serving.sequential import SequentialWorker, chunk_schedule
+from prefixcache.engine.serving.verify import Auditor, VerifyResult
+from prefixcache.engine.serving.worker import Job, Worker
 from prefixcache.engine.types import (
     MAX_TOP_LOGPROBS,
     ChoiceDelta,
     Completion,
-    EmptyPromptError,
     EngineClosedError,
     GenerationResult,
     PromptDone,
-    PromptTooLongError,
     QueueFullError,
-    Request,
 )
-from prefixcache.engine.verify import Auditor, VerifyResult
-from prefixcache.engine.worker import Job
 
 log = logging.getLogger(__name__)
 
-#: Prefill tokens per step (own runner) or per forward pass (HF runner). For the HF runner it is
-#: also the hit granularity: chosen from measurements on SmolLM2/2 cores (docs/engine.md), >= 90%
-#: of single-pass prefill throughput.
-DEFAULT_PREFILL_CHUNK = 512
-RUNNERS = ("auto", "llama", "hf")
-
-
-def select_runner(base: ModelRunner, runner: str = "auto", dtype: str | None = None) -> ModelRunner:
-    """The runner an engine uses for ``base``: the own Llama runner where it can compute the
-    model (``auto``, ``llama``), else (or with ``hf``) the Hugging Face one."""
-    if runner not in RUNNERS:
-        raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {runner!r}")
-    if isinstance(base, LlamaRunner):
-        if runner == "hf":
-            raise ValueError("runner='hf' needs a ModelRunner with its Hugging Face model, not a LlamaRunner")
-        return LlamaRunner.from_model_runner(base, dtype=dtype)
-    if runner == "hf":
-        return base
-    reason = unsupported_reason(base.config)
-    if reason is None:
-        return LlamaRunner.from_model_runner(base, dtype=dtype or default_dtype(base.device))
-    if runner == "llama":
-        raise ValueError(f"the own runner cannot compute this model ({reason}); use runner='hf' or 'auto'")
-    log.info("using the Hugging Face runner: %s", reason)
-    return base
-
-
-def quantized_runner(base: ModelRunner, runner: ModelRunner, weights: str) -> ModelRunner:
-    """``runner`` with ``weights`` (``float`` or ``q4``), built once per (base, runner)."""
-    from prefixcache.engine.quant import WEIGHT_FORMATS, quantize_runner
-
-    if weights not in WEIGHT_FORMATS:
-        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}; got {weights!r}")
-    if weights == "float":
-        return runner
-    if not isinstance(runner, LlamaRunner):
-        raise ValueError("--weights q4 needs the own runner (a Llama-family model, runner auto or llama)")
-    made = base.__dict__.setdefault("_q4_runners", {})
-    key = (id(runner), runner.dtype_name)
-    if key not in made:
-        made[key] = quantize_runner(runner, getattr(base, "source_path", None))
-    return made[key]
-
 
 CancelSignal = threading.Event | Callable[[], bool] | None
+#: The request fields of :meth:`Engine.verify`'s run (beside its prompt, tenant and salt).
+_ONE_GREEDY_TOKEN: dict[str, Any] = dict(
+    max_tokens=1, stop=None, ttl_s=None, ttl_plan=None, return_logits=False, n=1, logprobs=None
+)
 
 
-class Engine:
+class Engine(PromptReader):
     """Generation with exact prefix caching. Thread-safe: calls from any thread are queued to
-    one worker. See the module docstring for the two runners and the request lifecycle."""
+    one worker. See the module docstring for the two runners and the request lifecycle; the
+    prompt methods (``tokenize``, ``render``, ``prompt_ids``...) are :class:`PromptReader`'s."""
 
     def __init__(
         self,
         model: str | os.PathLike[str] | ModelRunner | None = None,
         *,
-        runner: str = "auto",
-        enable_cache: bool = True,
-        block_size: int = DEFAULTS.block_size,
-        prefill_chunk: int | None = None,
-        dtype: str | None = None,
+        config: EngineConfig | None = None,
         cache: PrefixCache | None = None,
-        capacity_bytes: int = DEFAULTS.capacity_bytes,
-        pinned_capacity_bytes: int = DEFAULTS.pinned_capacity_bytes,
-        default_ttl_s: float = DEFAULTS.default_ttl_s,
         clock: Callable[[], float] | None = None,
-        threads: int | None = None,
-        max_queue: int = 64,
-        max_batch: int = 16,
-        kv_reserve_tokens: int | None = None,
-        reasons_bytes: int | None = None,
-        miss_reasons: bool = True,
-        verify_rate: float = 0.0,
-        weights: str = "float",
+        **options: Any,
     ) -> None:
         """``model``: a .gguf path, an HF folder, a loaded :class:`ModelRunner` (shared weights),
-        or None (embedded SmolLM2). ``runner``: ``auto`` (the own Llama runner where it can
-        compute the model), ``llama`` or ``hf``. ``dtype``: None picks ``$PREFIXCACHE_DTYPE`` when
-        set, else bfloat16 on CPUs with bf16 instructions and on CUDA, float32 elsewhere (the HF
-        runner: float32 unless ``dtype`` says otherwise).
-        ``cache``: an existing PrefixCache to share (its block size wins); otherwise one is
-        created from the capacity/TTL/clock arguments. ``max_batch``: decode rows per step, a
-        request with ``n`` choices taking ``n`` (own runner); on both runners also the largest
-        ``n``. ``kv_reserve_tokens``: KV pool room for running requests beyond the cache's budget
-        (default 4x the context). ``reasons_bytes``: memory for explaining misses, taken from
-        ``capacity_bytes`` (default: ``DEFAULTS.reasons_bytes``, at most an eighth of it; 0: none).
-        ``miss_reasons`` False: no reason per request at all (a benchmark's baseline).
-        ``verify_rate``: the share of hits the live exactness audit recomputes and compares
-        (``engine/verify.py``; own runner with the cache on; 0: only :meth:`verify`).
-        ``weights``: ``float`` (the model's weights in ``dtype``) or ``q4`` (a GGUF's own Q4_1
-        groups through the int4 kernel, own runner on CPU: see ``engine/quant.py``)."""
+        or None (embedded SmolLM2). ``config``: an :class:`EngineConfig` (what each setting does
+        is said there); ``options`` (its field names: ``max_batch=8``) replace its fields.
+        ``cache``: an existing PrefixCache to share (its block size wins); otherwise one is made
+        from the config's capacity and TTL and ``clock``."""
+        cfg = self.config = EngineConfig.of(config, options)
         env_dtype()  # a bad $PREFIXCACHE_DTYPE fails before the model loads
         if isinstance(model, ModelRunner):
             base = model
         else:
-            load_dtype = dtype if (runner == "hf" and dtype) else "float32"
-            base = ModelRunner.load(model, dtype=load_dtype, threads=threads)
-        self.runner = select_runner(base, runner, dtype)
-        if weights != "float":
-            self.runner = quantized_runner(base, self.runner, weights)
-        if cache is not None:
-            block_size = cache.block_size
-        chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK
+            load_dtype = cfg.dtype if (cfg.runner == "hf" and cfg.dtype) else "float32"
+            base = ModelRunner.load(model, dtype=load_dtype, threads=cfg.threads)
+        self.runner = select_runner(base, cfg.runner, cfg.dtype)
+        if cfg.weights != "float":
+            self.runner = quantized_runner(base, self.runner, cfg.weights)
+        block_size = cache.block_size if cache is not None else cfg.block_size
+        chunk = cfg.chunk
         if chunk < block_size or chunk % block_size:
             raise ValueError(
                 f"prefill_chunk ({chunk}) must be a positive multiple of block_size ({block_size})"
@@ -173,58 +111,51 @@ class Engine:
         #: prefill-chunk boundary for the HF one.
         self.alignment = self.runner.hit_alignment(block_size, chunk)
         self.clock = clock or (cache.clock if cache is not None else time.monotonic)
-        self.cache: PrefixCache | None = None
-        if enable_cache:
-            if reasons_bytes is None:
-                reasons_bytes = min(DEFAULTS.reasons_bytes, capacity_bytes // 8)
-            self.cache = cache or PrefixCache(
-                block_size=block_size,
-                capacity_bytes=capacity_bytes,
-                pinned_capacity_bytes=pinned_capacity_bytes,
-                default_ttl_s=default_ttl_s,
-                clock=self.clock,
-                reasons_bytes=reasons_bytes if miss_reasons else 0,
-                explain=miss_reasons,
-            )
+        self.cache = (cache or cfg.make_cache(block_size, self.clock)) if cfg.enable_cache else None
         self.fingerprint = self.runner.fingerprint(block_size, chunk)
         if self.cache is not None:  # a block promoted from a tier must fit the KV layout
             self.cache.set_block_layout(self.block_layout)
         self.pool = None
         self._worker: BatchWorker | SequentialWorker
-        self._max_n = max_batch
+        self._max_n = cfg.max_batch
+        worker_config = WorkerConfig(
+            block_size=block_size,
+            prefill_chunk=chunk,
+            alignment=self.alignment,
+            fingerprint=self.fingerprint,
+            max_queue=cfg.max_queue,
+            max_batch=cfg.max_batch,
+            max_wait_s=cfg.max_wait_s,
+        )
         if isinstance(self.runner, LlamaRunner):
-            self.pool, reserve = self._new_pool(kv_reserve_tokens)
-            if self.cache is not None and self.cache.adopt is None:
-                self.cache.adopt = self.pool.adopt  # blocks promoted from a tier land in the pool
-            self._worker = BatchWorker(
-                self,
-                self.pool,
-                reserve_blocks=reserve,
-                max_batch=max_batch,
-                token_budget=chunk,
-                max_queue=max_queue,
-            )
+            self.pool, reserve = self._new_pool(cfg.kv_reserve_tokens)
+            if self.cache is not None:
+                self.pool.watch(self.cache.store)  # the cache's holds on pool blocks
+                if self.cache.adopt is None:
+                    self.cache.adopt = self.pool.adopt  # blocks promoted from a tier land in the pool
+            worker_config = dataclasses.replace(worker_config, reserve_blocks=reserve)
+            self._worker = BatchWorker(self.runner, self.pool, self.cache, worker_config)
         else:
-            self._worker = SequentialWorker(self, max_queue=max_queue)
+            self._worker = SequentialWorker(self.runner, self.cache, worker_config)
         #: The live exactness audit (own runner, cache on), or None.
         self.auditor: Auditor | None = None
         if isinstance(self._worker, BatchWorker) and self.cache is not None:
-            self.auditor = self._worker.auditor = Auditor(verify_rate)
+            self.auditor = self._worker.auditor = Auditor(cfg.verify_rate)
 
-    def _new_pool(self, reserve_tokens: int | None) -> tuple[Any, int]:
+    def _new_pool(self, reserve_tokens: int | None) -> tuple[KVPool, int]:
         """The KV pool: the cache's byte budget (pinned included) plus the running reserve."""
         runner = self.runner
         assert isinstance(runner, LlamaRunner)
-        B = self.block_size
-        nbytes = runner.block_nbytes(B)
-        cached = 0
-        if self.cache is not None:
-            store = self.cache.store
-            cached = (store.capacity_bytes + store.pinned_capacity_bytes) // nbytes + 1
-        reserve = -(-(reserve_tokens or 4 * self.context_len) // B)
-        if reserve * B < self.context_len:
-            raise ValueError(f"kv_reserve_tokens must be at least the context ({self.context_len})")
-        return runner.new_pool(cached + reserve + 1, B), reserve
+        store = self.cache.store if self.cache is not None else None
+        cached_bytes = store.capacity_bytes + store.pinned_capacity_bytes if store is not None else None
+        num, reserve = pool_size(
+            runner.block_nbytes(self.block_size),
+            cached_bytes,
+            reserve_tokens,
+            self.context_len,
+            self.block_size,
+        )
+        return runner.new_pool(num, self.block_size), reserve
 
     @classmethod
     def tiny(cls, seed: int = 0, **kwargs: Any) -> Engine:
@@ -260,6 +191,20 @@ class Engine:
     def stats(self, tenant: str | None = None) -> CacheStats:
         return self.cache.stats(tenant) if self.cache is not None else CacheStats()
 
+    def worker_stats(self) -> WorkerStats:
+        """The request worker's counters (prefilled tokens, steps, what is running)."""
+        worker: Worker = self._worker
+        return worker.stats()
+
+    def check_integrity(self) -> None:
+        """Check the cache's invariants and, with the own runner, that every KV pool block is
+        free, held by the cache or held by running requests, as counted (between two steps).
+        Raises AssertionError (:class:`~prefixcache.engine.pool.PoolIntegrityError`) saying what
+        is wrong."""
+        if self.cache is not None:
+            self.cache.check_integrity()
+        self._worker.between_steps(self._worker.check_integrity)
+
     def close(self) -> None:
         """Stop the worker after the requests already queued. Idempotent."""
         self._worker.close()
@@ -270,61 +215,7 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ prompts
-    @functools.cached_property
-    def max_prompt_bytes(self) -> int | None:
-        """Text longer than this (UTF-8 bytes) has more tokens than the context holds: the
-        context times the most bytes one token stands for (None: the tokenizer does not say)."""
-        per_token = max_token_bytes(self.tokenizer)
-        return None if per_token is None else self.context_len * per_token
-
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text``. Text that cannot fit the context (over :attr:`max_prompt_bytes`)
-        raises :class:`PromptTooLongError` before any tokenizing: a 60 MB prompt costs no CPU; a
-        lone surrogate raises :class:`InvalidRequestError`."""
-        check_prompt_text(text, self.max_prompt_bytes, self.context_len)
-        return encode(self.tokenizer, text)
-
-    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
-        return render_chat(messages, self.tokenizer, add_generation_prompt=add_generation_prompt)
-
-    def render_ids(
-        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True
-    ) -> list[int]:
-        return self.tokenize(self.render(messages, add_generation_prompt=add_generation_prompt))
-
-    def prompt_ids(
-        self,
-        messages: Sequence[dict[str, Any]] | None = None,
-        prompt: str | Sequence[int] | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-    ) -> list[int]:
-        """The token ids a request would prefill. Exactly one source must be given."""
-        given = [x is not None for x in (messages, prompt, prompt_token_ids)]
-        if sum(given) != 1:
-            raise InvalidRequestError("pass exactly one of messages=, prompt= or prompt_token_ids=")
-        if messages is not None:
-            ids = self.render_ids(messages)
-        elif isinstance(prompt, str):
-            ids = self.tokenize(prompt)
-        else:
-            ids = [int(t) for t in (prompt if prompt is not None else prompt_token_ids or [])]
-        if not ids:
-            raise EmptyPromptError("the prompt is empty: pass a non-empty prompt or messages with content")
-        bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary (0..{self.runner.vocab_size - 1})"
-            )
-        return ids
-
-    def count_tokens(
-        self,
-        messages: Sequence[dict[str, Any]] | None = None,
-        prompt: str | Sequence[int] | None = None,
-    ) -> int:
-        return len(self.prompt_ids(messages, prompt))
-
+    # ------------------------------------------------------------------ the cache
     def namespace(self, tenant: str = "default", salt: bytes | str = b"") -> Any:
         if self.cache is None:
             raise InvalidRequestError("the cache is disabled on this engine (enable_cache=False)")
@@ -355,7 +246,7 @@ class Engine:
     ) -> VerifyResult:
         """Check one prompt now: run it (one token, greedy) and, when it reads cached blocks,
         recompute it with the cache bypassed and compare logits and KV bit for bit (the live
-        audit's check, see ``engine/verify.py``). Raises InvalidRequestError without an audit
+        audit's check, see ``engine/serving/verify.py``). Raises InvalidRequestError without an audit
         (the Hugging Face runner, or the cache off). Past ``timeout_s`` (no spare capacity came):
         result ``skipped``."""
         if self.auditor is None:
@@ -370,16 +261,10 @@ class Engine:
             prompt,
             prompt_token_ids,
             SamplingParams(),
-            max_tokens=1,
-            stop=None,
             tenant=tenant,
             salt=salt,
-            ttl_s=None,
-            ttl_plan=None,
             cancel=None,
-            return_logits=False,
-            n=1,
-            logprobs=None,
+            **_ONE_GREEDY_TOKEN,
         )
         future: Future[VerifyResult] = Future()
         job.request.verify = future
@@ -400,7 +285,7 @@ class Engine:
     ) -> list[PromptLogprob | None]:
         """Each prompt token's logprob given the tokens before it (None for the first) and its
         ``top`` (0..20) likeliest alternatives, recomputed with the cache bypassed: bitwise what
-        a cold run gives (``engine/prompt_logprobs.py``). Own runner only."""
+        a cold run gives (``engine/serving/prompt_logprobs.py``). Own runner only."""
         if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(
                 f"prompt logprobs take an integer from 0 to {MAX_TOP_LOGPROBS}; got {top!r}"
@@ -410,7 +295,7 @@ class Engine:
 
     @functools.cached_property
     def grammars(self) -> Grammars:
-        """Structured output's compiler (``engine/guided.py``): ``grammar=engine.grammars.compile(
+        """Structured output's compiler (``engine/serving/guided.py``): ``grammar=engine.grammars.compile(
         "json_schema", schema)`` on a request; compiled grammars are cached per spec."""
         return Grammars(self.tokenizer, self.runner.vocab_size, self.runner.eos_token_ids)
 
@@ -533,58 +418,14 @@ class Engine:
         ids_in: Any,
         params: SamplingParams,
         *,
-        max_tokens: Any,
-        stop: Any,
-        tenant: str,
-        salt: Any,
-        ttl_s: Any,
-        ttl_plan: Any,
         cancel: CancelSignal,
-        return_logits: bool,
-        n: Any,
-        logprobs: Any,
+        **fields: Any,
     ) -> Job:
         if self._worker.closed:
             raise EngineClosedError("this engine is closed; create a new Engine")
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1; got {max_tokens!r}")
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.max_n:
-            raise InvalidRequestError(
-                f"n must be an integer from 1 to {self.max_n} (this engine's max_batch); got {n!r}"
-            )
-        if logprobs is not None and (
-            not isinstance(logprobs, int)
-            or isinstance(logprobs, bool)
-            or not 0 <= logprobs <= MAX_TOP_LOGPROBS
-        ):
-            raise InvalidRequestError(
-                f"logprobs must be None or an integer from 0 to {MAX_TOP_LOGPROBS}; got {logprobs!r}"
-            )
-        params.validate()
+        check_request_fields(params, max_n=self.max_n, **fields)  # before tokenizing
         ids = self.prompt_ids(messages, prompt, ids_in)
-        if len(ids) + max_tokens > self.context_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together "
-                f"{len(ids) + max_tokens}, over the model's context of {self.context_len} tokens; "
-                "shorten the prompt or lower max_tokens"
-            )
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if ttl_s is not None and not ttl_s > 0:
-            raise InvalidRequestError(f"ttl_s must be > 0 seconds; got {ttl_s!r}")
-        salt_b = salt.encode() if isinstance(salt, str) else bytes(salt)
-        request = Request(
-            ids=ids,
-            max_tokens=max_tokens,
-            params=params,
-            stop=stops,
-            tenant=tenant,
-            salt=salt_b,
-            ttl_s=ttl_s,
-            ttl_plan=list(ttl_plan) if ttl_plan else None,
-            return_logits=return_logits,
-            n=n,
-            logprobs=logprobs,
-        )
+        request = make_request(ids, params, context_len=self.context_len, **fields)
         self._worker.validate(request)
         return Job(request, cancel=cancel)
 

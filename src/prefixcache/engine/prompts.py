@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from prefixcache.content import content_text
-from prefixcache.engine.sampling import InvalidRequestError
+from prefixcache.engine.serving.sampling import InvalidRequestError
 
 Message = dict[str, Any]
 
@@ -216,3 +216,63 @@ def render_chat_with_tools(
         list(messages), tools=list(tools) or None, tokenize=False, add_generation_prompt=add_generation_prompt
     )
     return str(text)
+
+
+class PromptReader:
+    """The prompt side of an engine (a base of :class:`~prefixcache.engine.engine.Engine`): text
+    and chat messages to token ids, checked against the runner's context and vocabulary."""
+
+    runner: Any  # a ModelRunner: its tokenizer, context_len and vocab_size
+
+    @functools.cached_property
+    def max_prompt_bytes(self) -> int | None:
+        """Text longer than this (UTF-8 bytes) has more tokens than the context holds: the
+        context times the most bytes one token stands for (None: the tokenizer does not say)."""
+        per_token = max_token_bytes(self.runner.tokenizer)
+        return None if per_token is None else self.runner.context_len * per_token
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text``. Text that cannot fit the context (over :attr:`max_prompt_bytes`)
+        raises :class:`PromptTooLongError` before any tokenizing: a 60 MB prompt costs no CPU; a
+        lone surrogate raises :class:`InvalidRequestError`."""
+        check_prompt_text(text, self.max_prompt_bytes, self.runner.context_len)
+        return encode(self.runner.tokenizer, text)
+
+    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        return render_chat(messages, self.runner.tokenizer, add_generation_prompt=add_generation_prompt)
+
+    def render_ids(
+        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self.tokenize(self.render(messages, add_generation_prompt=add_generation_prompt))
+
+    def prompt_ids(
+        self,
+        messages: Sequence[dict[str, Any]] | None = None,
+        prompt: str | Sequence[int] | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+    ) -> list[int]:
+        """The token ids a request would prefill. Exactly one source must be given."""
+        given = [x is not None for x in (messages, prompt, prompt_token_ids)]
+        if sum(given) != 1:
+            raise InvalidRequestError("pass exactly one of messages=, prompt= or prompt_token_ids=")
+        if messages is not None:
+            ids = self.render_ids(messages)
+        elif isinstance(prompt, str):
+            ids = self.tokenize(prompt)
+        else:
+            ids = [int(t) for t in (prompt if prompt is not None else prompt_token_ids or [])]
+        if not ids:
+            raise EmptyPromptError("the prompt is empty: pass a non-empty prompt or messages with content")
+        vocab = self.runner.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return ids
+
+    def count_tokens(
+        self,
+        messages: Sequence[dict[str, Any]] | None = None,
+        prompt: str | Sequence[int] | None = None,
+    ) -> int:
+        return len(self.prompt_ids(messages, prompt))

@@ -1,4 +1,5 @@
-"""What an engine computes with, in one line for start-up logs and benchmark headers.
+"""What an engine computes with: the runner chosen for a model (:func:`select_runner`, with
+:func:`quantized_runner` for ``weights q4``), in one line for start-up logs and benchmark headers.
 
     describe_runtime(engine)  # "runner llama, dtype bfloat16 (this machine's default), weights bf16,
                               #  cpu, 2 threads, kernels: torch (...)"
@@ -9,10 +10,52 @@ into this install; without it the line says the torch ops are in use.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
-from prefixcache.engine.model import DTYPE_ENV, machine_dtype
+from prefixcache.engine.config import RUNNERS
+from prefixcache.engine.llama import LlamaRunner, unsupported_reason
+from prefixcache.engine.model import DTYPE_ENV, ModelRunner, default_dtype, machine_dtype
+
+log = logging.getLogger(__name__)
+
+
+def select_runner(base: ModelRunner, runner: str = "auto", dtype: str | None = None) -> ModelRunner:
+    """The runner an engine uses for ``base``: the own Llama runner where it can compute the
+    model (``auto``, ``llama``), else (or with ``hf``) the Hugging Face one."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {runner!r}")
+    if isinstance(base, LlamaRunner):
+        if runner == "hf":
+            raise ValueError("runner='hf' needs a ModelRunner with its Hugging Face model, not a LlamaRunner")
+        return LlamaRunner.from_model_runner(base, dtype=dtype)
+    if runner == "hf":
+        return base
+    reason = unsupported_reason(base.config)
+    if reason is None:
+        return LlamaRunner.from_model_runner(base, dtype=dtype or default_dtype(base.device))
+    if runner == "llama":
+        raise ValueError(f"the own runner cannot compute this model ({reason}); use runner='hf' or 'auto'")
+    log.info("using the Hugging Face runner: %s", reason)
+    return base
+
+
+def quantized_runner(base: ModelRunner, runner: ModelRunner, weights: str) -> ModelRunner:
+    """``runner`` with ``weights`` (``float`` or ``q4``), built once per (base, runner)."""
+    from prefixcache.engine.quant import WEIGHT_FORMATS, quantize_runner
+
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}; got {weights!r}")
+    if weights == "float":
+        return runner
+    if not isinstance(runner, LlamaRunner):
+        raise ValueError("--weights q4 needs the own runner (a Llama-family model, runner auto or llama)")
+    made = base.__dict__.setdefault("_q4_runners", {})
+    key = (id(runner), runner.dtype_name)
+    if key not in made:
+        made[key] = quantize_runner(runner, getattr(base, "source_path", None))
+    return made[key]
 
 
 def kernels_line() -> str:

@@ -8,7 +8,7 @@ from typing import Any
 from prefixcache.cache.stats import Usage
 from prefixcache.engine.model import ModelNotFoundError
 from prefixcache.engine.prompts import EmptyPromptError, PromptTooLongError
-from prefixcache.engine.sampling import InvalidRequestError, SamplingParams
+from prefixcache.engine.serving.sampling import InvalidRequestError, SamplingParams
 
 __all__ = [
     "ChoiceDelta",
@@ -55,7 +55,7 @@ class Request:
     n: int = 1
     #: None: no logprobs; k >= 0: each generated token's logprob and its k best alternatives.
     logprobs: int | None = None
-    #: Structured output: a compiled :class:`~prefixcache.engine.guided.Grammar`, or None.
+    #: Structured output: a compiled :class:`~prefixcache.engine.serving.guided.Grammar`, or None.
     grammar: Any = field(default=None, repr=False)
     #: A future for the exactness audit's result of this request's hit (``Engine.verify``).
     verify: Any = field(default=None, repr=False)

@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 
 from prefixcache.cache.stats import Usage
-from prefixcache.engine.detok import TokenText
+from prefixcache.engine.serving.detok import TokenText
 from prefixcache.engine.types import (
     ChoiceDelta,
     Completion,

@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from prefixcache.engine.detok import TokenText
+from prefixcache.engine.serving.detok import TokenText
 from prefixcache.engine.types import TokenLogprob
 
 #: What a logprob of -inf (a token the model rules out) is sent as: JSON has no infinities.

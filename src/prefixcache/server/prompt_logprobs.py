@@ -1,4 +1,4 @@
-"""Prompt logprobs in the two shapes clients ask for (the numbers: ``engine/prompt_logprobs.py``).
+"""Prompt logprobs in the two shapes clients ask for (the numbers: ``engine/serving/prompt_logprobs.py``).
 
 OpenAI's ``echo`` + ``logprobs`` on ``/v1/completions``: the choice's ``logprobs`` object starts
 with the prompt's tokens (the first one's ``token_logprobs`` and ``top_logprobs`` are null: nothing
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from prefixcache.engine.detok import TokenText
+from prefixcache.engine.serving.detok import TokenText
 from prefixcache.server.logprobs import FLOOR, completion_logprobs
 
 #: vLLM's bound on ``prompt_logprobs`` (and OpenAI's on ``top_logprobs``).

@@ -1,4 +1,4 @@
-"""The exactness audit's routes and metric (the audit itself: ``engine/verify.py``).
+"""The exactness audit's routes and metric (the audit itself: ``engine/serving/verify.py``).
 
     GET  /v1/cache/verify        the audit: rate, counts, degraded, the caller's differences
     POST /v1/cache/verify        check one prompt now (the caller's tenant): recompute and compare

@@ -1,4 +1,4 @@
-"""Structured output's request fields, turned into a compiled grammar (``engine/guided.py``).
+"""Structured output's request fields, turned into a compiled grammar (``engine/serving/guided.py``).
 
 - Chat and completions: ``response_format`` (``json_object``; ``json_schema`` with its ``schema``);
   vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``) and its older

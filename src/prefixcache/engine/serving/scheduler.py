@@ -1,6 +1,6 @@
 """Continuous batching: one engine step at a time over every running request.
 
-    worker = BatchWorker(engine, pool, max_batch=16, token_budget=512)
+    worker = BatchWorker(runner, pool, cache, WorkerConfig(block_size=16, prefill_chunk=512, ...))
 
 Each step decodes one token for every choice of every request past its prefill (one row each)
 and spends the rest of ``token_budget`` on prefill chunks of the others, all in one
@@ -8,23 +8,21 @@ and spends the rest of ``token_budget`` on prefill chunks of the others, all in 
 choices finish, or when they are cancelled or fail. ``max_batch`` bounds the decode rows: a
 request with ``n`` choices takes ``n`` of them.
 
-Admission, in this order of preference: a request that has waited longer than ``max_wait_s``
-(oldest first, so nothing starves); then the longest cached prefix (SGLang's longest-prefix
-policy: it is cheapest now and its blocks may be evicted later); then arrival order. A request
-whose next uncached block is being prefilled right now by a running request waits for that
-request's commit instead of computing the same blocks again (in-flight dedup): prompts sharing
-a prefix that arrive together prefill it once. Prefill commits its full blocks after every step
-(the pool block the step wrote becomes the cache's payload: no copy), so a waiting request reads
-them as soon as they land. An overdue request that does not fit yet (decode rows for its ``n``
-choices, pool blocks for its reservation) stops the admission pass, so later, smaller requests
-cannot keep it out; a request that could never fit is refused when submitted.
+Admission (``engine/serving/admission.py``): overdue requests first, then the longest cached prefix,
+then arrival order. A request whose next uncached block is being prefilled right now by a running
+request waits for that request's commit instead of computing the same blocks again (in-flight
+dedup): prompts sharing a prefix that arrive together prefill it once. Prefill commits its full
+blocks after every step (the pool block the step wrote becomes the cache's payload: no copy), so
+a waiting request reads them as soon as they land. An overdue request that does not fit yet
+stops the admission pass, so later, smaller requests cannot keep it out.
 
 KV blocks: a request reserves, at admission, the pool blocks its prompt and ``max_tokens`` can
 need (``reserve_blocks`` in all); blocks come from the pool as its rows are computed; a hit's
-blocks are the cache's own, read in place. The pool holds the cache's budget plus the reserve,
-so a reserved request never finds the pool empty. ``n`` > 1 shares one prefill: the prompt is
-computed once, then its choices read its full blocks in place and each decodes into its own
-blocks from a copy of the prompt's last, partial block (``engine/sequence.py``).
+blocks are the cache's own, read in place (the request holds them: ``engine/pool.py``). The
+pool holds the cache's budget plus the reserve, so a reserved request never finds it empty.
+``n`` > 1 shares one prefill: the prompt is computed once, then its choices read its full blocks
+in place and each decodes into its own blocks from a copy of the prompt's last, partial block
+(``engine/serving/sequence.py``).
 """
 
 from __future__ import annotations
@@ -32,51 +30,50 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from prefixcache.cache import Match
-from prefixcache.cache.keys import BlockHash, pack_tokens
+from prefixcache.cache import Match, PrefixCache
+from prefixcache.cache.keys import BlockHash
+from prefixcache.engine.config import WorkerConfig, WorkerStats
 from prefixcache.engine.llama import LlamaRunner, Segment
 from prefixcache.engine.pool import KVPool, PoolBlock
-from prefixcache.engine.sampling import InvalidRequestError
-from prefixcache.engine.sequence import Choice, SequenceGroup
+from prefixcache.engine.serving.admission import Admission
+from prefixcache.engine.serving.sequence import Choice, SequenceGroup
+from prefixcache.engine.serving.verify import Auditor
+from prefixcache.engine.serving.worker import Call, Job, Worker
 from prefixcache.engine.types import PromptDone, Request, Usage
-from prefixcache.engine.verify import Auditor
-from prefixcache.engine.worker import Job, Worker
-
-if TYPE_CHECKING:  # pragma: no cover
-    from prefixcache.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
 
 class BatchWorker(Worker):
-    """The step loop of an :class:`Engine` over a :class:`LlamaRunner` (see the module doc)."""
+    """The step loop over a :class:`LlamaRunner`, its pool and the cache (see the module doc)."""
 
     def __init__(
-        self,
-        engine: Engine,
-        pool: KVPool,
-        *,
-        reserve_blocks: int,
-        max_batch: int = 16,
-        token_budget: int = 512,
-        max_queue: int = 64,
-        max_wait_s: float = 5.0,
+        self, runner: LlamaRunner, pool: KVPool, cache: PrefixCache | None, config: WorkerConfig
     ) -> None:
-        super().__init__(None, max_queue=max_queue)
-        if max_batch < 1 or token_budget < 1:
-            raise ValueError(f"max_batch and token_budget must be >= 1; got {max_batch}, {token_budget}")
-        self.engine = engine
-        if not isinstance(engine.runner, LlamaRunner):
-            raise TypeError("the batch worker steps a paged KV pool: it needs the engine's own runner")
-        self.runner: LlamaRunner = engine.runner
+        super().__init__(None, max_queue=config.max_queue)
+        if config.max_batch < 1 or config.prefill_chunk < 1:
+            raise ValueError(
+                f"max_batch and token_budget must be >= 1; got {config.max_batch}, {config.prefill_chunk}"
+            )
+        if not isinstance(runner, LlamaRunner):
+            raise TypeError("the batch worker steps a paged KV pool: it needs the own runner")
+        self.runner: LlamaRunner = runner
         self.pool = pool
+        self.cache = cache
+        self.config = config
         self.block_size = pool.block_size
-        self.reserve_blocks = reserve_blocks
-        self.max_batch = max_batch
-        self.token_budget = token_budget
-        self.max_wait_s = max_wait_s
+        self.reserve_blocks = config.reserve_blocks
+        self.max_batch = config.max_batch
+        self.token_budget = config.prefill_chunk
+        self.admission = Admission(
+            block_size=pool.block_size,
+            context_len=runner.context_len,
+            max_batch=config.max_batch,
+            reserve_blocks=config.reserve_blocks,
+            max_wait_s=config.max_wait_s,
+        )
         self.waiting: list[Job] = []
         self.running: list[SequenceGroup] = []
         self.reserved = 0
@@ -88,15 +85,52 @@ class BatchWorker(Worker):
         self.decoded_rows = 0
         self.step_s = 0.0
         self._closing = False
-        #: The live exactness audit (``engine/verify.py``), or None: it samples hits at their
+        #: The live exactness audit (``engine/serving/verify.py``), or None: it samples hits at their
         #: prompt's end and recomputes them in the steps' spare budget.
         self.auditor: Auditor | None = None
+
+    def namespace(self, tenant: str, salt: bytes) -> Any:
+        assert self.cache is not None
+        return self.cache.namespace(self.config.fingerprint, tenant=tenant, salt=salt)
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats(
+            prefilled_tokens=self.prefilled_tokens,
+            steps=self.steps,
+            decoded_rows=self.decoded_rows,
+            step_s=self.step_s,
+            waiting=len(self.waiting),
+            running=len(self.running),
+            reserved_blocks=self.reserved,
+            rows=self.rows,
+        )
+
+    def holdings(self) -> list[PoolBlock]:
+        """Every pool hold the running requests and the audit take, one entry per hold."""
+        out: list[PoolBlock] = []
+        for group in self.running:
+            out.extend(group.blocks)
+            for choice in group.choices:
+                out.extend(choice.blocks)
+        if self.auditor is not None:
+            out.extend(self.auditor.holdings())
+        return out
+
+    def check_integrity(self) -> None:
+        """The pool's counts against the cache's payloads and the running requests' tables
+        (call between steps: :meth:`Worker.between_steps`)."""
+        cached: list[Any] = []
+        if self.cache is not None:
+            for run in self.cache.store.runs():
+                cached.extend(run.payloads)
+        self.pool.check_integrity(cached=cached, held=self.holdings())
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
         while True:
             audit = self.auditor is not None and self.auditor.busy
             self._intake(block=not self.running and not self.waiting and not audit)
+            self._run_calls()
             if self._closing and not self.running and not self.waiting:
                 return
             self._drop_cancelled()
@@ -114,6 +148,8 @@ class BatchWorker(Worker):
         while True:
             if job is None:
                 self._closing = True
+            elif isinstance(job, Call):
+                self._calls.append(job)
             else:
                 self.waiting.append(job)
             try:
@@ -136,13 +172,12 @@ class BatchWorker(Worker):
             self.auditor.before_admit(self)
         if not self.waiting or self.rows >= self.max_batch:
             return
-        cache = self.engine.cache
+        cache, policy = self.cache, self.admission
         now = time.perf_counter()
-        inflight = self._inflight_keys() if cache is not None else {}
-        order = sorted(self.waiting, key=lambda j: self._priority(j, now))
-        for job in order:
-            if not self._fits(job.request):
-                if now - job.submitted > self.max_wait_s:
+        inflight = policy.inflight_keys(self.running) if cache is not None else {}
+        for job in policy.order(self.waiting, now, cache, self.namespace):
+            if not policy.fits(job.request, self.rows, self.reserved):
+                if policy.overdue(job, now):
                     break  # an overdue request waits for room: nothing admitted past it
                 continue
             try:
@@ -161,74 +196,37 @@ class BatchWorker(Worker):
                     inflight.setdefault(key, group)
 
     def validate(self, request: Request) -> None:
-        """A request whose reservation exceeds the whole reserve could never be admitted."""
-        need = self._need(request)
-        if need > self.reserve_blocks:
-            raise InvalidRequestError(
-                f"n={request.n} choices of up to {request.max_tokens} tokens need {need} KV blocks, more "
-                f"than this engine reserves for running requests ({self.reserve_blocks}); lower n or "
-                "max_tokens (or raise kv_reserve_tokens)"
-            )
+        self.admission.validate(request)
 
-    def _need(self, req: Request) -> int:
-        return SequenceGroup.blocks_needed(req, self.block_size, self.engine.context_len)
-
-    def _fits(self, req: Request) -> bool:
-        """Room for ``req`` now: decode rows for its choices and pool blocks for its reservation."""
-        return self.rows + req.n <= self.max_batch and self.reserved + self._need(req) <= self.reserve_blocks
-
-    def _priority(self, job: Job, now: float) -> tuple[int, int, float]:
-        if now - job.submitted > self.max_wait_s:
-            return (0, 0, job.submitted)
-        cached = 0
-        cache = self.engine.cache
-        if cache is not None and len(self.waiting) > 1:
-            keys, packed = self._keys(job)
-            cached = cache.cached_prefix(keys, packed)
-        return (1, -cached, job.submitted)
-
-    def _keys(self, job: Job) -> tuple[list[BlockHash], bytes]:
-        """The request's block keys and packed tokens, computed once per job."""
-        req: Request = job.request
-        if req.keys is None:
-            req.packed = pack_tokens(req.ids)
-            req.keys = self.engine.cache.block_keys(req.ids, self.engine.namespace(req.tenant, req.salt))  # type: ignore[union-attr]
-        return req.keys, req.packed
-
-    def _inflight_keys(self) -> dict[BlockHash, SequenceGroup]:
-        """Keys of the blocks that running requests are prefilling and have not committed yet."""
-        out: dict[BlockHash, SequenceGroup] = {}
-        for group in self.running:
-            if group.prefilling and group.match is not None:
-                for key in group.keys[group.committed // self.block_size :]:
-                    out.setdefault(key, group)
-        return out
+    def need(self, req: Request) -> int:
+        return self.admission.need(req)
 
     def _prepare(self, job: Job, inflight: dict[BlockHash, SequenceGroup]) -> SequenceGroup | None:
         """Match, reserve and build the block table of ``job`` (which fits); None when it must wait."""
         req: Request = job.request
         B = self.block_size
         n = len(req.ids)
-        cache = self.engine.cache
+        cache = self.cache
         match: Match | None = None
         if cache is not None:
-            keys, packed = self._keys(job)
+            keys, packed = self.admission.keys(job, cache, self.namespace)
             if self.auditor is not None and self.auditor.holds_back(keys):
                 return None  # a block it would read was found wrong and is not removed yet
             if inflight:
                 cached = cache.cached_prefix(keys, packed)
                 if cached < len(keys) and keys[cached] in inflight and cached * B < n - 1:
                     return None  # another request is computing our next block right now
-            ns = self.engine.namespace(req.tenant, req.salt)
+            ns = self.namespace(req.tenant, req.salt)
             match = cache.match(
                 None,
                 ns,
-                align_tokens=self.engine.alignment,
+                align_tokens=self.config.alignment,
                 ttl_s=req.ttl_s,
                 ttl_plan=req.ttl_plan,
                 keys=keys,
                 packed=packed,
             )
+            self.pool.settle_adopted()  # blocks promoted for it that found no room go back
         if not job.start():  # cancelled meanwhile
             if match is not None and cache is not None:
                 cache.release(match)
@@ -237,29 +235,30 @@ class BatchWorker(Worker):
             self._retire(job)
             return None
         group = SequenceGroup(
-            job=job, request=req, reserved=self._need(req), match=match, started=time.perf_counter()
+            job=job, request=req, reserved=self.need(req), match=match, started=time.perf_counter()
         )
         self.reserved += group.reserved
         self.rows += group.width
         if match is not None and match.cached_blocks:
-            for block in match.blocks:
+            for block in match.blocks:  # the request holds each hit block while it reads it
                 payload = block.payload
-                if not (isinstance(payload, PoolBlock) and payload.pool is self.pool):
-                    payload = self._copy_in(payload)
-                group.blocks.append(payload)
+                if isinstance(payload, PoolBlock) and payload.pool is self.pool:
+                    group.blocks.append(self.pool.hold(payload))
+                else:
+                    group.blocks.append(self._copy_in(payload))
             group.computed = group.committed = match.cached_tokens
         return group
 
     def _copy_in(self, payload: Any) -> PoolBlock:
         """A hit block held elsewhere (a tier's tensor, another engine's pool): a private copy."""
-        block = self.pool.adopt(payload)
-        if not (isinstance(block, PoolBlock) and block.pool is self.pool):
+        block = self.pool.copy_in(payload)
+        if block is None:
             raise RuntimeError(
                 "a cached block could not be copied into the KV pool (full, or another layout)"
             )
         return block
 
-    def _alloc(self) -> PoolBlock:
+    def alloc(self) -> PoolBlock:
         block = self.pool.alloc()
         if block is None:  # the reserve makes this unreachable; say so loudly if it is not
             raise RuntimeError("the KV pool is exhausted despite reservations (a bug)")
@@ -338,11 +337,11 @@ class BatchWorker(Worker):
     def _grow(self, blocks: list[PoolBlock], upto: int) -> None:
         """Extend a block table to cover positions ``[0, upto)``."""
         while len(blocks) * self.block_size < upto:
-            blocks.append(self._alloc())
+            blocks.append(self.alloc())
 
     def _commit(self, group: SequenceGroup) -> None:
         """Store the full prompt blocks computed so far (the pool blocks themselves)."""
-        cache, m = self.engine.cache, group.match
+        cache, m = self.cache, group.match
         if cache is None or m is None:
             return
         upto = group.computed // self.block_size * self.block_size
@@ -355,13 +354,13 @@ class BatchWorker(Worker):
 
     def _prompt_done(self, group: SequenceGroup, logits: Any) -> None:
         """The prompt's last row: report its usage, start its choices, sample their first tokens."""
-        engine = self.engine
+        runner = self.runner
         group.first_token_at = time.perf_counter()
         if group.request.return_logits:
             group.first_logits = logits.clone()
         if self.auditor is not None:  # before fork: the hit's blocks are the group's here
             self.auditor.sample(self, group, logits)
-        group.fork(self.pool, engine.tokenizer, engine.runner.eos_token_ids, engine.context_len)
+        group.fork(self.pool, runner.tokenizer, runner.eos_token_ids, runner.context_len)
         m = group.match
         cached, written = (m.usage.cached_tokens, m.usage.cache_write_tokens) if m is not None else (0, 0)
         group.job.post(
@@ -373,13 +372,13 @@ class BatchWorker(Worker):
         for choice in group.choices:
             self._take(group, choice, logits)
 
-    @staticmethod
-    def _take(group: SequenceGroup, choice: Choice, logits: Any) -> None:
+    def _take(self, group: SequenceGroup, choice: Choice, logits: Any) -> None:
         delta = choice.take(logits)
         if delta is not None:
             group.job.post(delta)
-        if choice.finish_reason:
-            choice.blocks = []  # its own blocks go back now; shared ones when the last reader ends
+        if choice.finish_reason:  # its holds go: its own blocks are free, shared ones at the last reader
+            blocks, choice.blocks = choice.blocks, []
+            self.pool.free_all(blocks)
 
     def _finish(self, group: SequenceGroup) -> None:
         group.job.finish(group.completion())
@@ -390,10 +389,10 @@ class BatchWorker(Worker):
         if group not in self.running:
             return
         self.running.remove(group)
-        cache = self.engine.cache
+        cache = self.cache
         if group.match is not None and cache is not None:
             cache.release(group.match)
-        group.drop_blocks()  # the blocks not committed go back to the pool
+        group.drop_blocks(self.pool)  # its holds go: blocks the cache does not hold are free
         self.reserved -= group.reserved
         self.rows -= group.width
         group.reserved = 0

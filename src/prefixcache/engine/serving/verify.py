@@ -31,20 +31,37 @@ import logging
 import random
 import threading
 import time
-import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from prefixcache.cache import PrefixCache
 from prefixcache.engine.llama import Segment
+from prefixcache.engine.pool import KVPool, PoolBlock
+from prefixcache.engine.serving.sequence import SequenceGroup
+from prefixcache.engine.types import Request
 
-if TYPE_CHECKING:  # pragma: no cover
-    from prefixcache.engine.pool import PoolBlock
-    from prefixcache.engine.scheduler import BatchWorker
-    from prefixcache.engine.sequence import SequenceGroup
+
+class BatchWorker(Protocol):
+    """What the audit reads and takes of the batch scheduler (``engine/serving/scheduler.py``)."""
+
+    waiting: list[Any]
+    running: list[SequenceGroup]
+    reserved: int
+    reserve_blocks: int
+    block_size: int
+    pool: KVPool
+    cache: PrefixCache | None
+
+    def namespace(self, tenant: str, salt: bytes) -> Any: ...
+
+    def need(self, req: Request) -> int: ...
+
+    def alloc(self) -> PoolBlock: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +135,7 @@ class _Check:
     ids: list[int]
     ns: Any
     keys: list[Any]  # the hit blocks' keys, in prompt order
-    refs: list[weakref.ref[PoolBlock]]  # the hit blocks themselves (alive while cached or read)
+    refs: list[PoolBlock]  # the hit blocks' handles (live while cached or read; not held while pending)
     logits: torch.Tensor  # the row the sampler received
     match: Any  # the request's Match: the check starts once it is released
     future: Future[VerifyResult] | None = None
@@ -209,9 +226,9 @@ class Auditor:
             return
         check = _Check(
             ids=list(group.request.ids),
-            ns=worker.engine.namespace(group.request.tenant, group.request.salt),
+            ns=worker.namespace(group.request.tenant, group.request.salt),
             keys=list(group.keys[:cached]),
-            refs=[weakref.ref(b) for b in group.blocks[:cached]],
+            refs=list(group.blocks[:cached]),
             logits=logits.detach().clone(),
             match=m,
             future=future,
@@ -227,7 +244,7 @@ class Auditor:
         check = self._active
         if check is not None and worker.waiting:
             free = worker.reserve_blocks - worker.reserved
-            if any(free < worker._need(job.request) <= free + check.reserved for job in worker.waiting):
+            if any(free < worker.need(job.request) <= free + check.reserved for job in worker.waiting):
                 self._abort(worker, check)
                 self._pending.appendleft(check)
 
@@ -252,7 +269,7 @@ class Auditor:
         B = worker.block_size
         try:
             while len(check.blocks) * B < stop:
-                check.blocks.append(worker._alloc())
+                check.blocks.append(worker.alloc())
         except RuntimeError:  # (the reservation makes this unreachable) give up this check, not the loop
             log.exception("exactness audit: no KV block for a check")
             self._abort(worker, check)
@@ -278,6 +295,11 @@ class Auditor:
         finally:
             self._abort(worker, check)
 
+    def holdings(self) -> list[PoolBlock]:
+        """The pool blocks the running check holds (its own and the hit's), one entry per hold."""
+        check = self._active
+        return [*check.blocks, *check.held] if check is not None else []
+
     def step_failed(self, worker: BatchWorker) -> None:
         check = self._active
         if check is not None:
@@ -295,8 +317,8 @@ class Auditor:
             if not check.match.released:  # its request still runs: later
                 self._pending.append(check)
                 continue
-            held = [ref() for ref in check.refs]
-            if any(b is None for b in held):  # a hit block left the cache: nothing to compare
+            held = check.refs
+            if not all(worker.pool.live(b) for b in held):  # a hit block left the cache: nothing to compare
                 self._finish(check, VerifyResult("skipped", len(check.ids), check.cached_tokens))
                 continue
             B = worker.block_size
@@ -304,7 +326,7 @@ class Auditor:
             if worker.reserved + need > worker.reserve_blocks:
                 self._pending.appendleft(check)
                 return None
-            check.held = held  # type: ignore[assignment]
+            check.held = [worker.pool.hold(b) for b in held]
             check.reserved = need
             check.computed = 0
             worker.reserved += need
@@ -318,6 +340,8 @@ class Auditor:
             self._active = None
         worker.reserved -= check.reserved
         check.reserved = 0
+        worker.pool.free_all(check.blocks)
+        worker.pool.free_all(check.held)
         check.blocks = []
         check.held = []
         check.computed = 0
@@ -343,7 +367,7 @@ class Auditor:
             return
         first = block if block is not None else 0
         doomed = check.keys[first:]
-        cache = worker.engine.cache
+        cache = worker.cache
         assert cache is not None  # (the audit runs only with the cache on)
         removed, left = cache.invalidate(check.ns, doomed)
         tiers = cache.remove_tier_keys(check.ns, doomed)
@@ -381,7 +405,7 @@ class Auditor:
         self._finish(check, VerifyResult("differ", len(check.ids), check.cached_tokens, diff))
 
     def _remove_doomed(self, worker: BatchWorker) -> None:
-        cache = worker.engine.cache
+        cache = worker.cache
         assert cache is not None  # (the audit runs only with the cache on)
         still = []
         for ns, keys in self._doomed:

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prefixcache.engine.detok import TextAssembler
 from prefixcache.engine.llama import LlamaRunner, Segment
-from prefixcache.engine.sampling import InvalidRequestError, token_logprobs
+from prefixcache.engine.serving.detok import TextAssembler
+from prefixcache.engine.serving.sampling import InvalidRequestError, token_logprobs
 
 #: Rows per step: bounds how long one step holds the runner (other requests' steps wait for it).
 DEFAULT_CHUNK = 256

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefixcache.engine.sampling import InvalidRequestError
+from prefixcache.engine.serving.sampling import InvalidRequestError
 
 KINDS = ("json_schema", "json", "regex", "lark", "choice")
 #: JSON without free whitespace (a schema's own ``x-guidance`` may change it): a small model
@@ -147,7 +147,7 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: list[int]) -> Any:
         import llguidance.hf
 
         return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_ids[0])
-    from prefixcache.engine.detok import TokenText
+    from prefixcache.engine.serving.detok import TokenText
 
     text = TokenText(tokenizer)
     specials = set(getattr(tokenizer, "all_special_ids", None) or []) | set(eos_ids)

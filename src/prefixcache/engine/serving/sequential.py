@@ -1,6 +1,6 @@
 """The Hugging Face runner's worker: one request at a time, in absolute prefill chunks.
 
-    worker = SequentialWorker(engine, max_queue=64)
+    worker = SequentialWorker(runner, cache, WorkerConfig(block_size=16, prefill_chunk=512, ...))
 
 Lifecycle of a request: match (acquire) -> KV of the hit blocks into a DynamicCache -> prefill
 the rest in chunks on absolute multiples of ``prefill_chunk`` -> sample the first token ->
@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from prefixcache.cache import Match
-from prefixcache.engine import kv
-from prefixcache.engine.sequence import Choice
+from prefixcache.cache import Match, PrefixCache
+from prefixcache.engine.config import WorkerConfig, WorkerStats
+from prefixcache.engine.model import ModelRunner
+from prefixcache.engine.serving import kv
+from prefixcache.engine.serving.sequence import Choice
+from prefixcache.engine.serving.worker import Job, Worker
 from prefixcache.engine.types import Completion, PromptDone, Request, Usage
-from prefixcache.engine.worker import Job, Worker
-
-if TYPE_CHECKING:  # pragma: no cover
-    from prefixcache.engine.engine import Engine
 
 
 def chunk_schedule(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
@@ -37,19 +36,24 @@ def chunk_schedule(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
 
 
 class SequentialWorker(Worker):
-    """Runs each job of an :class:`Engine` over a Hugging Face :class:`ModelRunner` to its end."""
+    """Runs each job over a Hugging Face :class:`ModelRunner` and the cache to its end."""
 
-    def __init__(self, engine: Engine, *, max_queue: int = 64) -> None:
-        super().__init__(self._run, max_queue=max_queue)
-        self.engine = engine
+    def __init__(self, runner: ModelRunner, cache: PrefixCache | None, config: WorkerConfig) -> None:
+        super().__init__(self._run, max_queue=config.max_queue)
+        self.runner = runner
+        self.cache = cache
+        self.config = config
         self._scratch = kv.Scratch()  # hit KV is assembled here (worker thread only)
         #: Prompt tokens prefilled (computed, not read): once per request whatever its n.
         self.prefilled_tokens = 0
 
+    def stats(self) -> WorkerStats:
+        return WorkerStats(prefilled_tokens=self.prefilled_tokens)
+
     def _run(self, job: Job) -> None:
         """Process one job on the worker thread; posts its items and its result to ``job``."""
-        engine = self.engine
-        runner, cache = engine.runner, engine.cache
+        config = self.config
+        runner, cache = self.runner, self.cache
         r: Request = job.request
         ids: list[int] = r.ids
         n = len(ids)
@@ -58,8 +62,8 @@ class SequentialWorker(Worker):
         try:
             hit = 0
             if cache is not None:
-                ns = cache.namespace(engine.fingerprint, tenant=r.tenant, salt=r.salt)
-                m = cache.match(ids, ns, align_tokens=engine.alignment, ttl_s=r.ttl_s, ttl_plan=r.ttl_plan)
+                ns = cache.namespace(config.fingerprint, tenant=r.tenant, salt=r.salt)
+                m = cache.match(ids, ns, align_tokens=config.alignment, ttl_s=r.ttl_s, ttl_plan=r.ttl_plan)
                 hit = m.cached_tokens
             past = (
                 kv.build_cache(runner, [b.payload for b in m.blocks], self._scratch)
@@ -67,13 +71,13 @@ class SequentialWorker(Worker):
                 else runner.new_cache()
             )
             logits = None
-            for a, b in chunk_schedule(hit, n, engine.prefill_chunk):
+            for a, b in chunk_schedule(hit, n, config.prefill_chunk):
                 if job.cancelled():
                     return job.finish_cancelled()
                 logits = runner.forward(ids[a:b], past)
                 self.prefilled_tokens += b - a
             eos = runner.eos_token_ids
-            choices = [Choice(i, r, engine.tokenizer, eos, engine.context_len) for i in range(r.n)]
+            choices = [Choice(i, r, runner.tokenizer, eos, runner.context_len) for i in range(r.n)]
             first = choices[0].take(logits)
             first_token_at = time.perf_counter()
             commit_s = self._commit(m, past, n) if m is not None else 0.0
@@ -113,15 +117,15 @@ class SequentialWorker(Worker):
 
     def _commit(self, m: Match, past: Any, n: int) -> float:
         """Store the prompt blocks of complete chunks that are not cached yet. Returns seconds."""
-        cache = self.engine.cache
+        cache = self.cache
         assert cache is not None
         t = time.perf_counter()
         hit = m.cached_tokens
-        chunk = self.engine.prefill_chunk
+        chunk = self.config.prefill_chunk
         limit = (n // chunk) * chunk
         if limit <= hit:
             return 0.0
-        B = self.engine.block_size
+        B = self.config.block_size
         payloads: list[Any] = []
 
         def payload_fn(i: int) -> tuple[Any, int]:
@@ -137,7 +141,7 @@ class SequentialWorker(Worker):
     def _decode(self, job: Job, past: Any, choice: Choice) -> bool:
         """Decode ``choice`` from its first sampled token to its end, posting its deltas.
         Returns False when cancelled."""
-        forward = self.engine.runner.forward
+        forward = self.runner.forward
         while not choice.finish_reason:
             if job.cancelled():
                 return False

@@ -6,9 +6,9 @@
 
 :class:`Choice` is shared by both runners. :class:`SequenceGroup` is the batch scheduler's view
 of one admitted request: the prompt's block table while it is prefilled, then ``n`` choices that
-each own a block table made of the prompt's full blocks (shared :class:`PoolBlock` references,
-never written again) and blocks of their own (a copy of the prompt's last, partial block, then
-the blocks their generated tokens fill).
+each hold a block table made of the prompt's full blocks (shared :class:`PoolBlock` handles,
+never written again, one hold per table) and blocks of their own (a copy of the prompt's last,
+partial block, then the blocks their generated tokens fill).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Any
 
 from prefixcache.cache import Match
 from prefixcache.cache.keys import BlockHash
-from prefixcache.engine.detok import TextAssembler
 from prefixcache.engine.pool import KVPool, PoolBlock
-from prefixcache.engine.sampling import Sampler, token_logprobs
+from prefixcache.engine.serving.detok import TextAssembler
+from prefixcache.engine.serving.sampling import Sampler, token_logprobs
+from prefixcache.engine.serving.worker import Job
 from prefixcache.engine.types import ChoiceDelta, Completion, GenerationResult, Request, TokenLogprob, Usage
-from prefixcache.engine.worker import Job
 
 
 class Choice:
@@ -58,7 +58,7 @@ class Choice:
         self.context_len = context_len
         self.blocks: list[PoolBlock] = []  # batch runner: this choice's block table, position // B
         self.finished_at = 0.0
-        #: Structured output (``engine/guided.py``): the grammar's state, or None.
+        #: Structured output (``engine/serving/guided.py``): the grammar's state, or None.
         self.guide = request.grammar.matcher() if request.grammar is not None else None
 
     @property
@@ -187,12 +187,13 @@ class SequenceGroup:
         since their first generated tokens land in its free slots. Caller reserved the copies."""
         full = self.prompt_len // pool.block_size
         shared, tail = self.blocks[:full], self.blocks[full:]
-        for i in range(self.request.n):
+        for i in range(self.request.n):  # each choice holds its table's blocks (pool.hold)
             choice = Choice(i, self.request, tokenizer, eos, context_len)
-            own = tail if i == 0 else [self._copy(pool, b) for b in tail]
-            choice.blocks = [*shared, *own]
+            own = [pool.hold(b) for b in tail] if i == 0 else [self._copy(pool, b) for b in tail]
+            choice.blocks = [*(pool.hold(b) for b in shared), *own]
             self.choices.append(choice)
-        self.blocks = []
+        blocks, self.blocks = self.blocks, []
+        pool.free_all(blocks)  # the prompt's table lets go: the choices hold them now
 
     @staticmethod
     def _copy(pool: KVPool, block: PoolBlock) -> PoolBlock:
@@ -218,11 +219,13 @@ class SequenceGroup:
             ]
         )
 
-    def drop_blocks(self) -> None:
-        """Let go of every block reference (those nobody else holds return to the pool)."""
-        self.blocks = []
+    def drop_blocks(self, pool: KVPool) -> None:
+        """Drop every hold this request has (blocks nobody else holds return to the pool)."""
+        blocks, self.blocks = self.blocks, []
+        pool.free_all(blocks)
         for c in self.choices:
-            c.blocks = []
+            blocks, c.blocks = c.blocks, []
+            pool.free_all(blocks)
 
 
 __all__ = ["Choice", "SequenceGroup"]

@@ -12,8 +12,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from prefixcache.engine.config import DEFAULT_MAX_QUEUE, WorkerStats
 from prefixcache.engine.types import EngineClosedError, QueueFullError, Request
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,22 @@ class _Cancelled:
     pass
 
 
+class Call:
+    """A function to run on the worker thread between steps (:meth:`Worker.between_steps`)."""
+
+    __slots__ = ("fn", "future")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.future: Future[Any] = Future()
+
+    def run(self) -> None:
+        try:
+            self.future.set_result(self.fn())
+        except BaseException as exc:  # handed to the caller
+            self.future.set_exception(exc)
+
+
 class RequestCancelledError(RuntimeError):
     """The request was cancelled through its ``cancel`` signal before it finished."""
 
@@ -84,13 +103,14 @@ class Worker:
     Subclasses replace :meth:`_loop` (the batch scheduler runs many jobs per step); admission,
     the bounded queue and the consumer side (:meth:`submit`) are shared."""
 
-    def __init__(self, run: Callable[[Job], None] | None = None, max_queue: int = 64) -> None:
+    def __init__(self, run: Callable[[Job], None] | None = None, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1; got {max_queue}")
         self.run = run
         self.max_queue = max_queue
         self.closed = False
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job | Call | None] = queue.SimpleQueue()
+        self._calls: list[Call] = []  # taken in by the loop, run before its next step
         self._lock = threading.Lock()
         self._depth = 0
         self._thread: threading.Thread | None = None
@@ -98,6 +118,39 @@ class Worker:
     @property
     def depth(self) -> int:
         return self._depth
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats()
+
+    def check_integrity(self) -> None:
+        """Raise when the worker's holdings disagree with its pool (none here)."""
+
+    def between_steps(self, fn: Callable[[], Any], timeout: float = 120.0) -> Any:
+        """Run ``fn`` on the worker thread between two steps (at once when no thread runs) and
+        return its result: a consistent view of what the running requests hold."""
+        with self._lock:
+            thread = self._thread
+            if thread is not None and thread.is_alive():
+                call = Call(fn)
+                self._jobs.put(call)
+            else:
+                call = None
+        if call is None:
+            return fn()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return call.future.result(0.05)
+            except FutureTimeout:
+                if thread is not None and not thread.is_alive() and not call.future.done():
+                    return fn()  # the thread ended (closed) before taking the call: nothing runs
+                if time.monotonic() > deadline:
+                    raise
+
+    def _run_calls(self) -> None:
+        calls, self._calls = self._calls, []
+        for call in calls:
+            call.run()
 
     def validate(self, request: Request) -> None:
         """Raise a ValueError for a request this worker could never run (none here)."""
@@ -142,6 +195,9 @@ class Worker:
         assert self.run is not None
         while True:
             job = self._jobs.get()
+            if isinstance(job, Call):
+                job.run()
+                continue
             if job is None:
                 return
             try:
