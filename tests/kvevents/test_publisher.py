@@ -50,22 +50,23 @@ def send(cache: PrefixCache, ns, tokens: list[int]) -> list[bytes]:  # noqa: ANN
 def test_every_store_eviction_expiry_and_flush_arrives_in_order(setup) -> None:  # noqa: ANN001
     cache, pub, sub, clock = setup
     pub.attach(cache)  # (what goes out before the SUB has joined is read from the replay socket)
+    wait_for(sub, 1)  # the attach's AllBlocksCleared is a batch of its own: each step waits for its batch
     ns = cache.namespace("fp", "tenant-a", b"secret-salt")
     a = send(cache, ns, list(range(13)))  # 3 full blocks (the 13th token is no block)
-    wait_for(sub, 1)
-    b = send(cache, ns, [*range(8), 100, 101, 102, 103, 104, 105, 106, 107])  # branch after 2 blocks
     wait_for(sub, 2)
-    c = send(cache, ns, [50, 51, 52, 53])  # one block; the budget is 5: the LRU leaf goes
+    b = send(cache, ns, [*range(8), 100, 101, 102, 103, 104, 105, 106, 107])  # branch after 2 blocks
     wait_for(sub, 3)
+    c = send(cache, ns, [50, 51, 52, 53])  # one block; the budget is 5: the LRU leaf goes
+    wait_for(sub, 4)
     clock.advance(61)
     cache.sweep()  # every block expired
-    wait_for(sub, 4)
-    d = send(cache, ns, [7, 7, 7, 7, 8, 8, 8, 8])
     wait_for(sub, 5)
-    assert cache.flush(ns) == 2
+    d = send(cache, ns, [7, 7, 7, 7, 8, 8, 8, 8])
     wait_for(sub, 6)
+    assert cache.flush(ns) == 2
+    wait_for(sub, 7)
 
-    stream = sub.stream(6)
+    stream = sub.stream(7)
     events = events_of(stream)
     assert [type(e) for e in events] == [
         AllBlocksCleared,
@@ -92,7 +93,7 @@ def test_every_store_eviction_expiry_and_flush_arrives_in_order(setup) -> None: 
     assert s4.block_hashes == [low64(k) for k in d]
     assert r3.block_hashes == [low64(d[1]), low64(d[0])]  # the flush, tail first
     # Sequence numbers 0, 1, 2, ... with no gap; a replay is byte for byte what went out live.
-    assert [seq for seq, _ in stream] == list(range(6))
+    assert [seq for seq, _ in stream] == list(range(7))
     assert sub.replay(0) == stream
     assert sub.replay(3) == stream[3:] == [r for r in sub.received if r[0] >= 3]
     assert pub.stats.stored_blocks == 8 and pub.stats.removed_blocks == 8 and pub.stats.dropped_events == 0
