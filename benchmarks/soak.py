@@ -474,7 +474,9 @@ def report(
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     if differ:
-        print("differing answers:", [(o.prompt[1], o.answer, soak.reference[o.prompt]) for o in differ[:5]])
+        for o in differ:  # what tells a cause apart: the prompt, where it ran, what it read cached
+            print("differs:", o.prompt[0][:40], o.prompt[1], repr(o.answer), repr(soak.reference[o.prompt]),
+                  f"replica={o.replica} cached={o.cached} tenant={o.tenant[:20]}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from prefixcache.cache.clock import Clock
 from prefixcache.cache.keys import BlockHash
 from prefixcache.cache.leaves import LeafQueues
 from prefixcache.cache.runs import RunTree
+from prefixcache.cache.shares import evict_own
 
 #: ``fn(event, block)``; events: "insert", "evict" (``block.evicted_reason`` says why).
 Listener = Callable[[str, Block], None]
@@ -63,6 +64,17 @@ class BudgetedTree(RunTree):
         self.tenant_bytes: dict[str, int] = {}
         #: No run was ever stored with a shorter TTL class than this (TTLs only grow after).
         self.min_ttl_s = float("inf")
+        #: Each tenant's share of ``capacity_bytes`` (see :mod:`~prefixcache.cache.shares`); None: one LRU.
+        self.tenant_share: float | None = None
+        self._inserting: str | None = None  # the tenant whose insert is making room
+
+    def set_tenant_share(self, share: float | None) -> None:
+        """Over ``share`` (0 < share <= 1) of the capacity, a tenant's inserts evict its own leaves first."""
+        if share is not None and not 0.0 < share <= 1.0:
+            raise ValueError(f"the tenant capacity share must be in (0, 1]; got {share}")
+        if share is not None:
+            self._leaves.track_tenants()
+        self.tenant_share = share
 
     def add_listener(self, fn: Listener) -> None:
         """Call ``fn(event, block)`` on every insert and removal, under the caller's lock."""
@@ -156,6 +168,7 @@ class BudgetedTree(RunTree):
         cap = self.capacity_bytes
         payloads: list[Any] | None = None
         no_room = False
+        self._inserting = tenant
         at = first
         if uniform_nbytes is not None and uniform_nbytes <= cap:
             # None of them is stored: a block's key names its whole prefix, and block ``first``
@@ -292,9 +305,14 @@ class BudgetedTree(RunTree):
             (run for run in self.runs() if run.pin_count == 0 and pred(run)),
             key=lambda run: -(run.depth + len(run.keys)),
         )
+        return self.remove_runs(victims, reason)
+
+    def remove_runs(self, victims: list[Run], reason: str) -> int:
+        """Remove, in order, each of ``victims`` that is (still) a live, unreferenced, unpinned
+        leaf run. Returns blocks removed."""
         removed = 0
         for run in victims:
-            if run.n_children == 0 and run.ref_count == 0 and run.keys:
+            if run.n_children == 0 and run.ref_count == 0 and run.pin_count == 0 and run.keys:
                 if run in self._lru:
                     self._leaves.leave(run)
                 removed += len(run.keys)
@@ -308,6 +326,8 @@ class BudgetedTree(RunTree):
         ``protect``: the parent of a block being inserted, which must survive its child's insert."""
         cap = self.capacity_bytes
         leaves = self._leaves
+        if self.tenant_share is not None and self._inserting is not None:
+            evict_own(self, self._inserting, nbytes, protect)
         while self.bytes + nbytes > cap:
             picked = leaves.victim(protect)
             if picked is None:

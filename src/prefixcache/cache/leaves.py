@@ -30,7 +30,7 @@ from prefixcache.cache.blocks import Run, expires
 class LeafQueues:
     """The LRU queue, one expiry queue per TTL class, and each class's late heap."""
 
-    __slots__ = ("lru", "expiry", "classes", "earliest", "_late", "_latest", "_seq")
+    __slots__ = ("lru", "expiry", "classes", "earliest", "tenants", "_late", "_latest", "_seq")
 
     def __init__(self) -> None:
         self.lru: OrderedDict[Run, None] = OrderedDict()  # runs whose tail is an evictable leaf
@@ -44,6 +44,25 @@ class LeafQueues:
         self._late: dict[float, list[tuple[float, int, Run]]] = {}
         self._latest: dict[float, float] = {}
         self._seq = 0
+        #: With a tenant capacity share (:meth:`track_tenants`): each tenant's leaves, least
+        #: recently used first as far as entering puts them (the LRU restricted to the tenant up
+        #: to trimmed runs, which keep their place here). None: not kept (no cost).
+        self.tenants: dict[str, OrderedDict[Run, None]] | None = None
+
+    def track_tenants(self) -> None:
+        """Keep each tenant's leaves in their own queue from now on (O(leaves) once)."""
+        if self.tenants is None:
+            self.tenants = {}
+            for run in self.lru:
+                self.tenants.setdefault(run.tenant, OrderedDict())[run] = None
+
+    def tenant_first(self, tenant: str, protect: Run | None) -> Run | None:
+        """The tenant's least recently used leaf other than ``protect`` (queued), or None."""
+        queue = self.tenants.get(tenant) if self.tenants is not None else None
+        for run in queue or ():
+            if run is not protect:
+                return run
+        return None
 
     # ------------------------------------------------------------------ entering and leaving
     def enter(self, run: Run, *, ordered: bool = False, lru: bool = True) -> None:
@@ -60,6 +79,13 @@ class LeafQueues:
             order[run] = None
             if ordered and len(order) > 1 and run.last_used <= next(iter(order)).last_used:
                 order.move_to_end(run, False)
+            if self.tenants is not None:
+                own = self.tenants.get(run.tenant)
+                if own is None:
+                    own = self.tenants[run.tenant] = OrderedDict()
+                own[run] = None
+                if ordered and len(own) > 1 and run.last_used <= next(iter(own)).last_used:
+                    own.move_to_end(run, False)
         ttl = run.ttl_s
         queue = self.expiry.get(ttl)
         if queue is None:
@@ -83,6 +109,8 @@ class LeafQueues:
         """Unqueue a queued leaf (it gained a child, a reference or a pin, or is being removed)."""
         del self.lru[run]
         del self.expiry[run.ttl_s][run]
+        if self.tenants is not None:
+            del self.tenants[run.tenant][run]
 
     def reclass(self, run: Run, ttl_s: float) -> None:
         """Move a queued ``run`` to the longer TTL class ``ttl_s`` (set on the run here): its LRU
@@ -165,6 +193,8 @@ class LeafQueues:
             return None
         del self.lru[run]
         del queue[run]
+        if self.tenants is not None:
+            del self.tenants[run.tenant][run]
         if late:
             after = self.next_due(ttl) if queue else None
         return run, after
@@ -204,3 +234,7 @@ class LeafQueues:
         assert all(run in is_leaf for run in self.lru), "a dropped run is queued"
         assert self.classes == sorted(self.expiry), "TTL classes out of order"
         assert all(expires(run) >= self.earliest for run in self.lru), "a leaf expires before 'earliest'"
+        if self.tenants is not None:
+            own = {run for queue in self.tenants.values() for run in queue}
+            assert own == set(self.lru), "the tenants' queues disagree with the LRU"
+            assert all(run.tenant == t for t, queue in self.tenants.items() for run in queue), "a leaf in another tenant's queue"

@@ -20,6 +20,7 @@ from typing import Any
 from prefixcache.cache.clock import Clock, monotonic
 from prefixcache.cache.config import DEFAULTS
 from prefixcache.cache.ghosts import GhostRecord, RecentPrompts
+from prefixcache.cache.isolation import prefetch, remove_in_slices
 from prefixcache.cache.keys import BlockHash, Hasher, Namespace, block_keys, pack_tokens, sha256_hasher
 from prefixcache.cache.pins import PinnedPrefixes
 from prefixcache.cache.policy import TtlPlan, TtlPolicy
@@ -85,6 +86,9 @@ class PrefixCache:
         #: Set by an engine with a KV pool: turns a payload promoted from a tier into the
         #: engine's own kind (a pool block). None keeps tier payloads as they come.
         self.adopt: Callable[[Any], Any] | None = None
+        #: True: a match continues in the tiers under the lock (their I/O inside it). An engine
+        #: sets False and calls :meth:`prefetch` on the request's thread before admission.
+        self.promote_in_match = True
 
     @property
     def default_ttl_s(self) -> float:
@@ -137,6 +141,11 @@ class PrefixCache:
                 _held=held,
                 _depth=usable,
             )
+
+    def prefetch(self, tokens: Sequence[int] | None, ns: Namespace, **kw: Any) -> int:
+        """Read this prompt's blocks that memory lacks from the tiers without holding the lock,
+        and insert them (arguments: :meth:`match`'s). See :func:`~prefixcache.cache.isolation.prefetch`."""
+        return prefetch(self, tokens, ns, **kw)
 
     def cached_prefix(self, keys: list[BlockHash], packed: bytes) -> int:
         """Blocks of this prompt that a request would find cached now (live, verified), without
@@ -280,7 +289,7 @@ class PrefixCache:
         store.sweep()
         found, segments = store.lookup(keys, packed, max_blocks)
         promoted = 0
-        if found < max_blocks and self.tiers:
+        if found < max_blocks and self.tiers and self.promote_in_match:
             promoted = self._tier_stack.promote(
                 keys, packed, 4 * block_size, found, max_blocks, ns.root, ns.tenant, ttls, self.adopt
             )
@@ -377,9 +386,10 @@ class PrefixCache:
 
     def flush(self, ns: Namespace) -> int:
         """Remove every unreferenced, unpinned block of this namespace from memory. Returns
-        blocks removed. :meth:`remove_tier_entries` does the same in the tiers below."""
-        with self._lock:
-            return self.store.remove_where(lambda run: run.namespace == ns.root, reason="flush")
+        blocks removed. The lock is taken a slice of runs at a time (``isolation.SLICE_RUNS``), so
+        other requests interleave with a large flush. :meth:`remove_tier_entries`: the tiers."""
+        root = ns.root
+        return remove_in_slices(self, lambda run: run.namespace == root, "flush")
 
     def remove_tier_entries(self, ns: Namespace) -> dict[str, int]:
         """Delete this namespace's entries from every tier (disk, Redis): {tier name: entries

@@ -300,6 +300,7 @@ class BlockStore(BudgetedTree):
         if run.pin_count > 1:
             run.pin_count -= 1
             return
+        self._inserting = None  # (its bytes are the tenant's already: room comes from the LRU)
         room = self._make_room(run.nbytes, protect=run)
         if not room and (run.ref_count or run.n_children):
             raise CacheFullError(

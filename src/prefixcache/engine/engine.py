@@ -34,6 +34,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from prefixcache.cache import CacheStats, FakeClock, PrefixCache
+from prefixcache.cache.keys import pack_tokens
 from prefixcache.cache.tiers.codec import BlockLayout
 from prefixcache.engine.config import DEFAULT_PREFILL_CHUNK, EngineConfig, WorkerConfig, WorkerStats
 from prefixcache.engine.llama import LlamaRunner
@@ -115,6 +116,9 @@ class Engine(PromptReader):
         self.fingerprint = self.runner.fingerprint(block_size, chunk)
         if self.cache is not None:  # a block promoted from a tier must fit the KV layout
             self.cache.set_block_layout(self.block_layout)
+            # Tier reads happen in _prepare on the request's thread (prefetch), never under the
+            # cache's lock on the step thread: a slow Redis stalls only the request that reads it.
+            self.cache.promote_in_match = False
         self.pool = None
         self._worker: BatchWorker | SequentialWorker
         self._max_n = cfg.max_batch
@@ -427,7 +431,28 @@ class Engine(PromptReader):
         ids = self.prompt_ids(messages, prompt, ids_in)
         request = make_request(ids, params, context_len=self.context_len, **fields)
         self._worker.validate(request)
+        self._prefetch(request)
         return Job(request, cancel=cancel)
+
+    def _prefetch(self, request: Request) -> None:
+        """Bring the request's blocks that memory lacks up from the tiers, on this (the
+        request's) thread and outside the cache's lock, before the step thread admits it."""
+        cache = self.cache
+        if cache is None or not cache.tiers:
+            return
+        request.packed = pack_tokens(request.ids)
+        request.keys = cache.block_keys(request.ids, self.namespace(request.tenant, request.salt))
+        if self.auditor is not None and self.auditor.holds_back(request.keys):
+            return  # a block it would read was found wrong: the step thread waits for its removal
+        cache.prefetch(
+            None,
+            self.namespace(request.tenant, request.salt),
+            align_tokens=self.alignment,
+            ttl_s=request.ttl_s,
+            ttl_plan=request.ttl_plan,
+            keys=request.keys,
+            packed=request.packed,
+        )
 
 
 def fake_clock_engine(runner: ModelRunner, **kwargs: Any) -> Engine:

@@ -58,36 +58,66 @@ class TierStack:
         far as the tiers hold them in a row (block ``start - 1`` must be stored). Each is queued as
         a leaf. ``adopt`` turns a tier's payload into the engine's own kind (None keeps it).
         Returns how many came up; sets :attr:`unavailable`."""
-        at = start
-        self.unavailable = False
-        for tier in self.tiers:
-            if at >= stop:
+        got, unavailable = self.read(keys, packed, step, start, stop, namespace)
+        self.unavailable = unavailable
+        return self.insert(keys, packed, step, start, got, namespace, tenant, ttls, adopt)
+
+    def read(
+        self, keys: list[BlockHash], packed: bytes, step: int, start: int, stop: int, namespace: bytes
+    ) -> tuple[list[tuple[Any, int]], bool]:
+        """The tier I/O of :meth:`promote`, touching no store (call it without the cache's lock):
+        the (payload, nbytes) of blocks ``start..`` of the chain ``keys``, as far as the tiers hold
+        them in a row (each tier continues where the one above stopped), each verified by its
+        tier as :meth:`promote` does; and whether a tier failed or was skipped by its breaker."""
+        out: list[tuple[Any, int]] = []
+        unavailable = False
+        for tier in list(self.tiers):
+            first = start + len(out)
+            if first >= stop:
                 break
-            first = at
             tokens = [packed[index * step : (index + 1) * step] for index in range(first, stop)]
             before = tier.stats()
             got = tier.get_many(keys[first:stop], tokens, namespace, self.layout)
             after = tier.stats()
             if after.errors + after.skipped > before.errors + before.skipped:
-                self.unavailable = True
-            for payload, nbytes in got:
-                if adopt is not None:
-                    payload = adopt(payload)
-                inserted, _, _ = self.store.insert_chain(
-                    keys,
-                    packed,
-                    step,
-                    at,
-                    at + 1,
-                    None,
-                    _constant_payload(payload, nbytes),
-                    namespace=namespace,
-                    tenant=tenant,
-                    ttls=ttls,
-                )
-                if not inserted:
-                    break
-                at += 1
+                unavailable = True
+            out.extend(got)
+        return out, unavailable
+
+    def insert(
+        self,
+        keys: list[BlockHash],
+        packed: bytes,
+        step: int,
+        start: int,
+        got: list[tuple[Any, int]],
+        namespace: bytes,
+        tenant: str,
+        ttls: list[float],
+        adopt: Callable[[Any], Any] | None,
+    ) -> int:
+        """Insert blocks ``start..`` read by :meth:`read` into the store (block ``start - 1``
+        must be stored), each queued as a leaf, stopping at the first the store refuses.
+        Returns how many went in."""
+        at = start
+        for payload, nbytes in got:
+            if adopt is not None:
+                payload = adopt(payload)
+            inserted, _, _ = self.store.insert_chain(
+                keys,
+                packed,
+                step,
+                at,
+                at + 1,
+                None,
+                _constant_payload(payload, nbytes),
+                namespace=namespace,
+                tenant=tenant,
+                ttls=ttls,
+            )
+            if not inserted:
+                break
+            at += 1
         self.promoted_blocks += at - start
         return at - start
 
