@@ -20,20 +20,23 @@ STALL_S = 2.0
 
 
 class StallingTier:
-    """A tier whose reads take ``STALL_S`` (a Redis that stopped answering): the cache calls
-    ``get_many`` while it holds its lock, so the lock is held that long."""
+    """A tier whose reads take ``STALL_S`` while holding the cache's lock: a long hold of the
+    lock. (The engine reads tiers outside the lock, in its prefetch; this tier takes the lock
+    itself, as every tier read did before, to keep the lock held that long.)"""
 
     name = "stalling"
     write_through = False
 
-    def __init__(self) -> None:
+    def __init__(self, cache: Any) -> None:
         self.reading = threading.Event()
+        self.cache = cache
 
     def get_many(
         self, keys: Sequence[bytes], tokens: Sequence[bytes], namespace: bytes, layout: Any = None
     ) -> list[tuple[Any, int]]:
-        self.reading.set()
-        time.sleep(STALL_S)
+        with self.cache._lock:
+            self.reading.set()
+            time.sleep(STALL_S)
         return []
 
     def put(self, block: Any) -> None:
@@ -54,7 +57,7 @@ def _timed(fn: Any) -> tuple[httpx.Response, float]:
 
 def test_health_metrics_and_cache_stats_answer_while_a_tier_read_holds_the_cache_lock(serve, make_engine):
     engine = make_engine()
-    tier = StallingTier()
+    tier = StallingTier(engine.cache)
     engine.cache.add_tier(tier)
     server = serve(engine, model_name=MODEL)
     # One read of each while the cache is free: the snapshots served while it is not.
@@ -96,7 +99,7 @@ def test_health_metrics_and_cache_stats_answer_while_a_tier_read_holds_the_cache
 
 def test_a_first_read_while_the_lock_is_held_is_503_cache_busy(serve, make_engine):
     engine = make_engine()
-    tier = StallingTier()
+    tier = StallingTier(engine.cache)
     engine.cache.add_tier(tier)
     server = serve(engine, model_name=MODEL)
     prompt = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "a miss " * 20}]}
