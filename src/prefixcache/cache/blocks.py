@@ -133,3 +133,11 @@ class StoreCounters:
 def expires(run: Run) -> float:
     """When ``run``'s tail expires (a leaf's expiry is always its last use plus its TTL)."""
     return run.last_used + run.ttl_s
+
+
+def run_of(segments: list[Segment], index: int) -> Run:
+    """The run holding block ``index`` among a walk's segments."""
+    for run, offset, _ in reversed(segments):
+        if run.depth + offset <= index:
+            return run
+    raise IndexError(index)

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from prefixcache.cache.blocks import run_of
 from prefixcache.cache.clock import Clock, monotonic
 from prefixcache.cache.config import DEFAULTS
 from prefixcache.cache.ghosts import GhostRecord, RecentPrompts
@@ -26,7 +27,7 @@ from prefixcache.cache.pins import PinnedPrefixes
 from prefixcache.cache.policy import TtlPlan, TtlPolicy
 from prefixcache.cache.reasons import CacheReason, classify, continuation_of
 from prefixcache.cache.request import CommitResult, Match
-from prefixcache.cache.stats import CacheStats, Outcome, TenantCounters
+from prefixcache.cache.stats import CacheStats, Outcome, TenantCounters, summed
 from prefixcache.cache.store import Block, BlockStore, PayloadFn, Run, Segment
 from prefixcache.cache.tiers.base import Tier
 from prefixcache.cache.tiers.codec import BlockLayout
@@ -303,7 +304,7 @@ class PrefixCache:
             else:
                 run, first, _ = segments[-1]  # the hit's deepest block is most often in the last segment
                 if usable - 1 - run.depth < first:
-                    run = _run_of(segments, usable - 1)
+                    run = run_of(segments, usable - 1)
                 held = store.hold_chain(keys, 0, usable, ttls, run)
             outcome = "hit" if usable == max_blocks else "partial"
         counters = self._tenants.get(ns.tenant)
@@ -374,6 +375,12 @@ class PrefixCache:
             raise ValueError(f"the tenant pin share must be in (0, 1]; got {share}")
         with self._lock:
             self._pins.tenant_share = share
+
+    def limit_tenant_capacity(self, share: float | None) -> None:
+        """Over ``share`` (0 < share <= 1) of the capacity, a tenant's inserts evict its own
+        leaves first (:mod:`~prefixcache.cache.shares`); None: one LRU over every tenant."""
+        with self._lock:
+            self.store.set_tenant_share(share)
 
     def pinned_prefixes(self) -> int:
         with self._lock:
@@ -448,7 +455,7 @@ class PrefixCache:
 
     def stats(self, tenant: str | None = None) -> CacheStats:
         with self._lock:
-            counters = self._totals() if tenant is None else self._tenants.get(tenant, TenantCounters())
+            counters = summed(self._tenants.values()) if tenant is None else self._tenants.get(tenant, TenantCounters())
             store = self.store
             evictions = dict(store.counters.evictions)
             if tenant is None:
@@ -473,28 +480,8 @@ class PrefixCache:
                 tenant=tenant,
             )
 
-    def _totals(self) -> TenantCounters:
-        """Every tenant's counters summed (caller holds the lock)."""
-        totals = TenantCounters()
-        for counters in self._tenants.values():
-            totals.requests += counters.requests
-            totals.queried_tokens += counters.queried_tokens
-            totals.hit_tokens += counters.hit_tokens
-            totals.written_tokens += counters.written_tokens
-            for outcome, requests in counters.outcomes.items():
-                totals.outcomes[outcome] += requests
-        return totals
-
     def check_integrity(self) -> None:
         """Assert every invariant of the store and of the pinned prefixes (O(n): tests)."""
         with self._lock:
             self.store.check_integrity()
             self._pins.check()
-
-
-def _run_of(segments: list[Segment], index: int) -> Run:
-    """The run holding block ``index`` among a walk's segments."""
-    for run, offset, _ in reversed(segments):
-        if run.depth + offset <= index:
-            return run
-    raise IndexError(index)

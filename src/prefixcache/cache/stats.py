@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
@@ -91,3 +92,16 @@ class CacheStats:
         d = asdict(self)
         d["hit_rate"] = self.hit_rate
         return d
+
+
+def summed(tenants: Iterable[TenantCounters]) -> TenantCounters:
+    """Every tenant's counters summed (the cache's totals: one count per request, not two)."""
+    totals = TenantCounters()
+    for counters in tenants:
+        totals.requests += counters.requests
+        totals.queried_tokens += counters.queried_tokens
+        totals.hit_tokens += counters.hit_tokens
+        totals.written_tokens += counters.written_tokens
+        for outcome, requests in counters.outcomes.items():
+            totals.outcomes[outcome] += requests
+    return totals

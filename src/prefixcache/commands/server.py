@@ -108,6 +108,15 @@ def serve(
             "hold (then POST /v1/cache/pin answers 409).",
         ),
     ] = 0.5,
+    tenant_capacity_share: Annotated[
+        float | None,
+        typer.Option(
+            min=0.01,
+            max=1.0,
+            help="With two tenants or more, the share of the cache's capacity past which a tenant's "
+            "inserts evict its own blocks first (not the others' warm prefixes). Default: one LRU.",
+        ),
+    ] = None,
     max_body_bytes: Annotated[
         str | None,
         typer.Option(
@@ -408,6 +417,7 @@ def serve(
         max_body_bytes=body_limit,
         tenant_queue_share=tenant_queue_share,
         tenant_pin_share=tenant_pin_share,
+        tenant_capacity_share=tenant_capacity_share,
         busting_window=busting_window,
         admin_tenants=admin_tenant or (),
         # No keys on an exposed address: nothing tells callers apart, so no cached-side text.

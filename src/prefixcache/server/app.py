@@ -114,6 +114,7 @@ def create_app(
     admin_tenants: Iterable[str] = (),
     dashboard_interval_s: float = DEFAULT_INTERVAL_S,
     tenant_pin_share: float = DEFAULT_TENANT_PIN_SHARE,
+    tenant_capacity_share: float | None = None,
     busting_window: int = DEFAULT_WINDOW,
     caller_text: TextPolicy | str | None = None,
 ) -> FastAPI:
@@ -125,7 +126,9 @@ def create_app(
     ``max_body_bytes``: a larger body is a 413 before it is parsed (default: 8 MiB, or 32 bytes
     per context token for a longer context). ``tenant_queue_share``: with two tenants or more,
     the share of ``max_queue`` one tenant may hold (at least one request); ``tenant_pin_share``
-    likewise of the cache's pinned budget (``POST /v1/cache/pin`` answers 409 beyond).
+    likewise of the cache's pinned budget (``POST /v1/cache/pin`` answers 409 beyond);
+    ``tenant_capacity_share`` of its capacity, past which a tenant evicts its own blocks first
+    (None: one LRU; see :mod:`~prefixcache.cache.shares`).
     ``busting_window``: requests per endpoint the live cache-busting watch compares (0: no
     watch; see :mod:`~prefixcache.server.busting`). ``admin_tenants``: tenants of ``api_keys``
     that see every tenant's prefixes on the dashboard. ``dashboard_interval_s``: seconds between
@@ -138,6 +141,8 @@ def create_app(
     bridge = EngineBridge(engine, max_queue, tenant_limit)
     if bridge.cache is not None and tenants > 1:
         bridge.cache.limit_tenant_pins(tenant_pin_share)
+        if tenant_capacity_share is not None:
+            bridge.cache.limit_tenant_capacity(tenant_capacity_share)
     metrics = Metrics(
         stats_fn=lambda: bridge.cache.stats() if bridge.cache is not None else None,
         queue_depth_fn=lambda: bridge.admission.depth,
