@@ -43,6 +43,10 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+# The in-process reference must run the same engine as the replicas, which get PYTHONPATH=ROOT/src:
+# without this, `prefixcache` here is whatever the interpreter finds first (an editable install of
+# another checkout), and a reference of another kernel set answers otherwise for a few prompts.
+sys.path.insert(0, str(ROOT / "src"))
 MODEL = "smollm2-135m-instruct"
 TOPICS = ["a bicycle shop", "a mountain hotel", "a city library", "a bakery", "a ferry line"]
 QUESTIONS = ["When do you open?", "Where are you?", "Can I pay by card?", "Do you deliver?"]
@@ -78,6 +82,7 @@ class Soak:
     events: list[tuple[float, str, str]] = field(default_factory=list)  # (t, what, replica url)
     max_bytes: dict[str, int] = field(default_factory=dict)
     reference: dict[tuple[str, str], str] = field(default_factory=dict)
+    runtime: str = ""  # the compute line the reference and every replica share
     lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
     health_s: list[float] = field(default_factory=list)  # the router's /health latencies
@@ -261,6 +266,22 @@ def back_up(soak: Soak, url: str, proc: subprocess.Popen[bytes]) -> None:
         soak.events.append((time.monotonic(), "replica healthy again", url))
 
 
+def same_runtime(reference: str, logs: list[Path]) -> str:
+    """The compute line (runner, dtype, weights, threads, kernels) of the reference, after
+    checking that every replica's log prints the same one: answers are compared only between
+    engines of one kernel set (exactness holds within one, not across them)."""
+    import prefixcache
+
+    if not Path(prefixcache.__file__).resolve().is_relative_to(ROOT / "src"):
+        sys.exit(f"the reference imports prefixcache from {prefixcache.__file__}, not {ROOT / 'src'}")
+    for log in logs:
+        lines = [line for line in log.read_text().splitlines() if line.startswith("prefixcache: compute: ")]
+        line = lines[-1].removeprefix("prefixcache: compute: ") if lines else "(no compute line)"
+        if line != reference:
+            sys.exit(f"{log.name} computes with '{line}', the reference with '{reference}': not comparable")
+    return reference
+
+
 def serve_in_thread(app: Any, port: int) -> Any:
     import uvicorn
 
@@ -289,6 +310,7 @@ def main() -> None:  # noqa: PLR0915 - one linear script: set up, run, classify,
     from prefixcache.commands.redis_process import free_port, redis_password_from, start_redis
     from prefixcache.commands.server import parse_bytes
     from prefixcache.engine import Engine
+    from prefixcache.engine.runtime import describe_runtime
     from prefixcache.router import RouterConfig, create_router_app
     from prefixcache.server import create_app
 
@@ -321,13 +343,16 @@ def main() -> None:  # noqa: PLR0915 - one linear script: set up, run, classify,
             procs[urls[i]] = start_replica(p, env, tmp / "keys.json", args.capacity, tmp / f"replica-{i}.log")
         print("loading the reference engine and two replicas ...", flush=True)
         ref_port = free_port()
-        serve_in_thread(create_app(Engine(None, enable_cache=False, threads=1), model_name=MODEL), ref_port)
+        reference = Engine(None, enable_cache=False, threads=1)
+        serve_in_thread(create_app(reference, model_name=MODEL), ref_port)
         for url in urls:
             wait_ready(url, procs[url], 600)
+        runtime = same_runtime(describe_runtime(reference), [tmp / f"replica-{i}.log" for i in range(2)])
         config = RouterConfig(urls, policy="cache-aware", health_interval_s=0.5, max_body_bytes=256 << 10)
         router_port = free_port()
         serve_in_thread(create_router_app(config), router_port)
         soak = Soak(args, f"http://127.0.0.1:{router_port}", list(keys), f"http://127.0.0.1:{ref_port}")
+        soak.runtime = runtime
         print("reference answers of the prompt pool ...", flush=True)
         for topic in TOPICS:
             for q in QUESTIONS:
@@ -458,7 +483,8 @@ def report(
         f"{args.workers} workers sending greedy chat completions of a 20-prompt pool (half streamed) and "
         f"{args.invalid_share:.0%} invalid requests (hostile structure included); a prober sending a fresh "
         "prompt as one tenant, then as another; a flush every 6 s. Every served answer is compared with a "
-        "cache-off reference server's.",
+        "cache-off reference server's, whose engine computes as every replica's does (checked at "
+        f"start: `{soak.runtime}`).",
         "",
         "Events: " + "; ".join(f"{t - t0:.0f} s {what}" for t, what, _ in sorted(soak.events)) + ".",
         "",
@@ -475,8 +501,14 @@ def report(
     args.out.write_text(text)
     if differ:
         for o in differ:  # what tells a cause apart: the prompt, where it ran, what it read cached
-            print("differs:", o.prompt[0][:40], o.prompt[1], repr(o.answer), repr(soak.reference[o.prompt]),
-                  f"replica={o.replica} cached={o.cached} tenant={o.tenant[:20]}")
+            print(
+                "differs:",
+                o.prompt[0][:40],
+                o.prompt[1],
+                repr(o.answer),
+                repr(soak.reference[o.prompt]),
+                f"replica={o.replica} cached={o.cached} tenant={o.tenant[:20]}",
+            )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 
-from prefixcache.cache import FakeClock, PrefixCache
-from prefixcache.cache import isolation
+from prefixcache.cache import FakeClock, PrefixCache, isolation
 from prefixcache.cache.keys import pack_tokens, unpack_tokens
 from prefixcache.cache.tiers.base import TierStats
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from prefixcache.cache.blocks import Run
 from prefixcache.cache.keys import BlockHash, Namespace
 from prefixcache.cache.policy import TtlPlan
-from prefixcache.cache.blocks import Run
 
 if TYPE_CHECKING:
     from prefixcache.cache.manager import PrefixCache
@@ -64,7 +64,9 @@ def prefetch(
         now, _ = cache.store.lookup(keys, packed, max_blocks)
         if not found <= now < found + len(got):
             return 0
-        return stack.insert(keys, packed, step, now, got[now - found :], ns.root, ns.tenant, ttls, cache.adopt)
+        return stack.insert(
+            keys, packed, step, now, got[now - found :], ns.root, ns.tenant, ttls, cache.adopt
+        )
 
 
 def remove_in_slices(cache: PrefixCache, pred: Callable[[Run], bool], reason: str) -> int:

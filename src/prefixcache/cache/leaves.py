@@ -237,4 +237,6 @@ class LeafQueues:
         if self.tenants is not None:
             own = {run for queue in self.tenants.values() for run in queue}
             assert own == set(self.lru), "the tenants' queues disagree with the LRU"
-            assert all(run.tenant == t for t, queue in self.tenants.items() for run in queue), "a leaf in another tenant's queue"
+            assert all(run.tenant == t for t, queue in self.tenants.items() for run in queue), (
+                "a leaf in another tenant's queue"
+            )

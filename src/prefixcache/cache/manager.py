@@ -455,7 +455,11 @@ class PrefixCache:
 
     def stats(self, tenant: str | None = None) -> CacheStats:
         with self._lock:
-            counters = summed(self._tenants.values()) if tenant is None else self._tenants.get(tenant, TenantCounters())
+            counters = (
+                summed(self._tenants.values())
+                if tenant is None
+                else self._tenants.get(tenant, TenantCounters())
+            )
             store = self.store
             evictions = dict(store.counters.evictions)
             if tenant is None:

@@ -59,7 +59,7 @@ class Request:
     grammar: Any = field(default=None, repr=False)
     #: A future for the exactness audit's result of this request's hit (``Engine.verify``).
     verify: Any = field(default=None, repr=False)
-    #: Filled once (by the prefetch before admission or the batch scheduler): block keys and packed tokens of ``ids``.
+    #: Block keys and packed tokens of ``ids``, filled once (prefetch or the batch scheduler).
     keys: list[Any] | None = field(default=None, repr=False)
     packed: bytes = field(default=b"", repr=False)
 
