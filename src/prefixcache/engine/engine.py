@@ -438,8 +438,8 @@ class Engine(PromptReader):
         """Bring the request's blocks that memory lacks up from the tiers, on this (the
         request's) thread and outside the cache's lock, before the step thread admits it."""
         cache = self.cache
-        if cache is None or not cache.tiers:
-            return
+        if cache is None or not cache.tiers or cache.promote_in_match:
+            return  # (promote_in_match set back on: match reads the tiers, under the lock)
         request.packed = pack_tokens(request.ids)
         request.keys = cache.block_keys(request.ids, self.namespace(request.tenant, request.salt))
         if self.auditor is not None and self.auditor.holds_back(request.keys):
