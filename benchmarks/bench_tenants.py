@@ -161,7 +161,9 @@ def main() -> None:
         "`flood` is the engine as it runs now: A's tier reads happen in its own prefetch, outside the "
         "cache's lock, and its flushes take the lock a slice of runs at a time. `flood, reads under "
         "the lock` turns `promote_in_match` back on: A's tier reads then run inside `match`, under "
-        "the lock, on the step thread that also serves B.",
+        "the lock, on the step thread that also serves B. What is left between `idle` and `flood` is "
+        "A's own compute: its prefills share the engine's steps (and here two CPUs with other work), "
+        "which no lock removes.",
         "",
     ]
     text = "\n".join(lines)

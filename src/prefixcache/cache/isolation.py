@@ -51,6 +51,7 @@ def prefetch(
     step = 4 * block_size
     max_blocks = (max((len(packed) >> 2) - 1, 0) // align) * align // block_size
     with cache._lock:
+        cache.store.sweep()  # (as match does first: an expired block is not memory's)
         found, _ = cache.store.lookup(keys, packed, max_blocks)
     if found >= max_blocks:
         return 0
