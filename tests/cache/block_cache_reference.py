@@ -22,8 +22,8 @@ from typing import Any, Protocol
 from block_store_reference import Block, BlockStore
 
 from prefixcache.cache.clock import Clock, monotonic
+from prefixcache.cache.config import TtlPlan, TtlPolicy
 from prefixcache.cache.keys import BlockHash, Hasher, Namespace, block_keys, pack_tokens, sha256_hasher
-from prefixcache.cache.policy import TtlPlan, TtlPolicy
 from prefixcache.cache.stats import CacheStats, Outcome, RequestUsage, TenantCounters
 
 #: block index -> (payload, nbytes); called only for blocks actually stored.

@@ -179,8 +179,8 @@ def test_a_flush_releases_the_lock_between_slices_of_runs(monkeypatch: pytest.Mo
         held.join(5)
         assert not held.is_alive()
 
-    lock = CountingLock(cache._lock, other_tenant)
-    monkeypatch.setattr(cache, "_lock", lock)
+    lock = CountingLock(cache.lock, other_tenant)
+    monkeypatch.setattr(cache, "lock", lock)
     assert cache.flush(ns(cache, "a")) == 50
     # One hold to list the runs, three slices (10, 10, 5 runs: 20, 20, 10 blocks), then a second
     # pass's listing, which finds none of A's runs left: 5 holds; B matched between each two.

@@ -34,7 +34,7 @@ class StallingTier:
     def get_many(
         self, keys: Sequence[bytes], tokens: Sequence[bytes], namespace: bytes, layout: Any = None
     ) -> list[tuple[Any, int]]:
-        with self.cache._lock:
+        with self.cache.lock:
             self.reading.set()
             time.sleep(STALL_S)
         return []

@@ -6,6 +6,7 @@ Pure Python (no torch): payloads are opaque, so the simulator drives the same co
 from __future__ import annotations
 
 from prefixcache.cache.clock import FakeClock
+from prefixcache.cache.config import TTL_CLASSES, TtlPolicy
 from prefixcache.cache.keys import (
     KV_LAYOUT_VERSION,
     BlockHash,
@@ -17,7 +18,6 @@ from prefixcache.cache.keys import (
 )
 from prefixcache.cache.manager import CommitResult, Match, PrefixCache
 from prefixcache.cache.pins import TenantPinBudgetExceeded
-from prefixcache.cache.policy import TTL_CLASSES, TtlPolicy
 from prefixcache.cache.stats import CacheStats, Outcome, RequestUsage, Usage
 from prefixcache.cache.store import Block, BlockStore, CacheFullError, PinBudgetExceeded
 from prefixcache.cache.tiers.base import Tier

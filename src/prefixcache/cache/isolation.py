@@ -6,21 +6,20 @@
 * :func:`remove_in_slices`: a flush removes its runs a slice at a time (``SLICE_RUNS`` runs per
   hold of the lock), so other requests' matches and commits interleave with a large flush.
 
-Both are called by :class:`~prefixcache.cache.manager.PrefixCache` and reach the store and the
-tiers through their public methods.
+Both are called by :class:`~prefixcache.cache.manager.PrefixCache` with its parts (its lock, its
+store, its tier stack) and reach them through their public methods, never the cache itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+import threading
+from collections.abc import Callable
+from typing import Any
 
 from prefixcache.cache.blocks import Run
 from prefixcache.cache.keys import BlockHash, Namespace
-from prefixcache.cache.policy import TtlPlan
-
-if TYPE_CHECKING:
-    from prefixcache.cache.manager import PrefixCache
+from prefixcache.cache.store import BlockStore
+from prefixcache.cache.tiers.stack import TierStack
 
 #: Runs a flush looks at per hold of the cache's lock.
 SLICE_RUNS = 256
@@ -30,62 +29,61 @@ MAX_PASSES = 4
 
 
 def prefetch(
-    cache: PrefixCache,
-    tokens: Sequence[int] | None,
+    lock: threading.RLock,
+    store: BlockStore,
+    stack: TierStack,
     ns: Namespace,
+    keys: list[BlockHash],
+    packed: bytes,
     *,
-    align_tokens: int | None = None,
-    ttl_s: float | None = None,
-    ttl_plan: TtlPlan | None = None,
-    keys: list[BlockHash] | None = None,
-    packed: bytes | None = None,
+    block_size: int,
+    align: int,
+    ttls: list[float],
+    adopt: Callable[[Any], Any] | None,
 ) -> int:
-    """Bring the blocks of this prompt that memory lacks and the tiers hold into memory, reading
-    the tiers without holding the cache's lock. Returns blocks inserted. A later :meth:`match`
-    finds them as if computed (unless evicted meanwhile: then it misses, never serves wrong)."""
-    stack = cache._tier_stack
+    """Bring the blocks of this prompt (its ``keys`` and ``packed`` tokens, prepared as
+    ``match`` prepares them) that memory lacks and the tiers hold into memory, reading the tiers
+    without holding ``lock``. Returns blocks inserted. A later ``match`` finds them as if computed
+    (unless evicted meanwhile: then it misses, never serves wrong)."""
     if not stack.tiers:
         return 0
-    align, keys, packed, ttls = cache._prepare(tokens, ns, align_tokens, ttl_s, ttl_plan, keys, packed)
-    block_size = cache.block_size
     step = 4 * block_size
     max_blocks = (max((len(packed) >> 2) - 1, 0) // align) * align // block_size
-    with cache._lock:
-        cache.store.sweep()  # (as match does first: an expired block is not memory's)
-        found, _ = cache.store.lookup(keys, packed, max_blocks)
+    with lock:
+        store.sweep()  # (as match does first: an expired block is not memory's)
+        found, _ = store.lookup(keys, packed, max_blocks)
     if found >= max_blocks:
         return 0
     got, unavailable = stack.read(keys, packed, step, found, max_blocks, ns.root)  # (no lock: I/O)
-    with cache._lock:
+    with lock:
         stack.unavailable = unavailable
         if not got:
             return 0
         # Memory may have moved meanwhile: continue from where its walk ends now, when that is
         # inside what was read (block ``now - 1`` stored); else the chain is broken, insert nothing.
-        now, _ = cache.store.lookup(keys, packed, max_blocks)
+        now, _ = store.lookup(keys, packed, max_blocks)
         if not found <= now < found + len(got):
             return 0
-        return stack.insert(
-            keys, packed, step, now, got[now - found :], ns.root, ns.tenant, ttls, cache.adopt
-        )
+        return stack.insert(keys, packed, step, now, got[now - found :], ns.root, ns.tenant, ttls, adopt)
 
 
-def remove_in_slices(cache: PrefixCache, pred: Callable[[Run], bool], reason: str) -> int:
+def remove_in_slices(
+    lock: threading.RLock, store: BlockStore, pred: Callable[[Run], bool], reason: str
+) -> int:
     """Remove every unreferenced, unpinned block of the runs for which ``pred`` holds, as
     :meth:`~prefixcache.cache.budget.BudgetedTree.remove_where` does (deepest runs first, so a
     parent follows its children), but at most ``SLICE_RUNS`` runs per hold of the lock. Blocks
     written while it runs may stay. Returns blocks removed."""
-    store = cache.store
     removed = 0
     for _ in range(MAX_PASSES):
-        with cache._lock:
+        with lock:
             runs = store.runs()  # (a list copy of the live runs: no test, no sort under the lock)
         # A run's namespace and tenant never change: ``pred`` may read them without the lock.
         victims = [run for run in runs if run.keys and pred(run)]
         victims.sort(key=lambda run: -(run.depth + len(run.keys)))
         this_pass = 0
         for first in range(0, len(victims), SLICE_RUNS):
-            with cache._lock:
+            with lock:
                 this_pass += store.remove_runs(victims[first : first + SLICE_RUNS], reason)
         removed += this_pass
         if not this_pass:

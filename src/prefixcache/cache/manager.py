@@ -19,12 +19,11 @@ from typing import Any
 
 from prefixcache.cache.blocks import run_of
 from prefixcache.cache.clock import Clock, monotonic
-from prefixcache.cache.config import DEFAULTS
+from prefixcache.cache.config import DEFAULTS, TtlPlan, TtlPolicy
 from prefixcache.cache.ghosts import GhostRecord, RecentPrompts
 from prefixcache.cache.isolation import prefetch, remove_in_slices
 from prefixcache.cache.keys import BlockHash, Hasher, Namespace, block_keys, pack_tokens, sha256_hasher
 from prefixcache.cache.pins import PinnedPrefixes
-from prefixcache.cache.policy import TtlPlan, TtlPolicy
 from prefixcache.cache.reasons import CacheReason, classify, continuation_of
 from prefixcache.cache.request import CommitResult, Match
 from prefixcache.cache.stats import CacheStats, Outcome, TenantCounters, summed
@@ -80,7 +79,8 @@ class PrefixCache:
             self.store.add_removal_listener(self.ghosts.on_removal)
         self._tier_stack = TierStack(self.store)
         self.tiers: list[Tier] = self._tier_stack.tiers  # in lookup order; add with add_tier
-        self._lock = threading.RLock()
+        #: The one lock every method takes; a caller holding it sees the cache stand still.
+        self.lock = threading.RLock()
         # Traffic counters per tenant; the totals are their sum (one count per request, not two).
         self._tenants: dict[str, TenantCounters] = {}
         self._pins = PinnedPrefixes(self.store)
@@ -125,7 +125,7 @@ class PrefixCache:
         """
         align, keys, packed, ttls = self._prepare(tokens, ns, align_tokens, ttl_s, ttl_plan, keys, packed)
         prompt_tokens = len(packed) >> 2
-        with self._lock:
+        with self.lock:
             usable, outcome, held, _, walk = self._begin(ns, keys, packed, prompt_tokens, align, ttls)
             reason = self._explain(ns, keys, packed, align, usable, walk) if self.explain else None
             return Match(
@@ -143,15 +143,31 @@ class PrefixCache:
                 _depth=usable,
             )
 
-    def prefetch(self, tokens: Sequence[int] | None, ns: Namespace, **kw: Any) -> int:
+    def prefetch(
+        self,
+        tokens: Sequence[int] | None,
+        ns: Namespace,
+        *,
+        align_tokens: int | None = None,
+        ttl_s: float | None = None,
+        ttl_plan: TtlPlan | None = None,
+        keys: list[BlockHash] | None = None,
+        packed: bytes | None = None,
+    ) -> int:
         """Read this prompt's blocks that memory lacks from the tiers without holding the lock,
         and insert them (arguments: :meth:`match`'s). See :func:`~prefixcache.cache.isolation.prefetch`."""
-        return prefetch(self, tokens, ns, **kw)
+        if not self._tier_stack.tiers:
+            return 0
+        align, keys, packed, ttls = self._prepare(tokens, ns, align_tokens, ttl_s, ttl_plan, keys, packed)
+        parts = (self.lock, self.store, self._tier_stack)
+        return prefetch(
+            *parts, ns, keys, packed, block_size=self.block_size, align=align, ttls=ttls, adopt=self.adopt
+        )
 
     def cached_prefix(self, keys: list[BlockHash], packed: bytes) -> int:
         """Blocks of this prompt that a request would find cached now (live, verified), without
         touching anything: what a cache-aware router asks each replica."""
-        with self._lock:
+        with self.lock:
             return self.store.lookup(keys, packed, len(keys))[0]
 
     def commit(
@@ -176,7 +192,7 @@ class PrefixCache:
         block_size = self.block_size
         keys = m.keys
         stop = len(keys) if upto_tokens is None else min(len(keys), max(upto_tokens, 0) // block_size)
-        with self._lock:
+        with self.lock:
             start = m._depth
             reached, ranges, short, m._held = self.store.write_chain(
                 keys,
@@ -221,7 +237,7 @@ class PrefixCache:
         ttls = self.policy.block_ttls(len(keys), block_size, ttl_s)
         stop = len(keys) if upto_tokens is None else min(len(keys), max(upto_tokens, 0) // block_size)
         store = self.store
-        with self._lock:
+        with self.lock:
             usable, _, held, counters, _ = self._begin(ns, keys, packed, len(packed) >> 2, align, ttls)
             reached, ranges, _, held = store.write_chain(
                 keys, packed, 4 * block_size, usable, stop, held, None, ns.root, ns.tenant, ttls, nbytes
@@ -233,7 +249,7 @@ class PrefixCache:
 
     def release(self, m: Match) -> None:
         """Drop every reference ``m`` holds. Idempotent; call it in a finally."""
-        with self._lock:
+        with self.lock:
             if m.released:
                 return
             m.released = True
@@ -359,13 +375,13 @@ class PrefixCache:
         :class:`~prefixcache.cache.store.PinBudgetExceeded`, pinning nothing."""
         keys = self.block_keys(tokens, ns)
         packed = pack_tokens(tokens)
-        with self._lock:
+        with self.lock:
             return self._pins.pin(keys, packed, ns.root) * self.block_size
 
     def unpin(self, tokens: Sequence[int], ns: Namespace) -> int:
         """Undo :meth:`pin` for every pinned prefix of ``tokens``. Returns tokens unpinned."""
         keys = self.block_keys(tokens, ns)
-        with self._lock:
+        with self.lock:
             return self._pins.unpin(keys, ns.root) * self.block_size
 
     def limit_tenant_pins(self, share: float) -> None:
@@ -373,22 +389,22 @@ class PrefixCache:
         :meth:`pin` raises :class:`~prefixcache.cache.pins.TenantPinBudgetExceeded`."""
         if not 0.0 < share <= 1.0:
             raise ValueError(f"the tenant pin share must be in (0, 1]; got {share}")
-        with self._lock:
+        with self.lock:
             self._pins.tenant_share = share
 
     def limit_tenant_capacity(self, share: float | None) -> None:
         """Over ``share`` (0 < share <= 1) of the capacity, a tenant's inserts evict its own
         leaves first (:mod:`~prefixcache.cache.shares`); None: one LRU over every tenant."""
-        with self._lock:
+        with self.lock:
             self.store.set_tenant_share(share)
 
     def pinned_prefixes(self) -> int:
-        with self._lock:
+        with self.lock:
             return len(self._pins)
 
     def pinned_blocks(self) -> list[Block]:
         """Snapshots of every pinned block (O(blocks held): for periodic keep-warm work)."""
-        with self._lock:
+        with self.lock:
             return [block for block in self.store if block.pin_count > 0]
 
     def flush(self, ns: Namespace) -> int:
@@ -396,7 +412,7 @@ class PrefixCache:
         blocks removed. The lock is taken a slice of runs at a time (``isolation.SLICE_RUNS``), so
         other requests interleave with a large flush. :meth:`remove_tier_entries`: the tiers."""
         root = ns.root
-        return remove_in_slices(self, lambda run: run.namespace == root, "flush")
+        return remove_in_slices(self.lock, self.store, lambda run: run.namespace == root, "flush")
 
     def remove_tier_entries(self, ns: Namespace) -> dict[str, int]:
         """Delete this namespace's entries from every tier (disk, Redis): {tier name: entries
@@ -422,7 +438,7 @@ class PrefixCache:
                 node = node.up
             return False
 
-        with self._lock:
+        with self.lock:
             removed = self.store.remove_where(affected, reason="verify")
             left = len(self.store.snapshots(list(keys), missing_ok=True))
         return removed, left
@@ -435,26 +451,26 @@ class PrefixCache:
     def set_block_layout(self, layout: BlockLayout | None) -> None:
         """The shape and dtype every payload promoted from a tier must have (an engine sets its
         KV pool's block layout); an entry of another layout is a counted corrupt miss."""
-        with self._lock:
+        with self.lock:
             self._tier_stack.layout = layout
 
     def sweep(self) -> int:
-        with self._lock:
+        with self.lock:
             return self.store.sweep()
 
     def add_tier(self, tier: Tier) -> None:
         """Add ``tier`` below memory and the tiers added before it (see ``prefixcache.cache.tiers``)."""
-        with self._lock:
+        with self.lock:
             self._tier_stack.add(tier)
 
     def snapshots(self, keys: Sequence[BlockHash], *, missing_ok: bool = False) -> list[Block]:
         """Snapshots of the stored blocks ``keys`` (a chain from depth 0, or any keys with
         ``missing_ok``, which skips those no longer stored)."""
-        with self._lock:
+        with self.lock:
             return self.store.snapshots(keys, missing_ok=missing_ok)
 
     def stats(self, tenant: str | None = None) -> CacheStats:
-        with self._lock:
+        with self.lock:
             counters = (
                 summed(self._tenants.values())
                 if tenant is None
@@ -486,6 +502,6 @@ class PrefixCache:
 
     def check_integrity(self) -> None:
         """Assert every invariant of the store and of the pinned prefixes (O(n): tests)."""
-        with self._lock:
+        with self.lock:
             self.store.check_integrity()
             self._pins.check()

@@ -14,17 +14,28 @@ finding a victim is O(1) and the cost of evicting stays proportional to what is 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prefixcache.cache.blocks import Run
-
-if TYPE_CHECKING:
-    from prefixcache.cache.budget import BudgetedTree
+from prefixcache.cache.leaves import LeafQueues
 
 
-def evict_own(tree: BudgetedTree, tenant: str, nbytes: int, protect: Run | None) -> None:
+class ShareHolder(Protocol):
+    """What :func:`evict_own` uses of the budgeted tree (:class:`~prefixcache.cache.budget.BudgetedTree`)."""
+
+    tenant_share: float | None
+    capacity_bytes: int
+    bytes: int
+    tenant_bytes: dict[str, int]
+    _leaves: LeafQueues
+
+    def _blocks_to_free(self, run: Run, need: int) -> int: ...
+    def _drop(self, run: Run, count: int, reason: str, *, requeue: bool) -> Run | None: ...
+
+
+def evict_own(tree: ShareHolder, tenant: str, nbytes: int, protect: Run | None) -> None:
     """Make room for ``nbytes`` of ``tenant`` out of its own leaves while it is over its share
-    (:attr:`BudgetedTree.tenant_share`) and room is needed; stops when neither holds or it has
+    (``tree.tenant_share``) and room is needed; stops when neither holds or it has
     no evictable leaf left (``protect``, the parent of the block going in, stays)."""
     share = tree.tenant_share
     if share is None:

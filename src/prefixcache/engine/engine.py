@@ -34,7 +34,6 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from prefixcache.cache import CacheStats, FakeClock, PrefixCache
-from prefixcache.cache.keys import pack_tokens
 from prefixcache.cache.tiers.codec import BlockLayout
 from prefixcache.engine.config import DEFAULT_PREFILL_CHUNK, EngineConfig, WorkerConfig, WorkerStats
 from prefixcache.engine.llama import LlamaRunner
@@ -42,7 +41,7 @@ from prefixcache.engine.model import ModelRunner, env_dtype
 from prefixcache.engine.pool import KVPool, pool_size
 from prefixcache.engine.prompts import PromptReader
 from prefixcache.engine.runtime import quantized_runner, select_runner
-from prefixcache.engine.serving.admission import check_request_fields, make_request
+from prefixcache.engine.serving.admission import check_request_fields, make_request, prefetch_blocks
 from prefixcache.engine.serving.guided import Grammar, Grammars
 from prefixcache.engine.serving.prompt_logprobs import PromptLogprob, prompt_logprobs
 from prefixcache.engine.serving.sampling import InvalidRequestError, SamplingParams
@@ -431,28 +430,10 @@ class Engine(PromptReader):
         ids = self.prompt_ids(messages, prompt, ids_in)
         request = make_request(ids, params, context_len=self.context_len, **fields)
         self._worker.validate(request)
-        self._prefetch(request)
+        if self.cache is not None:  # tier reads here, on the request's thread, not under the lock
+            ns = self.namespace(request.tenant, request.salt)
+            prefetch_blocks(self.cache, ns, request, self.alignment, self.auditor)
         return Job(request, cancel=cancel)
-
-    def _prefetch(self, request: Request) -> None:
-        """Bring the request's blocks that memory lacks up from the tiers, on this (the
-        request's) thread and outside the cache's lock, before the step thread admits it."""
-        cache = self.cache
-        if cache is None or not cache.tiers or cache.promote_in_match:
-            return  # (promote_in_match set back on: match reads the tiers, under the lock)
-        request.packed = pack_tokens(request.ids)
-        request.keys = cache.block_keys(request.ids, self.namespace(request.tenant, request.salt))
-        if self.auditor is not None and self.auditor.holds_back(request.keys):
-            return  # a block it would read was found wrong: the step thread waits for its removal
-        cache.prefetch(
-            None,
-            self.namespace(request.tenant, request.salt),
-            align_tokens=self.alignment,
-            ttl_s=request.ttl_s,
-            ttl_plan=request.ttl_plan,
-            keys=request.keys,
-            packed=request.packed,
-        )
 
 
 def fake_clock_engine(runner: ModelRunner, **kwargs: Any) -> Engine:

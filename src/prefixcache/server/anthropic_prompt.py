@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from prefixcache.cache.policy import TTL_CLASSES
+from prefixcache.cache.config import TTL_CLASSES
 from prefixcache.server.errors import bad_request
 from prefixcache.server.schemas_anthropic import ANTHROPIC_TTLS, MAX_BREAKPOINTS, CacheControl, _Prompt
 from prefixcache.server.tool_prompt import (

@@ -26,7 +26,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from prefixcache.cache.policy import TTL_CLASSES
+from prefixcache.cache.config import TTL_CLASSES
 from prefixcache.engine.types import ChoiceDelta, PromptDone
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Usage, translate_error

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-#: A breakpoint's ``ttl`` -> seconds (``prefixcache.cache.policy.TTL_CLASSES``).
+#: A breakpoint's ``ttl`` -> seconds (``prefixcache.cache.config.TTL_CLASSES``).
 ANTHROPIC_TTLS = ("5m", "1h")
 MAX_BREAKPOINTS = 4
 

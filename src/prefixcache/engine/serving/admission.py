@@ -20,9 +20,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from prefixcache.cache import PrefixCache
-from prefixcache.cache.keys import BlockHash, pack_tokens
+from prefixcache.cache.keys import BlockHash, Namespace, pack_tokens
 from prefixcache.engine.serving.sampling import InvalidRequestError, SamplingParams
 from prefixcache.engine.serving.sequence import SequenceGroup
+from prefixcache.engine.serving.verify import Auditor
 from prefixcache.engine.serving.worker import Job
 from prefixcache.engine.types import MAX_TOP_LOGPROBS, PromptTooLongError, Request
 
@@ -84,6 +85,28 @@ def make_request(
         return_logits=return_logits,
         n=n,
         logprobs=logprobs,
+    )
+
+
+def prefetch_blocks(
+    cache: PrefixCache, ns: Namespace, request: Request, alignment: int, auditor: Auditor | None
+) -> None:
+    """Bring the request's blocks that memory lacks up from the tiers, on the calling (the
+    request's) thread and outside the cache's lock, before the step thread admits it."""
+    if not cache.tiers or cache.promote_in_match:
+        return  # (promote_in_match set back on: match reads the tiers, under the lock)
+    request.packed = pack_tokens(request.ids)
+    request.keys = cache.block_keys(request.ids, ns)
+    if auditor is not None and auditor.holds_back(request.keys):
+        return  # a block it would read was found wrong: the step thread waits for its removal
+    cache.prefetch(
+        None,
+        ns,
+        align_tokens=alignment,
+        ttl_s=request.ttl_s,
+        ttl_plan=request.ttl_plan,
+        keys=request.keys,
+        packed=request.packed,
     )
 
 
