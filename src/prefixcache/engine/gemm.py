@@ -28,8 +28,18 @@ row the same bits alone as in a batch of 16. On CUDA the rule is the previous on
 a multiple of 4 rows); :meth:`GemmRule.tag` names the rule in the cache namespace, so engines
 with different rules never share blocks.
 
+**The own rule** (``own`` set: the default on the CPU wherever the native kernels are built and
+an AVX2/AVX512 GEMM path runs): dense weight products go through the engine's own GEMM
+(``kernels/pc_gemm.c``, :func:`prefixcache.engine.kernels.matmul.own_linear`), whose every output
+is one fixed sequence of operations depending on ``K`` alone: decode rows run unpadded, any
+count in one call, invariant by construction; prefill rows run there too where ``own_prefill``
+(measured faster than torch's 128-row pieces for the dtype, ``benchmarks/gemm_own.py``), else in
+torch's 128-row pieces as before. The tag names the rule, the GEMM version and ISA
+(``gemm-own-v1-avx512bf16-...``). ``PREFIXCACHE_KERNELS=torch`` (or kernels not built) keeps
+the torch rule above, which stays the numerical reference.
+
 Weights may be dense tensors or :class:`prefixcache.engine.quant.Q4Weight` (4-bit, see that
-module): both go through the same pieces.
+module): the latter go through the torch pieces under either rule.
 """
 
 from __future__ import annotations
@@ -48,6 +58,9 @@ PREFILL_PIECE = 128
 BF16_DECODE_PIECE = 32
 #: float32 decode rows: padded to exactly this many (invariant on AVX2 and AVX512 machines).
 F32_DECODE_PIECE = 16
+#: Dtypes whose prefill rows the own GEMM computes faster than torch's 128-row pieces (measured
+#: with ``benchmarks/gemm_own.py`` on AVX512-BF16 without AMX; with AMX torch's bf16 is faster).
+OWN_PREFILL = {"float32": True, "bfloat16": True}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +79,20 @@ class GemmRule:
     decode_piece: int
     pad_decode: bool
     legacy: bool = False  # CUDA: one GEMM over a multiple of 4 rows
+    own: str = ""  # the own GEMM's ISA ("" : the torch rule)
+    own_prefill: bool = False  # prefill rows through the own GEMM too (else torch pieces)
+    own_version: int = 0
 
     def tag(self) -> str:
         """The rule's part of the cache namespace."""
         if self.legacy:
             return "gemm-pad4"
-        return f"gemm-p{self.prefill_piece}-d{self.decode_piece}{'p' if self.pad_decode else ''}"
+        pieces = f"p{self.prefill_piece}-d{self.decode_piece}{'p' if self.pad_decode else ''}"
+        if self.own:
+            prefill = "pown" if self.own_prefill else f"p{self.prefill_piece}"
+            rest = f"d{self.decode_piece}{'p' if self.pad_decode else ''}"
+            return f"gemm-own-v{self.own_version}-{self.own}-{prefill}-{rest}"
+        return f"gemm-{pieces}"
 
     def padded(self, n: int) -> int:
         """Rows the step's activations have for ``n`` real rows."""
@@ -99,7 +120,10 @@ class GemmRule:
         return Rows(n, ((0, n, True),))
 
     def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, rows: Rows) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` for ``x`` of ``rows.total`` rows, in fixed-shape pieces."""
+        """``F.linear(x, weight, bias)`` for ``x`` of ``rows.total`` rows, in fixed-shape pieces
+        (or through the own GEMM: module doc)."""
+        if self.own and isinstance(weight, torch.Tensor) and weight.dtype == x.dtype and x.device.type == "cpu":
+            return self._own_linear(x, weight, bias, rows)
         own = getattr(weight, "linear", None)
         if own is None:
 
@@ -116,6 +140,23 @@ class GemmRule:
         for start, stop, decode in rows.runs:
             outs.extend(self._pieces(x, start, stop, decode, mm))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _own_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: Rows
+    ) -> torch.Tensor:
+        from prefixcache.engine.kernels.matmul import own_linear
+
+        if self.own_prefill or all(decode for _, _, decode in rows.runs):
+            return own_linear(x, weight, bias, isa=self.own)
+        out = x.new_empty(x.shape[0], weight.shape[0])
+        for start, stop, decode in rows.runs:
+            if decode:
+                own_linear(x[start:stop], weight, bias, isa=self.own, out=out[start:stop])
+            else:
+                mm = lambda a, decode: F.linear(a, weight, bias)  # noqa: E731
+                parts = self._pieces(x, start, stop, False, mm)
+                out[start:stop] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out
 
     # ------------------------------------------------------------------ pieces
     def _whole(self, run: tuple[int, int, bool]) -> bool:
@@ -158,14 +199,46 @@ def unpadded_rows_invariant(shape: tuple[int, int], dtype: torch.dtype, upto: in
     return _CHECKED[key]
 
 
-def gemm_rule(dtype: torch.dtype, device: torch.device, shapes: Sequence[tuple[int, int]] = ()) -> GemmRule:
+def _amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read()
+    except OSError:
+        return False
+
+
+def own_gemm(dtype: torch.dtype, kernels: str | None = None) -> tuple[str, bool, int]:
+    """(ISA, prefill rows too, version) of the own GEMM for ``dtype`` under ``kernels``
+    (auto|native|torch; None: ``PREFIXCACHE_KERNELS``), or ("", False, 0): the torch rule."""
+    from prefixcache.engine import kernels as native
+    from prefixcache.engine.kernels import matmul
+
+    if native.load(kernels) is None:
+        return "", False, 0
+    isa = matmul.gemm_isa(dtype) if dtype in (torch.float32, torch.bfloat16) else None
+    if isa is None:
+        return "", False, 0
+    name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    prefill = OWN_PREFILL[name] and not (dtype == torch.bfloat16 and _amx())
+    return isa, prefill, matmul.version()
+
+
+def gemm_rule(
+    dtype: torch.dtype,
+    device: torch.device,
+    shapes: Sequence[tuple[int, int]] = (),
+    kernels: str | None = None,
+) -> GemmRule:
     """The rule for a runner computing in ``dtype`` on ``device`` (module doc). ``shapes``: the
     weights' ``(out, in)`` shapes; bfloat16 decode rows go unpadded only where this machine's
     kernels are checked to be invariant at every count up to the piece for each of them (else
-    they are padded, like float32's, and the tag says so)."""
+    they are padded, like float32's, and the tag says so). ``kernels`` (auto|native|torch, None:
+    ``PREFIXCACHE_KERNELS``): the own GEMM is used where the native kernels load."""
     if device.type != "cpu":
         return GemmRule(prefill_piece=0, decode_piece=0, pad_decode=True, legacy=True)
+    own, own_prefill, version = own_gemm(dtype, kernels)
+    extra: dict[str, Any] = {"own": own, "own_prefill": own_prefill, "own_version": version}
     if dtype == torch.bfloat16:
         ok = all(unpadded_rows_invariant(s, dtype, BF16_DECODE_PIECE) for s in shapes)
-        return GemmRule(PREFILL_PIECE, BF16_DECODE_PIECE, pad_decode=not ok)
-    return GemmRule(PREFILL_PIECE, F32_DECODE_PIECE, pad_decode=True)
+        return GemmRule(PREFILL_PIECE, BF16_DECODE_PIECE, pad_decode=not ok, **extra)
+    return GemmRule(PREFILL_PIECE, F32_DECODE_PIECE, pad_decode=True, **extra)

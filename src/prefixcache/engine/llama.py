@@ -208,9 +208,8 @@ class LlamaRunner(ModelRunner):
             if t is not None and t.dim() == 2
         }
         shapes.add((self.lm_head.shape[0], self.lm_head.shape[1]))
-        self.gemm = gemm_rule(
-            dt, self.device, sorted(shapes)
-        )  # how every weight product keeps rows invariant
+        # how every weight product keeps rows invariant (the own GEMM where the kernels load)
+        self.gemm = gemm_rule(dt, self.device, sorted(shapes), kernels)
         self.model = None  # the Hugging Face modules are not used past this point
         self.lock = base.lock  # runners built from one base share the cores
         self.native, self.kernels = pick_kernels(self, kernels)

@@ -1,0 +1,305 @@
+/* prefixcache's own row-invariant GEMM: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), float32 or bfloat16.
+ *
+ * Invariance by construction: each output element y[m, n] is one fixed sequence of IEEE operations
+ * that depends on K alone (never on M, the row's position, the tile it falls in, or the threads):
+ * - 16 partial lanes, lane l accumulating k = l, l + 16, l + 32, ... in ascending order with one
+ *   FMA each (float32, and bfloat16 widened to float32 where the CPU has no bf16 dot product), or
+ *   with AVX512-BF16 `vdpbf16ps` lane l accumulating the pairs k = 32 c + 2 l, 2 l + 1 in ascending
+ *   chunks c; a K tail is read as zeros (masked loads);
+ * - then one fixed tree over the lanes (l + l+8, then +4, +2, +1), the bias added in float32,
+ *   and (bfloat16) one round-to-nearest-even to bf16, as torch rounds;
+ * - threads split only the output columns N (whole columns per thread), never K; register tiles
+ *   (rows x columns) only choose which outputs are computed together: every output has its own
+ *   accumulator, so no output's arithmetic depends on the tile.
+ * The float32 paths (generic, AVX2, AVX512) and the widened bf16 paths compute the same bits on
+ * every ISA (the same FMAs in the same order); the `vdpbf16ps` path has its own bits (the cache
+ * namespace names the GEMM ISA). Weights are read in place ([N, K] row-major, as torch keeps
+ * them): decode is bound by reading weights, and each weight row is read once per row tile, the
+ * tile's columns staying in L2 while all row tiles pass over them.
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define PC_GEMM_VERSION 1
+#define CB 64 /* columns per cache block (each thread's columns go block by block) */
+
+enum { G_GENERIC = 0, G_AVX2 = 1, G_AVX512 = 2, G_AVX512BF16 = 3 };
+
+typedef struct {
+    int64_t M, N, K, ldx, ldy;
+    const void *x, *w, *bias;
+    void *y;
+    int bf16;
+} job;
+
+static inline float bf2f(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f2bf(float f) { /* round to nearest even, as torch (NaN -> 0x7fc0) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The tree over 16 lanes: s8 = l + l+8, s4 = s8 + s8+4, s2 = s4 + s4+2, s = s2[0] + s2[1]. */
+static inline float tree16(const float *a) {
+    float s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; i++) s8[i] = a[i] + a[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+    for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
+    return s2[0] + s2[1];
+}
+
+static inline void put(const job *j, int64_t m, int64_t n, float s) {
+    if (j->bf16) {
+        if (j->bias) s = s + bf2f(((const uint16_t *)j->bias)[n]);
+        ((uint16_t *)j->y)[m * j->ldy + n] = f2bf(s);
+    } else {
+        if (j->bias) s = s + ((const float *)j->bias)[n];
+        ((float *)j->y)[m * j->ldy + n] = s;
+    }
+}
+
+static inline float xload(const job *j, const void *p, int64_t i) {
+    return j->bf16 ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* ---------------------------------------------------------------- generic (the reference order) */
+static void tile_generic(const job *j, int64_t m, int R, int64_t n, int C) {
+    const int64_t K = j->K;
+    const size_t es = j->bf16 ? 2 : 4;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            const char *xr = (const char *)j->x + (size_t)((m + r) * j->ldx) * es;
+            const char *wr = (const char *)j->w + (size_t)((n + c) * K) * es;
+            float acc[16] = {0};
+            for (int64_t k = 0; k < K; k++)
+                acc[k % 16] = __builtin_fmaf(xload(j, xr, k), xload(j, wr, k), acc[k % 16]);
+            put(j, m + r, n + c, tree16(acc));
+        }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline float tree256x2(__m256 lo, __m256 hi) {
+    __m256 s8 = _mm256_add_ps(lo, hi);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+/* 8 lanes from p + k (n valid, the rest zero), float32 or bf16 widened. */
+static inline __m256 ld8(const job *j, const void *p, int64_t k, int n) {
+    if (j->bf16) {
+        const uint16_t *h = (const uint16_t *)p + k;
+        __m128i v;
+        if (n >= 8) {
+            v = _mm_loadu_si128((const __m128i *)h);
+        } else {
+            uint16_t t[8] = {0};
+            for (int i = 0; i < n; i++) t[i] = h[i];
+            v = _mm_loadu_si128((const __m128i *)t);
+        }
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+    }
+    const float *f = (const float *)p + k;
+    if (n >= 8) return _mm256_loadu_ps(f);
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(f, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx));
+}
+
+/* R rows x 2 columns, 16 lanes as two ymm each. */
+static inline __attribute__((always_inline)) void tile_avx2_r(const job *j, int64_t m, const int R, int64_t n, int C) {
+    const int64_t K = j->K;
+    const size_t es = j->bf16 ? 2 : 4;
+    const void *xr[2], *wr[2];
+    for (int r = 0; r < R; r++) xr[r] = (const char *)j->x + (size_t)((m + r) * j->ldx) * es;
+    for (int c = 0; c < 2; c++) wr[c] = (const char *)j->w + (size_t)((n + (c < C ? c : 0)) * K) * es;
+    __m256 lo[2][2], hi[2][2];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 2; c++) lo[r][c] = hi[r][c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const int left = K - k >= 16 ? 16 : (int)(K - k);
+        const int n0 = left >= 8 ? 8 : left, n1 = left - n0;
+        __m256 w0[2], w1[2];
+        for (int c = 0; c < 2; c++) {
+            w0[c] = ld8(j, wr[c], k, n0);
+            w1[c] = n1 > 0 ? ld8(j, wr[c], k + 8, n1) : _mm256_setzero_ps();
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256 x0 = ld8(j, xr[r], k, n0);
+            const __m256 x1 = n1 > 0 ? ld8(j, xr[r], k + 8, n1) : _mm256_setzero_ps();
+            for (int c = 0; c < 2; c++) {
+                lo[r][c] = _mm256_fmadd_ps(x0, w0[c], lo[r][c]);
+                hi[r][c] = _mm256_fmadd_ps(x1, w1[c], hi[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) put(j, m + r, n + c, tree256x2(lo[r][c], hi[r][c]));
+}
+
+static void tile_avx2(const job *j, int64_t m, int R, int64_t n, int C) {
+    if (R == 2) tile_avx2_r(j, m, 2, n, C);
+    else tile_avx2_r(j, m, 1, n, C);
+}
+#endif
+
+#if defined(__AVX512F__)
+static inline float tree512(__m512 a) {
+    const __m256 lo = _mm512_castps512_ps256(a);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    return tree256x2(lo, hi);
+}
+
+/* 16 lanes from p + k (n valid, the rest zero), float32 or bf16 widened. */
+static inline __m512 ld16(const job *j, const void *p, int64_t k, int n) {
+    const __mmask16 mk = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    if (j->bf16) {
+        const __m256i h = _mm256_maskz_loadu_epi16(mk, (const uint16_t *)p + k);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_maskz_loadu_ps(mk, (const float *)p + k);
+}
+
+/* R rows x 4 columns, one zmm accumulator per output. */
+static inline __attribute__((always_inline)) void tile_avx512_r(const job *j, int64_t m, const int R, int64_t n, int C) {
+    const int64_t K = j->K;
+    const size_t es = j->bf16 ? 2 : 4;
+    const void *xr[4], *wr[4];
+    for (int r = 0; r < R; r++) xr[r] = (const char *)j->x + (size_t)((m + r) * j->ldx) * es;
+    for (int c = 0; c < 4; c++) wr[c] = (const char *)j->w + (size_t)((n + (c < C ? c : 0)) * K) * es;
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const int left = K - k >= 16 ? 16 : (int)(K - k);
+        __m512 wv[4];
+        for (int c = 0; c < 4; c++) wv[c] = ld16(j, wr[c], k, left);
+        for (int r = 0; r < R; r++) {
+            const __m512 xv = ld16(j, xr[r], k, left);
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) put(j, m + r, n + c, tree512(acc[r][c]));
+}
+
+static void tile_avx512(const job *j, int64_t m, int R, int64_t n, int C) {
+    switch (R) {
+    case 4: tile_avx512_r(j, m, 4, n, C); break;
+    case 3: tile_avx512_r(j, m, 3, n, C); break;
+    case 2: tile_avx512_r(j, m, 2, n, C); break;
+    default: tile_avx512_r(j, m, 1, n, C); break;
+    }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* bf16 x bf16 -> float32 lanes by vdpbf16ps: lane l += x[2l] w[2l] + x[2l+1] w[2l+1], 32 k a step. */
+static inline __attribute__((always_inline)) void tile_bf16_r(const job *j, int64_t m, const int R, int64_t n, int C) {
+    const int64_t K = j->K;
+    const uint16_t *xr[4], *wr[4];
+    for (int r = 0; r < R; r++) xr[r] = (const uint16_t *)j->x + (m + r) * j->ldx;
+    for (int c = 0; c < 4; c++) wr[c] = (const uint16_t *)j->w + (n + (c < C ? c : 0)) * K;
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        const int64_t left = K - k;
+        const __mmask32 mk = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1);
+        __m512i wv[4];
+        for (int c = 0; c < 4; c++) wv[c] = _mm512_maskz_loadu_epi16(mk, wr[c] + k);
+        for (int r = 0; r < R; r++) {
+            const __m512i xv = _mm512_maskz_loadu_epi16(mk, xr[r] + k);
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)xv, (__m512bh)wv[c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) put(j, m + r, n + c, tree512(acc[r][c]));
+}
+
+static void tile_bf16(const job *j, int64_t m, int R, int64_t n, int C) {
+    switch (R) {
+    case 4: tile_bf16_r(j, m, 4, n, C); break;
+    case 3: tile_bf16_r(j, m, 3, n, C); break;
+    case 2: tile_bf16_r(j, m, 2, n, C); break;
+    default: tile_bf16_r(j, m, 1, n, C); break;
+    }
+}
+#endif
+
+typedef void (*tile_fn)(const job *, int64_t, int, int64_t, int);
+
+/* Bit i set: GEMM ISA i is compiled in and this CPU runs it. */
+int pc_gemm_isas(void) {
+    int mask = 1 << G_GENERIC;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) mask |= 1 << G_AVX2;
+#endif
+#if defined(__AVX512F__)
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) mask |= 1 << G_AVX512;
+#endif
+#if defined(__AVX512BF16__)
+    if (__builtin_cpu_supports("avx512bf16")) mask |= 1 << G_AVX512BF16;
+#endif
+    return mask;
+}
+
+int pc_gemm_version(void) { return PC_GEMM_VERSION; }
+
+/* y[m * ldy + n] = sum_k x[m * ldx + k] w[n * K + k] (+ bias[n]); dtype 0 float32, 1 bfloat16;
+ * isa one of G_* (the bf16 dot-product ISA computes bf16 only; float32 there runs AVX512).
+ * Returns 0, or -1 when the ISA is not available here (nothing written). */
+int pc_gemm(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void *x, int64_t ldx, const void *w,
+            const void *bias, void *y, int64_t ldy, int nt) {
+    if (isa < 0 || isa > G_AVX512BF16 || !((pc_gemm_isas() >> isa) & 1)) return -1;
+    const job j = {M, N, K, ldx, ldy, x, w, bias, y, dtype == 1};
+    tile_fn tile = tile_generic;
+    int RT = 1, CT = 1;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (isa == G_AVX2) tile = tile_avx2, RT = 2, CT = 2;
+#endif
+#if defined(__AVX512F__)
+    if (isa == G_AVX512 || (isa == G_AVX512BF16 && !j.bf16)) tile = tile_avx512, RT = 4, CT = 4;
+#endif
+#if defined(__AVX512BF16__)
+    if (isa == G_AVX512BF16 && j.bf16) tile = tile_bf16, RT = 4, CT = 4;
+#endif
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t tiles = (N + CT - 1) / CT;
+    if (nt < 1) nt = 1;
+    if (nt > tiles) nt = (int)tiles;
+#pragma omp parallel num_threads(nt)
+    {
+        int t = 0, T = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        T = omp_get_num_threads();
+#endif
+        const int64_t n0 = tiles * t / T * CT;
+        int64_t n1 = tiles * (t + 1) / T * CT;
+        if (n1 > N) n1 = N;
+        for (int64_t b = n0; b < n1; b += CB) {
+            const int64_t e = b + CB < n1 ? b + CB : n1;
+            for (int64_t m = 0; m < M; m += RT) {
+                const int R = M - m < RT ? (int)(M - m) : RT;
+                for (int64_t n = b; n < e; n += CT) tile(&j, m, R, n, e - n < CT ? (int)(e - n) : CT);
+            }
+        }
+    }
+    return 0;
+}
