@@ -92,8 +92,8 @@ def test_the_pieces_compute_the_same_product_as_f_linear(dtype: torch.dtype) -> 
 def test_the_rule_is_named_in_the_cache_namespace(tiny_runner) -> None:
     from prefixcache.engine.llama import LlamaRunner
 
-    f32 = LlamaRunner.from_model_runner(tiny_runner, dtype="float32")
-    bf16 = LlamaRunner.from_model_runner(tiny_runner, dtype="bfloat16")
+    f32 = LlamaRunner.from_model_runner(tiny_runner, dtype="float32", kernels="torch")
+    bf16 = LlamaRunner.from_model_runner(tiny_runner, dtype="bfloat16", kernels="torch")
     assert f32.gemm.tag() == "gemm-p128-d16p"
     assert bf16.gemm.tag() == ("gemm-p128-d32p" if bf16.gemm.pad_decode else "gemm-p128-d32")
     other = copy.copy(f32)

@@ -60,7 +60,7 @@ BF16_DECODE_PIECE = 32
 F32_DECODE_PIECE = 16
 #: Dtypes whose prefill rows the own GEMM computes faster than torch's 128-row pieces (measured
 #: with ``benchmarks/gemm_own.py`` on AVX512-BF16 without AMX; with AMX torch's bf16 is faster).
-OWN_PREFILL = {"float32": True, "bfloat16": True}
+OWN_PREFILL = {"float32": True, "bfloat16": False}
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@
 #endif
 
 #define PC_GEMM_VERSION 1
+#define U _Pragma("GCC unroll 4")
 #define CB 64 /* columns per cache block (each thread's columns go block by block) */
 
 enum { G_GENERIC = 0, G_AVX2 = 1, G_AVX512 = 2, G_AVX512BF16 = 3 };
@@ -79,7 +80,7 @@ static inline float xload(const job *j, const void *p, int64_t i) {
 static void tile_generic(const job *j, int64_t m, int R, int64_t n, int C) {
     const int64_t K = j->K;
     const size_t es = j->bf16 ? 2 : 4;
-    for (int r = 0; r < R; r++)
+    U for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
             const char *xr = (const char *)j->x + (size_t)((m + r) * j->ldx) * es;
             const char *wr = (const char *)j->w + (size_t)((n + c) * K) * es;
@@ -123,30 +124,30 @@ static inline __attribute__((always_inline)) void tile_avx2_r(const job *j, int6
     const int64_t K = j->K;
     const size_t es = j->bf16 ? 2 : 4;
     const void *xr[2], *wr[2];
-    for (int r = 0; r < R; r++) xr[r] = (const char *)j->x + (size_t)((m + r) * j->ldx) * es;
-    for (int c = 0; c < 2; c++) wr[c] = (const char *)j->w + (size_t)((n + (c < C ? c : 0)) * K) * es;
+    U for (int r = 0; r < R; r++) xr[r] = (const char *)j->x + (size_t)((m + r) * j->ldx) * es;
+    U for (int c = 0; c < 2; c++) wr[c] = (const char *)j->w + (size_t)((n + (c < C ? c : 0)) * K) * es;
     __m256 lo[2][2], hi[2][2];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < 2; c++) lo[r][c] = hi[r][c] = _mm256_setzero_ps();
+    U for (int r = 0; r < R; r++)
+        U for (int c = 0; c < 2; c++) lo[r][c] = hi[r][c] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
         const int left = K - k >= 16 ? 16 : (int)(K - k);
         const int n0 = left >= 8 ? 8 : left, n1 = left - n0;
         __m256 w0[2], w1[2];
-        for (int c = 0; c < 2; c++) {
+        U for (int c = 0; c < 2; c++) {
             w0[c] = ld8(j, wr[c], k, n0);
             w1[c] = n1 > 0 ? ld8(j, wr[c], k + 8, n1) : _mm256_setzero_ps();
         }
-        for (int r = 0; r < R; r++) {
+        U for (int r = 0; r < R; r++) {
             const __m256 x0 = ld8(j, xr[r], k, n0);
             const __m256 x1 = n1 > 0 ? ld8(j, xr[r], k + 8, n1) : _mm256_setzero_ps();
-            for (int c = 0; c < 2; c++) {
+            U for (int c = 0; c < 2; c++) {
                 lo[r][c] = _mm256_fmadd_ps(x0, w0[c], lo[r][c]);
                 hi[r][c] = _mm256_fmadd_ps(x1, w1[c], hi[r][c]);
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) put(j, m + r, n + c, tree256x2(lo[r][c], hi[r][c]));
+    U for (int r = 0; r < R; r++)
+        U for (int c = 0; c < 2; c++) if (c < C) put(j, m + r, n + c, tree256x2(lo[r][c], hi[r][c]));
 }
 
 static void tile_avx2(const job *j, int64_t m, int R, int64_t n, int C) {
@@ -177,22 +178,22 @@ static inline __attribute__((always_inline)) void tile_avx512_r(const job *j, in
     const int64_t K = j->K;
     const size_t es = j->bf16 ? 2 : 4;
     const void *xr[4], *wr[4];
-    for (int r = 0; r < R; r++) xr[r] = (const char *)j->x + (size_t)((m + r) * j->ldx) * es;
-    for (int c = 0; c < 4; c++) wr[c] = (const char *)j->w + (size_t)((n + (c < C ? c : 0)) * K) * es;
+    U for (int r = 0; r < R; r++) xr[r] = (const char *)j->x + (size_t)((m + r) * j->ldx) * es;
+    U for (int c = 0; c < 4; c++) wr[c] = (const char *)j->w + (size_t)((n + (c < C ? c : 0)) * K) * es;
     __m512 acc[4][4];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    U for (int r = 0; r < R; r++)
+        U for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
         const int left = K - k >= 16 ? 16 : (int)(K - k);
         __m512 wv[4];
-        for (int c = 0; c < 4; c++) wv[c] = ld16(j, wr[c], k, left);
-        for (int r = 0; r < R; r++) {
+        U for (int c = 0; c < 4; c++) wv[c] = ld16(j, wr[c], k, left);
+        U for (int r = 0; r < R; r++) {
             const __m512 xv = ld16(j, xr[r], k, left);
-            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+            U for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) put(j, m + r, n + c, tree512(acc[r][c]));
+    U for (int r = 0; r < R; r++)
+        U for (int c = 0; c < 4; c++) if (c < C) put(j, m + r, n + c, tree512(acc[r][c]));
 }
 
 static void tile_avx512(const job *j, int64_t m, int R, int64_t n, int C) {
@@ -210,23 +211,23 @@ static void tile_avx512(const job *j, int64_t m, int R, int64_t n, int C) {
 static inline __attribute__((always_inline)) void tile_bf16_r(const job *j, int64_t m, const int R, int64_t n, int C) {
     const int64_t K = j->K;
     const uint16_t *xr[4], *wr[4];
-    for (int r = 0; r < R; r++) xr[r] = (const uint16_t *)j->x + (m + r) * j->ldx;
-    for (int c = 0; c < 4; c++) wr[c] = (const uint16_t *)j->w + (n + (c < C ? c : 0)) * K;
+    U for (int r = 0; r < R; r++) xr[r] = (const uint16_t *)j->x + (m + r) * j->ldx;
+    U for (int c = 0; c < 4; c++) wr[c] = (const uint16_t *)j->w + (n + (c < C ? c : 0)) * K;
     __m512 acc[4][4];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    U for (int r = 0; r < R; r++)
+        U for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
         const int64_t left = K - k;
         const __mmask32 mk = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1);
         __m512i wv[4];
-        for (int c = 0; c < 4; c++) wv[c] = _mm512_maskz_loadu_epi16(mk, wr[c] + k);
-        for (int r = 0; r < R; r++) {
+        U for (int c = 0; c < 4; c++) wv[c] = _mm512_maskz_loadu_epi16(mk, wr[c] + k);
+        U for (int r = 0; r < R; r++) {
             const __m512i xv = _mm512_maskz_loadu_epi16(mk, xr[r] + k);
-            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)xv, (__m512bh)wv[c]);
+            U for (int c = 0; c < 4; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)xv, (__m512bh)wv[c]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) put(j, m + r, n + c, tree512(acc[r][c]));
+    U for (int r = 0; r < R; r++)
+        U for (int c = 0; c < 4; c++) if (c < C) put(j, m + r, n + c, tree512(acc[r][c]));
 }
 
 static void tile_bf16(const job *j, int64_t m, int R, int64_t n, int C) {
