@@ -7,11 +7,15 @@ For each dtype and kernel set, on SmolLM2 (runner.step directly, no server): sin
 a cold prefill of 2,112 tokens in one pass and in 512-token steps. The two kernel sets alternate
 figure by figure, so a machine whose load changes affects both alike; the ratio column is what
 to read on a shared machine. Prints a markdown table.
+
+``--compare gemm``: both columns on the native kernels, the own GEMM rule (``engine/gemm.py``)
+against the torch GEMM rule (F.linear in fixed-shape pieces).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import random
 import statistics
 import time
@@ -19,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from prefixcache.engine.gemm import gemm_rule
 from prefixcache.engine.kernels import describe
 from prefixcache.engine.llama import LlamaRunner, Segment
 from prefixcache.engine.model import ModelRunner
@@ -70,16 +75,29 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated: float32, bfloat16")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     ap.add_argument("--repeats", type=int, default=5, help="repeats per figure (medians)")
+    ap.add_argument("--compare", choices=("kernels", "gemm"), default="kernels")
     args = ap.parse_args()
     base = ModelRunner.load(threads=args.threads)
     print(f"kernels: {describe('native')}; torch threads: {torch.get_num_threads()}\n")
-    print("| dtype | figure | native | torch | native speed-up |")
+    cols = ("own GEMM", "torch GEMM") if args.compare == "gemm" else ("native", "torch")
+    print(f"| dtype | figure | {cols[0]} | {cols[1]} | speed-up |")
     print("|---|---|---:|---:|---:|")
     for dtype in args.dtypes.split(","):
-        setups = {
-            k: _Setup(LlamaRunner.from_model_runner(base, dtype=dtype, kernels=k))
-            for k in ("native", "torch")
-        }
+        if args.compare == "gemm":
+            own = LlamaRunner.from_model_runner(base, dtype=dtype, kernels="native")
+            ref = copy.copy(own)
+            shapes = {
+                tuple(t.shape) for lw in own.layers for t in lw.values() if t is not None and t.dim() == 2
+            }
+            shapes.add(tuple(own.lm_head.shape))
+            ref.gemm = gemm_rule(own.dtype, own.device, sorted(shapes), "torch")
+            print(f"{dtype}: {own.gemm.tag()} against {ref.gemm.tag()}")
+            setups = {"native": _Setup(own), "torch": _Setup(ref)}
+        else:
+            setups = {
+                k: _Setup(LlamaRunner.from_model_runner(base, dtype=dtype, kernels=k))
+                for k in ("native", "torch")
+            }
         figures: list[tuple[str, Callable[[_Setup], Callable[[], object]], int, bool]] = [
             ("decode, 1 row at 100 tokens (tok/s)", lambda s: lambda: s.decode(100, 1), 1, True),
             ("decode, 1 row at 1,100 tokens (tok/s)", lambda s: lambda: s.decode(1100, 1), 1, True),

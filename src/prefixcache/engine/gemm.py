@@ -122,7 +122,12 @@ class GemmRule:
     def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, rows: Rows) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` for ``x`` of ``rows.total`` rows, in fixed-shape pieces
         (or through the own GEMM: module doc)."""
-        if self.own and isinstance(weight, torch.Tensor) and weight.dtype == x.dtype and x.device.type == "cpu":
+        if (
+            self.own
+            and isinstance(weight, torch.Tensor)
+            and weight.dtype == x.dtype
+            and x.device.type == "cpu"
+        ):
             return self._own_linear(x, weight, bias, rows)
         own = getattr(weight, "linear", None)
         if own is None:
