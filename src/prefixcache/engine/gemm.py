@@ -127,7 +127,8 @@ class GemmRule:
             and isinstance(weight, torch.Tensor)
             and weight.dtype == x.dtype
             and x.device.type == "cpu"
-        ):
+            and (self.own_prefill or any(decode for _, _, decode in rows.runs))
+        ):  # prefill rows alone on torch's pieces take the path below, as under the torch rule
             return self._own_linear(x, weight, bias, rows)
         own = getattr(weight, "linear", None)
         if own is None:
