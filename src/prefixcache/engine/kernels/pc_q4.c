@@ -1,0 +1,172 @@
+/* 4-bit weights (Q4_1 groups of 32): y = x @ W^T, rows invariant by construction.
+ *
+ * W [N, K] is stored per output row n as K/32 groups: 16 bytes of nibbles (byte j holds element j
+ * in its low nibble and element j + 16 in its high nibble, the GGUF's own order) and a float32
+ * scale d and min m per group, so w = d * q + m.
+ *
+ * For each (row r, output n) the arithmetic is fixed by K alone:
+ *   acc (LANES float lanes) = 0
+ *   for g in 0..K/32-1:  t = q_lo * x_lo;  t = fma(q_hi, x_hi, t);  acc = fma(d, t, acc);
+ *                        acc = fma(m, xs, acc)       where xs = x_lo + x_hi (per row, per group)
+ *   y = the lanes of acc summed in ascending order
+ * (LANES = 16 on AVX512 as two 8-float halves, 8 on AVX2, so both paths compute the same bits;
+ * the scalar path does the same per lane.) Rows are processed in tiles that share each decoded
+ * weight group; a row's arithmetic does not depend on its tile, the row count, its position or
+ * the thread count (OpenMP splits the output columns only). No fast-math, no compiler FMA
+ * contraction (build flags); the FMAs are written out.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define PC_Q4_VERSION 1
+#define Q4_TILE 8
+
+int pc_q4_version(void) { return PC_Q4_VERSION; }
+
+/* xs[r][g][0..15] = x[r][32g + i] + x[r][32g + 16 + i] */
+static void q4_row_sums(const float *x, int64_t k, float *xs) {
+    for (int64_t g = 0; g < k / 32; g++)
+        for (int i = 0; i < 16; i++) xs[g * 16 + i] = x[g * 32 + i] + x[g * 32 + 16 + i];
+}
+
+/* The lane sum in a fixed order: lanes 0..7 are the first half, 8..15 the second. */
+static float q4_lanes(const float *acc) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += acc[i];
+    return s;
+}
+
+static void q4_col_scalar(const uint8_t *qs, const float *d, const float *m, int64_t k,
+                          const float *x, const float *xs, int64_t nr, int64_t ldx, float *y,
+                          int64_t ldy) {
+    for (int64_t r = 0; r < nr; r++) {
+        float acc[16] = {0};
+        const float *xr = x + r * ldx, *sr = xs + r * (k / 2);
+        for (int64_t g = 0; g < k / 32; g++) {
+            const uint8_t *b = qs + g * 16;
+            for (int i = 0; i < 16; i++) {
+                float t = (float)(b[i] & 15) * xr[g * 32 + i];
+                t = __builtin_fmaf((float)(b[i] >> 4), xr[g * 32 + 16 + i], t);
+                acc[i] = __builtin_fmaf(d[g], t, acc[i]);
+                acc[i] = __builtin_fmaf(m[g], sr[g * 16 + i], acc[i]);
+            }
+        }
+        y[r * ldy] = q4_lanes(acc);
+    }
+}
+
+#ifdef __AVX2__
+static void q4_col_avx2(const uint8_t *qs, const float *d, const float *m, int64_t k,
+                        const float *x, const float *xs, int64_t nr, int64_t ldx, float *y,
+                        int64_t ldy) {
+    __m256 acc[Q4_TILE][2];
+    const __m256i lo = _mm256_set1_epi32(15);
+    for (int64_t r0 = 0; r0 < nr; r0 += Q4_TILE) {
+        int64_t t = nr - r0 < Q4_TILE ? nr - r0 : Q4_TILE;
+        for (int64_t j = 0; j < t; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < k / 32; g++) {
+            __m256 q[2][2];
+            for (int h = 0; h < 2; h++) {
+                __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + g * 16 + 8 * h)));
+                q[h][0] = _mm256_cvtepi32_ps(_mm256_and_si256(b, lo));
+                q[h][1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+            }
+            __m256 dg = _mm256_set1_ps(d[g]), mg = _mm256_set1_ps(m[g]);
+            for (int64_t j = 0; j < t; j++) {
+                const float *xr = x + (r0 + j) * ldx + g * 32, *sr = xs + (r0 + j) * (k / 2) + g * 16;
+                for (int h = 0; h < 2; h++) {
+                    __m256 v = _mm256_mul_ps(q[h][0], _mm256_loadu_ps(xr + 8 * h));
+                    v = _mm256_fmadd_ps(q[h][1], _mm256_loadu_ps(xr + 16 + 8 * h), v);
+                    acc[j][h] = _mm256_fmadd_ps(dg, v, acc[j][h]);
+                    acc[j][h] = _mm256_fmadd_ps(mg, _mm256_loadu_ps(sr + 8 * h), acc[j][h]);
+                }
+            }
+        }
+        for (int64_t j = 0; j < t; j++) {
+            float a[16];
+            _mm256_storeu_ps(a, acc[j][0]);
+            _mm256_storeu_ps(a + 8, acc[j][1]);
+            y[(r0 + j) * ldy] = q4_lanes(a);
+        }
+    }
+}
+#endif
+
+#ifdef __AVX512F__
+static void q4_col_avx512(const uint8_t *qs, const float *d, const float *m, int64_t k,
+                          const float *x, const float *xs, int64_t nr, int64_t ldx, float *y,
+                          int64_t ldy) {
+    __m512 acc[Q4_TILE];
+    const __m512i lo = _mm512_set1_epi32(15);
+    for (int64_t r0 = 0; r0 < nr; r0 += Q4_TILE) {
+        int64_t t = nr - r0 < Q4_TILE ? nr - r0 : Q4_TILE;
+        for (int64_t j = 0; j < t; j++) acc[j] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < k / 32; g++) {
+            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + g * 16)));
+            __m512 ql = _mm512_cvtepi32_ps(_mm512_and_si512(b, lo));
+            __m512 qh = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+            __m512 dg = _mm512_set1_ps(d[g]), mg = _mm512_set1_ps(m[g]);
+            for (int64_t j = 0; j < t; j++) {
+                const float *xr = x + (r0 + j) * ldx + g * 32, *sr = xs + (r0 + j) * (k / 2) + g * 16;
+                __m512 v = _mm512_mul_ps(ql, _mm512_loadu_ps(xr));
+                v = _mm512_fmadd_ps(qh, _mm512_loadu_ps(xr + 16), v);
+                acc[j] = _mm512_fmadd_ps(dg, v, acc[j]);
+                acc[j] = _mm512_fmadd_ps(mg, _mm512_loadu_ps(sr), acc[j]);
+            }
+        }
+        for (int64_t j = 0; j < t; j++) {
+            float a[16];
+            _mm512_storeu_ps(a, acc[j]);
+            y[(r0 + j) * ldy] = q4_lanes(a);
+        }
+    }
+}
+#endif
+
+/* The path a call takes: 0 the best compiled here, 1 AVX2, 2 scalar (all give the same bits). */
+const char *pc_q4_path(int path) {
+#ifdef __AVX512F__
+    if (path == 0) return "avx512";
+#endif
+#ifdef __AVX2__
+    if (path <= 1) return "avx2";
+#endif
+    (void)path;
+    return "scalar";
+}
+
+/* y[nr, n] (float32, row stride ldy) = x[nr, k] (float32, row stride ldx) @ W^T.
+ * qs: uint8 [n, k/32, 16]; d, m: float32 [n, k/32]; k a multiple of 32. threads: the OpenMP team. */
+void pc_q4_linear(int64_t nr, int64_t n, int64_t k, const float *x, int64_t ldx, const uint8_t *qs,
+                  const float *d, const float *m, float *y, int64_t ldy, int threads, int path) {
+    if (nr <= 0 || n <= 0) return;
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(nr * (k / 2)));
+    if (!xs) return;
+    for (int64_t r = 0; r < nr; r++) q4_row_sums(x + r * ldx, k, xs + r * (k / 2));
+    const char *p = pc_q4_path(path);
+    int kind = p[0] == 's' ? 2 : (p[4] == '5' ? 0 : 1);
+    int64_t gk = k / 32;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int64_t c = 0; c < n; c++) {
+        const uint8_t *qc = qs + c * gk * 16;
+        const float *dc = d + c * gk, *mc = m + c * gk;
+#ifdef __AVX512F__
+        if (kind == 0) {
+            q4_col_avx512(qc, dc, mc, k, x, xs, nr, ldx, y + c, ldy);
+            continue;
+        }
+#endif
+#ifdef __AVX2__
+        if (kind == 1) {
+            q4_col_avx2(qc, dc, mc, k, x, xs, nr, ldx, y + c, ldy);
+            continue;
+        }
+#endif
+        q4_col_scalar(qc, dc, mc, k, x, xs, nr, ldx, y + c, ldy);
+    }
+    free(xs);
+}
