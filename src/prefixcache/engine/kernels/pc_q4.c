@@ -5,12 +5,12 @@
  * scale d and min m per group, so w = d * q + m.
  *
  * For each (row r, output n) the arithmetic is fixed by K alone:
- *   acc (LANES float lanes) = 0
- *   for g in 0..K/32-1:  t = q_lo * x_lo;  t = fma(q_hi, x_hi, t);  acc = fma(d, t, acc);
- *                        acc = fma(m, xs, acc)       where xs = x_lo + x_hi (per row, per group)
- *   y = the lanes of acc summed in ascending order
- * (LANES = 16 on AVX512 as two 8-float halves, 8 on AVX2, so both paths compute the same bits;
- * the scalar path does the same per lane.) Rows are processed in tiles that share each decoded
+ *   lo, hi (16 float lanes each) = 0
+ *   for g in 0..K/32-1, lane i:  lo[i] = fma(fma(q[i], d, m), x[32g + i], lo[i])
+ *                                hi[i] = fma(fma(q[16 + i], d, m), x[32g + 16 + i], hi[i])
+ *   y = sum over i ascending of (lo[i] + hi[i])
+ * (AVX512 looks fma(q, d, m) up in a 16-entry table of the group, AVX2 computes it in 8-lane
+ * quarters, scalar per lane: all three compute the same bits.) Rows are processed in tiles that share each decoded
  * weight group; a row's arithmetic does not depend on its tile, the row count, its position or
  * the thread count (OpenMP splits the output columns only). No fast-math, no compiler FMA
  * contraction (build flags); the FMAs are written out.
@@ -22,75 +22,63 @@
 #include <immintrin.h>
 #endif
 
-#define PC_Q4_VERSION 1
+#define PC_Q4_VERSION 2
 #define Q4_TILE 8
 
 int pc_q4_version(void) { return PC_Q4_VERSION; }
 
-/* xs[r][g][0..15] = x[r][32g + i] + x[r][32g + 16 + i] */
-static void q4_row_sums(const float *x, int64_t k, float *xs) {
-    for (int64_t g = 0; g < k / 32; g++)
-        for (int i = 0; i < 16; i++) xs[g * 16 + i] = x[g * 32 + i] + x[g * 32 + 16 + i];
-}
-
-/* The lane sum in a fixed order: lanes 0..7 are the first half, 8..15 the second. */
-static float q4_lanes(const float *acc) {
+/* The lane sum in a fixed order: lane i is acc_lo[i] + acc_hi[i]; lanes summed ascending. */
+static float q4_lanes(const float *lo, const float *hi) {
     float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += acc[i];
+    for (int i = 0; i < 16; i++) s += lo[i] + hi[i];
     return s;
 }
 
 static void q4_col_scalar(const uint8_t *qs, const float *d, const float *m, int64_t k,
-                          const float *x, const float *xs, int64_t nr, int64_t ldx, float *y,
-                          int64_t ldy) {
+                          const float *x, int64_t nr, int64_t ldx, float *y, int64_t ldy) {
     for (int64_t r = 0; r < nr; r++) {
-        float acc[16] = {0};
-        const float *xr = x + r * ldx, *sr = xs + r * (k / 2);
+        float lo[16] = {0}, hi[16] = {0};
+        const float *xr = x + r * ldx;
         for (int64_t g = 0; g < k / 32; g++) {
             const uint8_t *b = qs + g * 16;
             for (int i = 0; i < 16; i++) {
-                float t = (float)(b[i] & 15) * xr[g * 32 + i];
-                t = __builtin_fmaf((float)(b[i] >> 4), xr[g * 32 + 16 + i], t);
-                acc[i] = __builtin_fmaf(d[g], t, acc[i]);
-                acc[i] = __builtin_fmaf(m[g], sr[g * 16 + i], acc[i]);
+                float wl = __builtin_fmaf((float)(b[i] & 15), d[g], m[g]);
+                float wh = __builtin_fmaf((float)(b[i] >> 4), d[g], m[g]);
+                lo[i] = __builtin_fmaf(wl, xr[g * 32 + i], lo[i]);
+                hi[i] = __builtin_fmaf(wh, xr[g * 32 + 16 + i], hi[i]);
             }
         }
-        y[r * ldy] = q4_lanes(acc);
+        y[r * ldy] = q4_lanes(lo, hi);
     }
 }
 
 #ifdef __AVX2__
 static void q4_col_avx2(const uint8_t *qs, const float *d, const float *m, int64_t k,
-                        const float *x, const float *xs, int64_t nr, int64_t ldx, float *y,
-                        int64_t ldy) {
-    __m256 acc[Q4_TILE][2];
+                        const float *x, int64_t nr, int64_t ldx, float *y, int64_t ldy) {
+    __m256 acc[Q4_TILE][4];
     const __m256i lo = _mm256_set1_epi32(15);
     for (int64_t r0 = 0; r0 < nr; r0 += Q4_TILE) {
         int64_t t = nr - r0 < Q4_TILE ? nr - r0 : Q4_TILE;
-        for (int64_t j = 0; j < t; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < t; j++)
+            for (int h = 0; h < 4; h++) acc[j][h] = _mm256_setzero_ps();
         for (int64_t g = 0; g < k / 32; g++) {
-            __m256 q[2][2];
+            __m256 w[4];
+            __m256 dg = _mm256_set1_ps(d[g]), mg = _mm256_set1_ps(m[g]);
             for (int h = 0; h < 2; h++) {
                 __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + g * 16 + 8 * h)));
-                q[h][0] = _mm256_cvtepi32_ps(_mm256_and_si256(b, lo));
-                q[h][1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+                w[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, lo)), dg, mg);
+                w[2 + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), dg, mg);
             }
-            __m256 dg = _mm256_set1_ps(d[g]), mg = _mm256_set1_ps(m[g]);
             for (int64_t j = 0; j < t; j++) {
-                const float *xr = x + (r0 + j) * ldx + g * 32, *sr = xs + (r0 + j) * (k / 2) + g * 16;
-                for (int h = 0; h < 2; h++) {
-                    __m256 v = _mm256_mul_ps(q[h][0], _mm256_loadu_ps(xr + 8 * h));
-                    v = _mm256_fmadd_ps(q[h][1], _mm256_loadu_ps(xr + 16 + 8 * h), v);
-                    acc[j][h] = _mm256_fmadd_ps(dg, v, acc[j][h]);
-                    acc[j][h] = _mm256_fmadd_ps(mg, _mm256_loadu_ps(sr + 8 * h), acc[j][h]);
-                }
+                const float *xr = x + (r0 + j) * ldx + g * 32;
+                for (int h = 0; h < 4; h++)
+                    acc[j][h] = _mm256_fmadd_ps(w[h], _mm256_loadu_ps(xr + 8 * h), acc[j][h]);
             }
         }
         for (int64_t j = 0; j < t; j++) {
-            float a[16];
-            _mm256_storeu_ps(a, acc[j][0]);
-            _mm256_storeu_ps(a + 8, acc[j][1]);
-            y[(r0 + j) * ldy] = q4_lanes(a);
+            float a[32];
+            for (int h = 0; h < 4; h++) _mm256_storeu_ps(a + 8 * h, acc[j][h]);
+            y[(r0 + j) * ldy] = q4_lanes(a, a + 16);
         }
     }
 }
@@ -98,30 +86,29 @@ static void q4_col_avx2(const uint8_t *qs, const float *d, const float *m, int64
 
 #ifdef __AVX512F__
 static void q4_col_avx512(const uint8_t *qs, const float *d, const float *m, int64_t k,
-                          const float *x, const float *xs, int64_t nr, int64_t ldx, float *y,
-                          int64_t ldy) {
-    __m512 acc[Q4_TILE];
-    const __m512i lo = _mm512_set1_epi32(15);
+                          const float *x, int64_t nr, int64_t ldx, float *y, int64_t ldy) {
+    __m512 acc[Q4_TILE][2];
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t r0 = 0; r0 < nr; r0 += Q4_TILE) {
         int64_t t = nr - r0 < Q4_TILE ? nr - r0 : Q4_TILE;
-        for (int64_t j = 0; j < t; j++) acc[j] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < t; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
         for (int64_t g = 0; g < k / 32; g++) {
+            /* table[q] = fma(q, d, m): the same bits as the other paths' per-element fma */
+            __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[g]), _mm512_set1_ps(m[g]));
             __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + g * 16)));
-            __m512 ql = _mm512_cvtepi32_ps(_mm512_and_si512(b, lo));
-            __m512 qh = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-            __m512 dg = _mm512_set1_ps(d[g]), mg = _mm512_set1_ps(m[g]);
+            __m512 wl = _mm512_permutexvar_ps(b, table); /* low 4 bits index */
+            __m512 wh = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
             for (int64_t j = 0; j < t; j++) {
-                const float *xr = x + (r0 + j) * ldx + g * 32, *sr = xs + (r0 + j) * (k / 2) + g * 16;
-                __m512 v = _mm512_mul_ps(ql, _mm512_loadu_ps(xr));
-                v = _mm512_fmadd_ps(qh, _mm512_loadu_ps(xr + 16), v);
-                acc[j] = _mm512_fmadd_ps(dg, v, acc[j]);
-                acc[j] = _mm512_fmadd_ps(mg, _mm512_loadu_ps(sr), acc[j]);
+                const float *xr = x + (r0 + j) * ldx + g * 32;
+                acc[j][0] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xr), acc[j][0]);
+                acc[j][1] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xr + 16), acc[j][1]);
             }
         }
         for (int64_t j = 0; j < t; j++) {
-            float a[16];
-            _mm512_storeu_ps(a, acc[j]);
-            y[(r0 + j) * ldy] = q4_lanes(a);
+            float a[32];
+            _mm512_storeu_ps(a, acc[j][0]);
+            _mm512_storeu_ps(a + 16, acc[j][1]);
+            y[(r0 + j) * ldy] = q4_lanes(a, a + 16);
         }
     }
 }
@@ -144,9 +131,6 @@ const char *pc_q4_path(int path) {
 void pc_q4_linear(int64_t nr, int64_t n, int64_t k, const float *x, int64_t ldx, const uint8_t *qs,
                   const float *d, const float *m, float *y, int64_t ldy, int threads, int path) {
     if (nr <= 0 || n <= 0) return;
-    float *xs = (float *)malloc(sizeof(float) * (size_t)(nr * (k / 2)));
-    if (!xs) return;
-    for (int64_t r = 0; r < nr; r++) q4_row_sums(x + r * ldx, k, xs + r * (k / 2));
     const char *p = pc_q4_path(path);
     int kind = p[0] == 's' ? 2 : (p[4] == '5' ? 0 : 1);
     int64_t gk = k / 32;
@@ -156,17 +140,16 @@ void pc_q4_linear(int64_t nr, int64_t n, int64_t k, const float *x, int64_t ldx,
         const float *dc = d + c * gk, *mc = m + c * gk;
 #ifdef __AVX512F__
         if (kind == 0) {
-            q4_col_avx512(qc, dc, mc, k, x, xs, nr, ldx, y + c, ldy);
+            q4_col_avx512(qc, dc, mc, k, x, nr, ldx, y + c, ldy);
             continue;
         }
 #endif
 #ifdef __AVX2__
         if (kind == 1) {
-            q4_col_avx2(qc, dc, mc, k, x, xs, nr, ldx, y + c, ldy);
+            q4_col_avx2(qc, dc, mc, k, x, nr, ldx, y + c, ldy);
             continue;
         }
 #endif
-        q4_col_scalar(qc, dc, mc, k, x, xs, nr, ldx, y + c, ldy);
+        q4_col_scalar(qc, dc, mc, k, x, nr, ldx, y + c, ldy);
     }
-    free(xs);
 }
