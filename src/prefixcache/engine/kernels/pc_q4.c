@@ -5,10 +5,11 @@
  * scale d and min m per group, so w = d * q + m.
  *
  * For each (row r, output n) the arithmetic is fixed by K alone:
- *   lo, hi (16 float lanes each) = 0
- *   for g in 0..K/32-1, lane i:  lo[i] = fma(fma(q[i], d, m), x[32g + i], lo[i])
- *                                hi[i] = fma(fma(q[16 + i], d, m), x[32g + 16 + i], hi[i])
- *   y = sum over i ascending of (lo[i] + hi[i])
+ *   lo[p], hi[p] (16 float lanes each, p = 0, 1 the group's parity) = 0
+ *   for g in 0..K/32-1, p = g & 1, lane i:
+ *       lo[p][i] = fma(fma(q[i], d, m), x[32g + i], lo[p][i])
+ *       hi[p][i] = fma(fma(q[16 + i], d, m), x[32g + 16 + i], hi[p][i])
+ *   y = sum over i ascending of ((lo[0][i] + lo[1][i]) + (hi[0][i] + hi[1][i]))
  * (AVX512 looks fma(q, d, m) up in a 16-entry table of the group, AVX2 computes it in 8-lane
  * quarters, scalar per lane: all three compute the same bits.) Rows are processed in tiles that share each decoded
  * weight group; a row's arithmetic does not depend on its tile, the row count, its position or
@@ -22,45 +23,47 @@
 #include <immintrin.h>
 #endif
 
-#define PC_Q4_VERSION 2
-#define Q4_TILE 8
+#define PC_Q4_VERSION 3
+#define Q4_TILE 4
 
 int pc_q4_version(void) { return PC_Q4_VERSION; }
 
-/* The lane sum in a fixed order: lane i is acc_lo[i] + acc_hi[i]; lanes summed ascending. */
-static float q4_lanes(const float *lo, const float *hi) {
+/* The lane sum in a fixed order: a[p][h][i] (p the group's parity, h low/high half, i the lane)
+ * as sum over i ascending of ((a00[i] + a10[i]) + (a01[i] + a11[i])). */
+static float q4_lanes(const float *a) {
     float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += lo[i] + hi[i];
+    for (int i = 0; i < 16; i++) s += (a[i] + a[32 + i]) + (a[16 + i] + a[48 + i]);
     return s;
 }
 
 static void q4_col_scalar(const uint8_t *qs, const float *d, const float *m, int64_t k,
                           const float *x, int64_t nr, int64_t ldx, float *y, int64_t ldy) {
     for (int64_t r = 0; r < nr; r++) {
-        float lo[16] = {0}, hi[16] = {0};
+        float a[64] = {0};
         const float *xr = x + r * ldx;
         for (int64_t g = 0; g < k / 32; g++) {
             const uint8_t *b = qs + g * 16;
             for (int i = 0; i < 16; i++) {
                 float wl = __builtin_fmaf((float)(b[i] & 15), d[g], m[g]);
                 float wh = __builtin_fmaf((float)(b[i] >> 4), d[g], m[g]);
+                float *lo = a + 32 * (g & 1), *hi = lo + 16;
                 lo[i] = __builtin_fmaf(wl, xr[g * 32 + i], lo[i]);
                 hi[i] = __builtin_fmaf(wh, xr[g * 32 + 16 + i], hi[i]);
             }
         }
-        y[r * ldy] = q4_lanes(lo, hi);
+        y[r * ldy] = q4_lanes(a);
     }
 }
 
 #ifdef __AVX2__
 static void q4_col_avx2(const uint8_t *qs, const float *d, const float *m, int64_t k,
                         const float *x, int64_t nr, int64_t ldx, float *y, int64_t ldy) {
-    __m256 acc[Q4_TILE][4];
+    __m256 acc[Q4_TILE][8];
     const __m256i lo = _mm256_set1_epi32(15);
     for (int64_t r0 = 0; r0 < nr; r0 += Q4_TILE) {
         int64_t t = nr - r0 < Q4_TILE ? nr - r0 : Q4_TILE;
         for (int64_t j = 0; j < t; j++)
-            for (int h = 0; h < 4; h++) acc[j][h] = _mm256_setzero_ps();
+            for (int h = 0; h < 8; h++) acc[j][h] = _mm256_setzero_ps();
         for (int64_t g = 0; g < k / 32; g++) {
             __m256 w[4];
             __m256 dg = _mm256_set1_ps(d[g]), mg = _mm256_set1_ps(m[g]);
@@ -71,14 +74,14 @@ static void q4_col_avx2(const uint8_t *qs, const float *d, const float *m, int64
             }
             for (int64_t j = 0; j < t; j++) {
                 const float *xr = x + (r0 + j) * ldx + g * 32;
-                for (int h = 0; h < 4; h++)
-                    acc[j][h] = _mm256_fmadd_ps(w[h], _mm256_loadu_ps(xr + 8 * h), acc[j][h]);
+                __m256 *aj = acc[j] + 4 * (g & 1);
+                for (int h = 0; h < 4; h++) aj[h] = _mm256_fmadd_ps(w[h], _mm256_loadu_ps(xr + 8 * h), aj[h]);
             }
         }
         for (int64_t j = 0; j < t; j++) {
-            float a[32];
-            for (int h = 0; h < 4; h++) _mm256_storeu_ps(a + 8 * h, acc[j][h]);
-            y[(r0 + j) * ldy] = q4_lanes(a, a + 16);
+            float a[64];
+            for (int h = 0; h < 8; h++) _mm256_storeu_ps(a + 8 * h, acc[j][h]);
+            y[(r0 + j) * ldy] = q4_lanes(a);
         }
     }
 }
@@ -87,11 +90,12 @@ static void q4_col_avx2(const uint8_t *qs, const float *d, const float *m, int64
 #ifdef __AVX512F__
 static void q4_col_avx512(const uint8_t *qs, const float *d, const float *m, int64_t k,
                           const float *x, int64_t nr, int64_t ldx, float *y, int64_t ldy) {
-    __m512 acc[Q4_TILE][2];
+    __m512 acc[Q4_TILE][4];
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t r0 = 0; r0 < nr; r0 += Q4_TILE) {
         int64_t t = nr - r0 < Q4_TILE ? nr - r0 : Q4_TILE;
-        for (int64_t j = 0; j < t; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < t; j++)
+            for (int h = 0; h < 4; h++) acc[j][h] = _mm512_setzero_ps();
         for (int64_t g = 0; g < k / 32; g++) {
             /* table[q] = fma(q, d, m): the same bits as the other paths' per-element fma */
             __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[g]), _mm512_set1_ps(m[g]));
@@ -100,15 +104,15 @@ static void q4_col_avx512(const uint8_t *qs, const float *d, const float *m, int
             __m512 wh = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
             for (int64_t j = 0; j < t; j++) {
                 const float *xr = x + (r0 + j) * ldx + g * 32;
-                acc[j][0] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xr), acc[j][0]);
-                acc[j][1] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xr + 16), acc[j][1]);
+                __m512 *aj = acc[j] + 2 * (g & 1);
+                aj[0] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xr), aj[0]);
+                aj[1] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xr + 16), aj[1]);
             }
         }
         for (int64_t j = 0; j < t; j++) {
-            float a[32];
-            _mm512_storeu_ps(a, acc[j][0]);
-            _mm512_storeu_ps(a + 16, acc[j][1]);
-            y[(r0 + j) * ldy] = q4_lanes(a, a + 16);
+            float a[64];
+            for (int h = 0; h < 4; h++) _mm512_storeu_ps(a + 16 * h, acc[j][h]);
+            y[(r0 + j) * ldy] = q4_lanes(a);
         }
     }
 }
