@@ -11,7 +11,7 @@ from prefixcache.engine.kernels import q4
 
 KERNEL = q4.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="the native kernels are not built here")
-N, K = 200, 576
+N, K = 208, 576
 
 
 def _weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,3 +70,22 @@ def test_pack_keeps_the_gguf_nibble_order() -> None:
     assert packed.shape == (1, 1, 16)
     assert [int(b) & 15 for b in packed[0, 0]] == list(range(16))
     assert [int(b) >> 4 for b in packed[0, 0]] == list(range(16))
+
+
+def test_q4_weights_run_decode_rows_through_the_own_kernel_when_asked(monkeypatch) -> None:
+    from prefixcache.engine.gemm import Rows, gemm_rule
+    from prefixcache.engine.quant import Q4Weight
+
+    assert KERNEL is not None
+    q, qs, d, m = _weights(4)
+    x = torch.randn(12, K, generator=torch.Generator().manual_seed(5)).bfloat16()
+    rule = gemm_rule(torch.bfloat16, torch.device("cpu"))
+    monkeypatch.setenv("PREFIXCACHE_Q4", "own")
+    own = Q4Weight(q, d, m, torch.bfloat16)
+    got = rule.linear(x, own, None, Rows(12, ((0, 12, True),)))
+    assert torch.equal(got, KERNEL.linear(x, qs, d, m))
+    monkeypatch.setenv("PREFIXCACHE_Q4", "torch")
+    assert Q4Weight(q, d, m, torch.bfloat16).own is None
+    monkeypatch.setenv("PREFIXCACHE_Q4", "fast")
+    with pytest.raises(ValueError, match="PREFIXCACHE_Q4 must be torch or own"):
+        Q4Weight(q, d, m, torch.bfloat16)

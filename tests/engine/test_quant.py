@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from test_invariance import _check_invariance
 
 from prefixcache.engine.engine import Engine
+from prefixcache.engine.kernels import q4 as q4_kernel
 from prefixcache.engine.gemm import Rows, gemm_rule
 from prefixcache.engine.llama import LlamaRunner
 from prefixcache.engine.quant import GROUP, Q4Weight
@@ -51,13 +52,16 @@ def test_bad_weight_formats_are_refused_with_what_to_pass(tiny_runner) -> None:
 
 
 @pytest.mark.model
-def test_q4_smollm2_is_exact_invariant_and_in_its_own_namespace(real_runner) -> None:
+@pytest.mark.parametrize("kernel", ["torch", "own"])
+def test_q4_smollm2_is_exact_invariant_and_in_its_own_namespace(real_runner, kernel, monkeypatch) -> None:
+    monkeypatch.setenv("PREFIXCACHE_Q4", kernel)  # torch's int4 kernel, or the own pc_q4.c
     q4 = Engine(real_runner, weights="q4")
     plain = Engine(real_runner)
     off = Engine(real_runner, weights="q4", enable_cache=False)
     try:
         assert isinstance(q4.runner, LlamaRunner) and q4.runner.weights_format == "q4_1"
         assert q4.fingerprint != plain.fingerprint  # another model numerically: never shares blocks
+        assert ("pcq4" in q4.runner.weights_id) == (kernel == "own" and q4_kernel.load() is not None)
         assert _check_invariance(q4.runner, 611, 1) == []
         system = "You are a terse assistant for a bicycle shop. Answer in one short sentence. " * 6
         msgs = [

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from prefixcache.engine.kernels import q4 as q4_kernel
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +37,9 @@ WEIGHT_FORMATS = ("float", "q4")
 #: The name the 4-bit format carries in ``weights_id`` (and so in the cache namespace).
 Q4_TAG = "q4_1-int4pack"
 GROUP = 32
+#: ``PREFIXCACHE_Q4=own`` runs decode rows through the own kernel (``kernels/pc_q4.c``) where it
+#: is built; the default ``torch`` keeps torch's int4 kernel (faster here so far, see docs).
+Q4_ENV = "PREFIXCACHE_Q4"
 _Q4_1 = 3  # GGMLQuantizationType.Q4_1
 
 
@@ -50,13 +56,26 @@ class Q4Weight:
         self.scales_zeros = torch.stack([d.t(), zero.t()], -1).to(dtype).contiguous()  # [K/32, N, 2]
         full = q.float().view(n, k // GROUP, GROUP) * d[..., None] + m[..., None]
         self.dense = full.view(n, k).to(dtype).contiguous()
+        self.own = own_kernel()
+        if self.own is not None:
+            self.qs, self.d, self.m = q4_kernel.pack(q), d.float().contiguous(), m.float().contiguous()
 
     def linear(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
         if not decode:
             return torch.nn.functional.linear(x, self.dense)
+        if self.own is not None:
+            return self.own.linear(x, self.qs, self.d, self.m)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.contiguous(), self.packed, GROUP, self.scales_zeros
         )
+
+
+def own_kernel() -> q4_kernel.Q4Kernel | None:
+    """The own 4-bit kernel when ``PREFIXCACHE_Q4=own`` asks for it and it is built, else None."""
+    want = os.environ.get(Q4_ENV, "torch").strip().lower() or "torch"
+    if want not in ("torch", "own"):
+        raise ValueError(f"{Q4_ENV} must be torch or own; got {want!r}")
+    return q4_kernel.load() if want == "own" else None
 
 
 def read_q4_1(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -120,7 +139,9 @@ def quantize_runner(runner: Any, path: Path | None) -> Any:
         layer["down"] = fused("ffn_down")
         _check(layer["qkv"], lw["qkv"], f"layer {i} q/k/v")
         out.layers.append(layer)
-    out.weights_id = f"{runner.weights_id}+{Q4_TAG}"
+    own = own_kernel()
+    tag = Q4_TAG if own is None else f"q4_1-{own.id}"  # blocks of different kernels never mix
+    out.weights_id = f"{runner.weights_id}+{tag}"
     out.weights_format = "q4_1"
     out._own_runners = {}
     log.info("4-bit weights: %d layers from %s's Q4_1 groups", len(out.layers), Path(path).name)
