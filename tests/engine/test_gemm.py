@@ -110,7 +110,7 @@ def test_bf16_decode_rows_are_padded_where_the_probe_finds_unpadded_counts_diffe
 
     shapes = [(960, 576), (576, 576)]
     monkeypatch.setattr(gemm, "unpadded_rows_invariant", lambda shape, dtype, upto: shape != (576, 576))
-    rule = gemm.gemm_rule(torch.bfloat16, torch.device("cpu"), shapes)
+    rule = gemm.gemm_rule(torch.bfloat16, torch.device("cpu"), shapes, "torch")
     assert rule.pad_decode and rule.tag() == "gemm-p128-d32p"
     monkeypatch.setattr(gemm, "unpadded_rows_invariant", lambda shape, dtype, upto: True)
-    assert not gemm.gemm_rule(torch.bfloat16, torch.device("cpu"), shapes).pad_decode
+    assert not gemm.gemm_rule(torch.bfloat16, torch.device("cpu"), shapes, "torch").pad_decode

@@ -70,12 +70,17 @@ class Q4Weight:
         )
 
 
-def own_kernel() -> q4_kernel.Q4Kernel | None:
-    """The own 4-bit kernel when ``PREFIXCACHE_Q4=own`` asks for it and it is built, else None."""
+def q4_kernel_choice() -> str:
+    """Which kernel ``PREFIXCACHE_Q4`` asks for decode rows: ``torch`` (the default) or ``own``."""
     want = os.environ.get(Q4_ENV, "torch").strip().lower() or "torch"
     if want not in ("torch", "own"):
         raise ValueError(f"{Q4_ENV} must be torch or own; got {want!r}")
-    return q4_kernel.load() if want == "own" else None
+    return want
+
+
+def own_kernel() -> q4_kernel.Q4Kernel | None:
+    """The own 4-bit kernel when ``PREFIXCACHE_Q4=own`` asks for it and it is built, else None."""
+    return q4_kernel.load() if q4_kernel_choice() == "own" else None
 
 
 def read_q4_1(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -42,8 +42,10 @@ def select_runner(base: ModelRunner, runner: str = "auto", dtype: str | None = N
 
 
 def quantized_runner(base: ModelRunner, runner: ModelRunner, weights: str) -> ModelRunner:
-    """``runner`` with ``weights`` (``float`` or ``q4``), built once per (base, runner)."""
-    from prefixcache.engine.quant import WEIGHT_FORMATS, quantize_runner
+    """``runner`` with ``weights`` (``float`` or ``q4``), built once per (base, runner, q4 kernel):
+    the kernel ``PREFIXCACHE_Q4`` picks is part of the key, since it changes the bits a step gives
+    and the cache namespace the runner reports."""
+    from prefixcache.engine.quant import WEIGHT_FORMATS, q4_kernel_choice, quantize_runner
 
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}; got {weights!r}")
@@ -52,7 +54,7 @@ def quantized_runner(base: ModelRunner, runner: ModelRunner, weights: str) -> Mo
     if not isinstance(runner, LlamaRunner):
         raise ValueError("--weights q4 needs the own runner (a Llama-family model, runner auto or llama)")
     made = base.__dict__.setdefault("_q4_runners", {})
-    key = (id(runner), runner.dtype_name)
+    key = (id(runner), runner.dtype_name, q4_kernel_choice())
     if key not in made:
         made[key] = quantize_runner(runner, getattr(base, "source_path", None))
     return made[key]
