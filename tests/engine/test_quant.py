@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from test_invariance import _check_invariance
 
 from prefixcache.engine.engine import Engine
-from prefixcache.engine.kernels import q4 as q4_kernel
 from prefixcache.engine.gemm import Rows, gemm_rule
+from prefixcache.engine.kernels import q4 as q4_kernel
 from prefixcache.engine.llama import LlamaRunner
 from prefixcache.engine.quant import GROUP, Q4Weight
 

@@ -114,7 +114,8 @@ def test_cluster_command_up_answers_through_the_router_and_stops_on_sigterm(
     tmp_path, redis_server_bin
 ) -> None:  # noqa: ANN001
     """``prefixcache cluster`` as a user runs it: its Redis is capped and password-protected (the
-    password in no log and no command line), the openai client is answered through the router,
+    password in no log and no command line), ``--tenant-capacity-share`` reaches the replica, the
+    openai client is answered through the router,
     and SIGTERM stops the router, the replica and Redis (exit status 0, no process left)."""
     import os
     import re
@@ -142,7 +143,7 @@ def test_cluster_command_up_answers_through_the_router_and_stops_on_sigterm(
     log = tmp_path / "cluster.log"
     cmd = [sys.executable, "-m", "prefixcache", "cluster", "--replicas", "1", "--port", str(port)]
     cmd += ["--redis-maxmemory", "256MiB", "--redis-password-file", str(tmp_path / "pw")]
-    cmd += ["--log-level", "info"]
+    cmd += ["--log-level", "info", "--tenant-capacity-share", "0.4"]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -155,6 +156,9 @@ def test_cluster_command_up_answers_through_the_router_and_stops_on_sigterm(
         assert len(children) == 2 and "redis-server" in names, names  # the replica and Redis
         for c in children:
             assert password not in " ".join(c.cmdline())
+        (replica,) = [c for c in children if c.name() != "redis-server"]
+        argv = replica.cmdline()
+        assert argv[argv.index("--tenant-capacity-share") + 1] == "0.4"  # passed on to each replica
         match = re.search(
             r"redis redis://:\*\*\*@127\.0\.0\.1:(\d+)/0 \(started: maxmemory 256MiB, allkeys-lru\)",
             log.read_text(),

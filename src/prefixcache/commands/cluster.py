@@ -32,7 +32,7 @@ from prefixcache.commands.redis_process import (
     start_redis,
 )
 from prefixcache.commands.router_security import curve_client, keepwarm_keys, router_keys
-from prefixcache.commands.server import parse_bytes
+from prefixcache.commands.server import TenantCapacityShare, parse_bytes
 from prefixcache.commands.warm import cluster_secret
 
 #: ``--max-connections``' default (uvicorn answers 503 beyond it, before any route runs).
@@ -307,6 +307,7 @@ def cluster(
         str | None, typer.Option(help="float32 or bfloat16 (default: the replicas' own default).")
     ] = None,
     capacity: Annotated[str, typer.Option(help="Memory KV budget per replica.")] = "2GiB",
+    tenant_capacity_share: TenantCapacityShare = None,
     ttl: Annotated[
         str, typer.Option(help="Default cache TTL: 300, 90s, 5m, 1h.")
     ] = f"{DEFAULTS.default_ttl_s:g}",
@@ -424,6 +425,8 @@ def cluster(
                 cmd.insert(4, model)
             if dtype:
                 cmd += ["--dtype", dtype]
+            if tenant_capacity_share is not None:
+                cmd += ["--tenant-capacity-share", f"{tenant_capacity_share:g}"]
             if redis_url and not no_redis and redis_sync_writes:
                 cmd.append("--redis-sync-writes")
             if disk_cache:

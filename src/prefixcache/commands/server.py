@@ -36,6 +36,18 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+#: ``--tenant-capacity-share``, the same option on ``serve`` and ``cluster`` (which passes it on).
+TenantCapacityShare = Annotated[
+    float | None,
+    typer.Option(
+        min=0.01,
+        max=1.0,
+        help="With two tenants or more, the share of the cache's capacity past which a tenant's "
+        "inserts evict its own blocks first (not the others' warm prefixes). Default: one LRU.",
+    ),
+]
+
+
 def serve(
     ctx: typer.Context,
     model: Annotated[
@@ -108,15 +120,7 @@ def serve(
             "hold (then POST /v1/cache/pin answers 409).",
         ),
     ] = 0.5,
-    tenant_capacity_share: Annotated[
-        float | None,
-        typer.Option(
-            min=0.01,
-            max=1.0,
-            help="With two tenants or more, the share of the cache's capacity past which a tenant's "
-            "inserts evict its own blocks first (not the others' warm prefixes). Default: one LRU.",
-        ),
-    ] = None,
+    tenant_capacity_share: TenantCapacityShare = None,
     max_body_bytes: Annotated[
         str | None,
         typer.Option(
