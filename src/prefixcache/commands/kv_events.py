@@ -132,27 +132,6 @@ def open_publisher(
         raise typer.BadParameter(str(e), param_hint="--kv-events-endpoint") from e
 
 
-def attach(app: Any, engine: Any, publisher: Any) -> None:
-    """Publish the engine cache's events (``medium`` from the engine's device)."""
-    from prefixcache.kvevents.wire import MEDIUM_CPU, MEDIUM_GPU
-    from prefixcache.server.kv_blocks import enable_kv_events
-
-    device = getattr(getattr(engine, "runner", None), "device", "cpu")
-    publisher.config.medium = MEDIUM_GPU if getattr(device, "type", str(device)) == "cuda" else MEDIUM_CPU
-    try:
-        enable_kv_events(app, publisher)
-    except ValueError as e:
-        publisher.close()
-        engine.close()
-        raise typer.BadParameter(str(e), param_hint="--kv-events-endpoint") from e
-    config = publisher.config
-    replay_note = f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
-    typer.echo(
-        f"prefixcache: KV events on {publisher.endpoint}{replay_note} "
-        f"({config.hash_format.value} hashes, {config.medium})"
-    )
-
-
 def kv_keys(
     folder: Annotated[Path, typer.Argument(help="Where to write NAME.key (secret, 0600) and NAME.pub.")],
     name: Annotated[str, typer.Option(help="The pair's file name (e.g. publisher, router).")] = "kv-events",

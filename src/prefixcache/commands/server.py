@@ -11,6 +11,7 @@ import typer
 from prefixcache.cache.config import DEFAULTS
 from prefixcache.commands import kv_events as kv
 from prefixcache.commands.options import duration, free_port_or_fail
+from prefixcache.commands.serve_secrets import redis_url_of, secrets_of
 from prefixcache.commands.warm import disk_secret, warn_stale
 
 _UNITS = {
@@ -300,15 +301,12 @@ def serve(
     (/v1/messages) routes with prefix-cache usage, per-tenant isolation, /metrics and /health."""
     import logging
 
-    import uvicorn
-
-    from prefixcache.cache.tiers import DiskTier, attach_tiers, flush_tiers, register_prometheus
+    from prefixcache.cache.tiers import DiskTier
     from prefixcache.commands.lifecycle import sigterm_as_interrupt
-    from prefixcache.engine import Engine
-    from prefixcache.engine.runtime import describe_runtime
-    from prefixcache.server import create_app
+    from prefixcache.engine.config import EngineConfig
     from prefixcache.server.app import DEFAULT_MODEL_NAME
     from prefixcache.server.auth import resolve_secret
+    from prefixcache.server.build import AppConfig, BuildError, ServerConfig, TierConfig, build_server
     from prefixcache.server.exposure import (
         RedactSecrets,
         exposure_refusal,
@@ -319,14 +317,14 @@ def serve(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     source = ctx.get_parameter_source("salt_secret")
-    keys, salt_secret = _secrets(
+    keys, salt_secret = secrets_of(
         api_keys,
         salt_secret,
         salt_secret_file,
         salt_on_argv=source is not None and source.name == "COMMANDLINE",
     )
     redis_source = ctx.get_parameter_source("redis_url")
-    redis_url = _redis_url(
+    redis_url = redis_url_of(
         redis_url, redis_url_file, on_argv=redis_source is not None and redis_source.name == "COMMANDLINE"
     )
     # One secret for the tenant salts and the tier entries' MAC key: the one given, else the disk
@@ -366,11 +364,10 @@ def serve(
         curve_clients=kv_events_curve_clients,
         allow_unauthenticated=kv_events_allow_unauthenticated,
     )
-    body_limit = parse_bytes(max_body_bytes) if max_body_bytes else None
     capacity_bytes = parse_bytes(capacity)
-    try:
-        engine = Engine(
-            model,
+    config = ServerConfig(
+        model=model,
+        engine=EngineConfig(
             block_size=block_size,
             prefill_chunk=prefill_chunk,
             runner=runner,
@@ -384,151 +381,54 @@ def serve(
             max_queue=max_queue,
             max_batch=max_batch,
             threads=threads,
-        )
-    except ValueError as e:  # a missing model file, a bad chunk size or dtype: say which
-        if publisher is not None:
-            publisher.close()
-        raise typer.BadParameter(str(e)) from e
-    if engine.cache is not None:
-        try:
-            added = attach_tiers(
-                engine.cache,
-                secret=secret,
-                redis_max_ttl_s=redis_max_ttl,
-                disk_dir=disk_cache,
-                disk_bytes=parse_bytes(disk_cache_size),
-                redis_url=redis_url,
-                redis_sync_writes=redis_sync_writes,
-                encrypt=tier_encrypt,
-            )
-        except ValueError as e:  # --tier-encrypt without the cryptography package
-            engine.close()
-            raise typer.BadParameter(str(e), param_hint="--tier-encrypt") from e
-        for tier in added:
+        ),
+        tiers=TierConfig(
+            disk_dir=disk_cache,
+            disk_bytes=parse_bytes(disk_cache_size),
+            redis_url=redis_url,
+            redis_max_ttl_s=redis_max_ttl,
+            redis_sync_writes=redis_sync_writes,
+            encrypt=tier_encrypt,
+        ),
+        app=AppConfig(
+            api_keys=keys,
+            trace_log=trace_log,
+            trace_text=trace_text,
+            model_name=model_name or (DEFAULT_MODEL_NAME if model is None else Path(model).stem),
+            salt_secret=secret,
+            trace_tokenizer="default" if model is None else None,
+            trace_keys_only=trace_keys_only,
+            max_body_bytes=parse_bytes(max_body_bytes) if max_body_bytes else None,
+            tenant_queue_share=tenant_queue_share,
+            tenant_pin_share=tenant_pin_share,
+            tenant_capacity_share=tenant_capacity_share,
+            busting_window=busting_window,
+            admin_tenants=tuple(admin_tenant or ()),
+            # No keys on an exposed address: nothing tells callers apart, so no cached-side text.
+            caller_text="none" if keys is None and not is_loopback(host) else None,
+        ),
+        host=host,
+        port=port,
+        max_connections=max_connections,
+        log_level=log_level,
+    )
+    try:
+        server = build_server(config, publisher)
+    except BuildError as e:
+        raise typer.BadParameter(str(e), param_hint=e.option) from e
+    if server.engine.cache is not None:
+        for tier in server.engine.cache.tiers:
             if isinstance(tier, DiskTier):
                 warn_stale(tier)
-    name = model_name or (DEFAULT_MODEL_NAME if model is None else Path(model).stem)
-    app = create_app(
-        engine,
-        api_keys=keys,
-        max_queue=max_queue,
-        trace_log=trace_log,
-        trace_text=trace_text,
-        model_name=name,
-        salt_secret=secret,
-        trace_tokenizer="default" if model is None else None,
-        trace_keys_only=trace_keys_only,
-        max_body_bytes=body_limit,
-        tenant_queue_share=tenant_queue_share,
-        tenant_pin_share=tenant_pin_share,
-        tenant_capacity_share=tenant_capacity_share,
-        busting_window=busting_window,
-        admin_tenants=admin_tenant or (),
-        # No keys on an exposed address: nothing tells callers apart, so no cached-side text.
-        caller_text="none" if keys is None and not is_loopback(host) else None,
-    )
-    if engine.cache is not None and engine.cache.tiers:
-        register_prometheus(engine.cache, app.state.prefixcache.metrics.registry)
-    if publisher is not None:
-        kv.attach(app, engine, publisher)
-    tiers = ", ".join(t.name for t in engine.cache.tiers) if engine.cache is not None else ""
-    typer.echo(f"prefixcache: compute: {describe_runtime(engine)}")
-    typer.echo(f"prefixcache: cache tiers below memory: {tiers or 'none'}")
-    typer.echo(
-        f"prefixcache: serving '{name}' on http://{host}:{port} "
-        "(OpenAI and Anthropic routes, /metrics, /dashboard)"
-    )
-    config = uvicorn.Config(  # uvicorn's handlers
-        app, host=host, port=port, log_level=log_level.lower(), limit_concurrency=max_connections
-    )
-    install_redaction(redactor)
-    server = uvicorn.Server(config)
+    for line in server.describe():
+        typer.echo(f"prefixcache: {line}")
     sigterm_as_interrupt()
     try:
-        server.run()
-    except KeyboardInterrupt:
-        pass
+        server.run(after_logging=lambda: install_redaction(redactor))  # uvicorn's handlers too
     finally:
-        if publisher is not None:
-            publisher.close()
-        engine.close()
-        if engine.cache is not None and engine.cache.tiers:  # what a restart will find warm
-            flush_tiers(engine.cache)
+        server.close()
     if not server.started:
         raise typer.Exit(3)  # uvicorn's startup failure (the port in use, ...) is logged above
-
-
-def _secrets(
-    api_keys: Path | None, salt_secret: str | None, salt_secret_file: Path | None, *, salt_on_argv: bool
-) -> tuple[dict[str, str] | None, str | None]:
-    """The key map (``--api-keys`` file, else ``$PREFIXCACHE_API_KEYS``) and the salt secret
-    (``--salt-secret-file``, else ``--salt-secret`` / ``$PREFIXCACHE_SALT_SECRET``). A secret
-    given on the command line works, with a warning: ``ps`` shows argv to every local user."""
-    import logging
-
-    from prefixcache.server.auth import load_api_keys
-    from prefixcache.server.exposure import MIN_REDACTED_LEN, api_keys_from_env, read_secret_file
-
-    log = logging.getLogger("prefixcache.serve")
-    try:
-        keys = load_api_keys(api_keys) if api_keys else api_keys_from_env()
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--api-keys") from e
-    if keys and any(len(k) < MIN_REDACTED_LEN for k in keys):
-        log.warning("some API keys are shorter than %d characters: use long random keys", MIN_REDACTED_LEN)
-    if salt_secret_file is not None:
-        if salt_secret is not None:
-            raise typer.BadParameter(
-                "give the salt secret once: --salt-secret-file or --salt-secret ($PREFIXCACHE_SALT_SECRET)",
-                param_hint="--salt-secret-file",
-            )
-        try:
-            secret = read_secret_file(salt_secret_file, "salt secret")
-        except ValueError as e:
-            raise typer.BadParameter(str(e), param_hint="--salt-secret-file") from e
-        _check_length(secret, "--salt-secret-file")
-        return keys, secret
-    if salt_secret is not None:
-        _check_length(salt_secret, "--salt-secret ($PREFIXCACHE_SALT_SECRET)")
-    if salt_secret and salt_on_argv:
-        log.warning(
-            "--salt-secret on the command line is visible to every local user (ps); "
-            "use $PREFIXCACHE_SALT_SECRET or --salt-secret-file"
-        )
-    return keys, salt_secret
-
-
-def _check_length(secret: str, where: str) -> None:
-    from prefixcache.server.exposure import weak_secret
-
-    why = weak_secret(secret)
-    if why is not None:
-        raise typer.BadParameter(why, param_hint=where)
-
-
-def _redis_url(redis_url: str | None, redis_url_file: Path | None, *, on_argv: bool) -> str | None:
-    """The Redis URL: ``--redis-url-file``, else ``--redis`` / ``$PREFIXCACHE_REDIS_URL``. A
-    password given on the command line works, with a warning (``ps`` shows argv)."""
-    import logging
-
-    from prefixcache.server.exposure import read_secret_file, redis_password
-
-    if redis_url_file is not None:
-        if redis_url is not None:
-            raise typer.BadParameter(
-                "give the Redis URL once: --redis-url-file or --redis ($PREFIXCACHE_REDIS_URL)",
-                param_hint="--redis-url-file",
-            )
-        try:
-            return read_secret_file(redis_url_file, "Redis URL")
-        except ValueError as e:
-            raise typer.BadParameter(str(e), param_hint="--redis-url-file") from e
-    if redis_url and on_argv and redis_password(redis_url):
-        logging.getLogger("prefixcache.serve").warning(
-            "--redis with a password on the command line is visible to every local user (ps); "
-            "use $PREFIXCACHE_REDIS_URL or --redis-url-file"
-        )
-    return redis_url
 
 
 def register(app: typer.Typer) -> None:

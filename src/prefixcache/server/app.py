@@ -35,6 +35,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixcache import __version__
+from prefixcache.engine.config import DEFAULT_MAX_QUEUE  # one home: the engine's queue is the app's
 from prefixcache.keygate import KeyGate, key_check
 from prefixcache.server import (
     routes_anthropic,
@@ -61,7 +62,6 @@ from prefixcache.server.tracelog import TraceLog, engine_header
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_QUEUE = 64
 DEFAULT_TENANT_QUEUE_SHARE = 0.5
 DEFAULT_TENANT_PIN_SHARE = 0.5
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"

@@ -1,0 +1,237 @@
+"""``build_server(ServerConfig)``: the engine, its cache tiers, the app, the KV event stream and
+their shutdown, wired in one library call (``prefixcache serve`` only maps its flags to the config).
+
+    from prefixcache.server.build import ServerConfig, TierConfig, build_server
+
+    server = build_server(ServerConfig(port=8000, tiers=TierConfig(disk_dir="/var/cache/pc")))
+    try:
+        server.run()          # uvicorn until Ctrl-C / SIGTERM
+    finally:
+        server.close()        # the publisher, the engine, then the tiers' queued writes
+
+Every default has one home: the engine's in :class:`~prefixcache.engine.config.EngineConfig`, the
+app's in :mod:`prefixcache.server.app`'s constants, the tiers' in
+:func:`~prefixcache.cache.tiers.attach_tiers`. A setting that cannot be built raises
+:class:`BuildError`, which names the option to fix (the CLI turns it into a usage error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prefixcache.cache.tiers import DEFAULT_MAX_TTL_S, attach_tiers, flush_tiers, register_prometheus
+from prefixcache.engine.config import EngineConfig
+from prefixcache.server.app import (
+    DEFAULT_MODEL_NAME,
+    DEFAULT_TENANT_PIN_SHARE,
+    DEFAULT_TENANT_QUEUE_SHARE,
+    create_app,
+)
+from prefixcache.server.busting import DEFAULT_WINDOW
+from prefixcache.server.dashboard import DEFAULT_INTERVAL_S
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from prefixcache.engine import Engine
+    from prefixcache.engine.model import ModelRunner
+    from prefixcache.kvevents.publisher import KVEventPublisher
+
+log = logging.getLogger(__name__)
+
+#: The disk tier's byte budget when none is given (``--disk-cache-size``).
+DEFAULT_DISK_BYTES = 8 << 30
+
+
+class BuildError(ValueError):
+    """A setting the server cannot be built with; ``option`` names the flag to fix (or None)."""
+
+    def __init__(self, message: str, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """The cache tiers below memory (none by default). ``secret``: the salt secret the entries'
+    MAC (and, with ``encrypt``, their key) derive from."""
+
+    disk_dir: str | os.PathLike[str] | None = None
+    disk_bytes: int = DEFAULT_DISK_BYTES
+    redis_url: str | None = None
+    redis_max_ttl_s: float = DEFAULT_MAX_TTL_S
+    redis_sync_writes: bool = False
+    encrypt: bool = False
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """What :func:`~prefixcache.server.app.create_app` takes besides the engine (its docstring
+    says what each does); the defaults are the app's own constants. The queue bound is the
+    engine's ``max_queue`` (one setting for both)."""
+
+    api_keys: Mapping[str, str] | None = None
+    trace_log: str | Path | None = None
+    trace_text: bool = False
+    trace_keys_only: bool = False
+    model_name: str = DEFAULT_MODEL_NAME
+    salt_secret: str | bytes | None = None
+    trace_tokenizer: str | None = None
+    max_body_bytes: int | None = None
+    tenant_queue_share: float = DEFAULT_TENANT_QUEUE_SHARE
+    admin_tenants: Sequence[str] = ()
+    dashboard_interval_s: float = DEFAULT_INTERVAL_S
+    tenant_pin_share: float = DEFAULT_TENANT_PIN_SHARE
+    tenant_capacity_share: float | None = None
+    busting_window: int = DEFAULT_WINDOW
+    caller_text: str | None = None
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One server: ``model`` (a .gguf path, an HF folder, a loaded runner, or None for the embedded
+    SmolLM2), the engine, the tiers and the app, and where uvicorn listens (``max_connections``:
+    concurrent connections before uvicorn answers 503; None: no cap)."""
+
+    model: str | os.PathLike[str] | ModelRunner | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    tiers: TierConfig = field(default_factory=TierConfig)
+    app: AppConfig = field(default_factory=AppConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_connections: int | None = None
+    log_level: str = "info"
+
+
+class Server:
+    """A built server: ``engine``, ``app``, the KV event ``publisher`` (or None). :meth:`run`
+    serves until interrupted; :meth:`close` releases everything (idempotent)."""
+
+    def __init__(
+        self, config: ServerConfig, engine: Engine, app: FastAPI, publisher: KVEventPublisher | None
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.app = app
+        self.publisher = publisher
+        self.started = False
+        self._closed = False
+
+    def describe(self) -> list[str]:
+        """The start-up lines: compute, tiers, KV events (if any), what is served where."""
+        from prefixcache.engine.runtime import describe_runtime
+
+        cache = self.engine.cache
+        tiers = ", ".join(t.name for t in cache.tiers) if cache is not None else ""
+        lines = [f"compute: {describe_runtime(self.engine)}", f"cache tiers below memory: {tiers or 'none'}"]
+        pub = self.publisher
+        if pub is not None:
+            replay = f", replay on {pub.replay_endpoint}" if pub.replay_endpoint else ""
+            how = f"{pub.config.hash_format.value} hashes, {pub.config.medium}"
+            lines.append(f"KV events on {pub.endpoint}{replay} ({how})")
+        c = self.config
+        lines.append(
+            f"serving '{c.app.model_name}' on http://{c.host}:{c.port} "
+            "(OpenAI and Anthropic routes, /metrics, /dashboard)"
+        )
+        return lines
+
+    def run(self, *, after_logging: Any = None) -> bool:
+        """Serve under uvicorn until Ctrl-C (or a SIGTERM the caller maps to it); True when the
+        server had started (False: uvicorn's start-up failed, logged). ``after_logging``: called
+        once uvicorn has set up its log handlers (to install log filters on them)."""
+        import uvicorn
+
+        c = self.config
+        config = uvicorn.Config(
+            self.app,
+            host=c.host,
+            port=c.port,
+            log_level=c.log_level.lower(),
+            limit_concurrency=c.max_connections,
+        )
+        if after_logging is not None:
+            after_logging()
+        server = uvicorn.Server(config)
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
+        self.started = bool(server.started)
+        return self.started
+
+    def close(self) -> None:
+        """Close the publisher and the engine, then wait for the tiers' queued writes (what a
+        restart will find warm)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.publisher is not None:
+            self.publisher.close()
+        self.engine.close()
+        cache = self.engine.cache
+        if cache is not None and cache.tiers:
+            flush_tiers(cache)
+
+
+def build_server(config: ServerConfig, publisher: KVEventPublisher | None = None) -> Server:
+    """Load the model into an engine, attach the tiers, build the app and wire ``publisher`` (an
+    open :class:`~prefixcache.kvevents.publisher.KVEventPublisher`, closed with the server) to the
+    cache. On a :class:`BuildError` everything made so far is closed, ``publisher`` included."""
+    from prefixcache.engine import Engine
+
+    try:
+        engine = Engine(config.model, config=config.engine)
+    except ValueError as e:  # a missing model file, a bad chunk size or dtype: say which
+        if publisher is not None:
+            publisher.close()
+        raise BuildError(str(e)) from e
+    try:
+        _attach(engine, config.tiers, config.app.salt_secret)
+        options = {f.name: getattr(config.app, f.name) for f in dataclasses.fields(config.app)}
+        app = create_app(engine, max_queue=config.engine.max_queue, **options)
+        if engine.cache is not None and engine.cache.tiers:
+            register_prometheus(engine.cache, app.state.prefixcache.metrics.registry)
+        if publisher is not None:
+            _publish(app, engine, publisher)
+    except BaseException:
+        if publisher is not None:
+            publisher.close()
+        engine.close()
+        raise
+    return Server(config, engine, app, publisher)
+
+
+def _attach(engine: Engine, tiers: TierConfig, secret: str | bytes | None) -> None:
+    if engine.cache is None:
+        return
+    try:
+        attach_tiers(
+            engine.cache,
+            secret=secret,
+            redis_max_ttl_s=tiers.redis_max_ttl_s,
+            disk_dir=tiers.disk_dir,
+            disk_bytes=tiers.disk_bytes,
+            redis_url=tiers.redis_url,
+            redis_sync_writes=tiers.redis_sync_writes,
+            encrypt=tiers.encrypt,
+        )
+    except ValueError as e:  # encryption without the cryptography package, or without a secret
+        raise BuildError(str(e), "--tier-encrypt") from e
+
+
+def _publish(app: FastAPI, engine: Engine, publisher: KVEventPublisher) -> None:
+    from prefixcache.kvevents.wire import MEDIUM_CPU, MEDIUM_GPU
+    from prefixcache.server.kv_blocks import enable_kv_events
+
+    device = getattr(engine.runner, "device", "cpu")
+    publisher.config.medium = MEDIUM_GPU if getattr(device, "type", str(device)) == "cuda" else MEDIUM_CPU
+    try:
+        enable_kv_events(app, publisher)
+    except ValueError as e:
+        raise BuildError(str(e), "--kv-events-endpoint") from e
