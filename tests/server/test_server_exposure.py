@@ -165,7 +165,7 @@ def test_serve_keeps_secrets_out_of_every_log(monkeypatch, tmp_path, caplog):
         self.started = True
 
     monkeypatch.setattr(uvicorn.Server, "run", run)
-    monkeypatch.setattr("prefixcache.cache.tiers.attach_tiers", lambda *a, **k: [])
+    monkeypatch.setattr("prefixcache.server.build.attach_tiers", lambda *a, **k: [])
     caplog.set_level(logging.INFO)
     res = runner.invoke(
         app,

@@ -37,18 +37,16 @@ def served(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     and ``create_app``."""
     seen: dict[str, Any] = {}
     monkeypatch.setattr("prefixcache.engine.Engine", _CacheOnlyEngine)
-    monkeypatch.setattr(
-        "prefixcache.cache.tiers.attach_tiers", lambda cache, **kw: seen.update(tiers=kw) or []
-    )
-    import prefixcache.server
+    import prefixcache.server.build as build  # where serve's config is wired
 
-    real_create_app = prefixcache.server.create_app
+    monkeypatch.setattr(build, "attach_tiers", lambda cache, **kw: seen.update(tiers=kw) or [])
+    real_create_app = build.create_app
 
     def create_app(engine: Any, **kw: Any) -> Any:
         seen["app"] = kw
         return real_create_app(engine, **kw)
 
-    monkeypatch.setattr(prefixcache.server, "create_app", create_app)
+    monkeypatch.setattr(build, "create_app", create_app)
 
     def run(self: uvicorn.Server) -> None:
         self.started = True
