@@ -29,6 +29,9 @@
 #define PC_GEMM_VERSION 1
 #define U _Pragma("GCC unroll 4")
 #define CB 64 /* columns per cache block (each thread's columns go block by block) */
+#ifndef FEW_ROWS
+#define FEW_ROWS 4 /* up to this many rows, tiles of one column (pc_gemm) */
+#endif
 
 enum { G_GENERIC = 0, G_AVX2 = 1, G_AVX512 = 2, G_AVX512BF16 = 3 };
 
@@ -120,39 +123,51 @@ static inline __m256 ld8(const job *j, const void *p, int64_t k, int n) {
 }
 
 /* R rows x 2 columns, 16 lanes as two ymm each. */
-static inline __attribute__((always_inline)) void tile_avx2_r(const job *j, int64_t m, const int R, int64_t n, int C) {
+static inline __attribute__((always_inline)) void tile_avx2_r(const job *j, int64_t m, const int R, int64_t n, int C,
+                                                              const int CW) {
     const int64_t K = j->K;
     const size_t es = j->bf16 ? 2 : 4;
-    const void *xr[2], *wr[2];
+    const void *xr[4], *wr[2];
     U for (int r = 0; r < R; r++) xr[r] = (const char *)j->x + (size_t)((m + r) * j->ldx) * es;
-    U for (int c = 0; c < 2; c++) wr[c] = (const char *)j->w + (size_t)((n + (c < C ? c : 0)) * K) * es;
-    __m256 lo[2][2], hi[2][2];
+    U for (int c = 0; c < CW; c++) wr[c] = (const char *)j->w + (size_t)((n + (c < C ? c : 0)) * K) * es;
+    __m256 lo[4][2], hi[4][2];
     U for (int r = 0; r < R; r++)
-        U for (int c = 0; c < 2; c++) lo[r][c] = hi[r][c] = _mm256_setzero_ps();
+        U for (int c = 0; c < CW; c++) lo[r][c] = hi[r][c] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
         const int left = K - k >= 16 ? 16 : (int)(K - k);
         const int n0 = left >= 8 ? 8 : left, n1 = left - n0;
         __m256 w0[2], w1[2];
-        U for (int c = 0; c < 2; c++) {
+        U for (int c = 0; c < CW; c++) {
             w0[c] = ld8(j, wr[c], k, n0);
             w1[c] = n1 > 0 ? ld8(j, wr[c], k + 8, n1) : _mm256_setzero_ps();
         }
         U for (int r = 0; r < R; r++) {
             const __m256 x0 = ld8(j, xr[r], k, n0);
             const __m256 x1 = n1 > 0 ? ld8(j, xr[r], k + 8, n1) : _mm256_setzero_ps();
-            U for (int c = 0; c < 2; c++) {
+            U for (int c = 0; c < CW; c++) {
                 lo[r][c] = _mm256_fmadd_ps(x0, w0[c], lo[r][c]);
                 hi[r][c] = _mm256_fmadd_ps(x1, w1[c], hi[r][c]);
             }
         }
     }
     U for (int r = 0; r < R; r++)
-        U for (int c = 0; c < 2; c++) if (c < C) put(j, m + r, n + c, tree256x2(lo[r][c], hi[r][c]));
+        U for (int c = 0; c < CW; c++) if (c < C) put(j, m + r, n + c, tree256x2(lo[r][c], hi[r][c]));
 }
 
 static void tile_avx2(const job *j, int64_t m, int R, int64_t n, int C) {
-    if (R == 2) tile_avx2_r(j, m, 2, n, C);
-    else tile_avx2_r(j, m, 1, n, C);
+    if (R == 2) tile_avx2_r(j, m, 2, n, C, 2);
+    else tile_avx2_r(j, m, 1, n, C, 2);
+}
+
+/* One column, up to 4 rows (few rows: see pc_gemm). */
+static void tile_avx2_1(const job *j, int64_t m, int R, int64_t n, int C) {
+    (void)C;
+    switch (R) {
+    case 4: tile_avx2_r(j, m, 4, n, 1, 1); break;
+    case 3: tile_avx2_r(j, m, 3, n, 1, 1); break;
+    case 2: tile_avx2_r(j, m, 2, n, 1, 1); break;
+    default: tile_avx2_r(j, m, 1, n, 1, 1); break;
+    }
 }
 #endif
 
@@ -174,68 +189,92 @@ static inline __m512 ld16(const job *j, const void *p, int64_t k, int n) {
 }
 
 /* R rows x 4 columns, one zmm accumulator per output. */
-static inline __attribute__((always_inline)) void tile_avx512_r(const job *j, int64_t m, const int R, int64_t n, int C) {
+static inline __attribute__((always_inline)) void tile_avx512_r(const job *j, int64_t m, const int R, int64_t n, int C,
+                                                                const int CW) {
     const int64_t K = j->K;
     const size_t es = j->bf16 ? 2 : 4;
     const void *xr[4], *wr[4];
     U for (int r = 0; r < R; r++) xr[r] = (const char *)j->x + (size_t)((m + r) * j->ldx) * es;
-    U for (int c = 0; c < 4; c++) wr[c] = (const char *)j->w + (size_t)((n + (c < C ? c : 0)) * K) * es;
+    U for (int c = 0; c < CW; c++) wr[c] = (const char *)j->w + (size_t)((n + (c < C ? c : 0)) * K) * es;
     __m512 acc[4][4];
     U for (int r = 0; r < R; r++)
-        U for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+        U for (int c = 0; c < CW; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
         const int left = K - k >= 16 ? 16 : (int)(K - k);
         __m512 wv[4];
-        U for (int c = 0; c < 4; c++) wv[c] = ld16(j, wr[c], k, left);
+        U for (int c = 0; c < CW; c++) wv[c] = ld16(j, wr[c], k, left);
         U for (int r = 0; r < R; r++) {
             const __m512 xv = ld16(j, xr[r], k, left);
-            U for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+            U for (int c = 0; c < CW; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
         }
     }
     U for (int r = 0; r < R; r++)
-        U for (int c = 0; c < 4; c++) if (c < C) put(j, m + r, n + c, tree512(acc[r][c]));
+        U for (int c = 0; c < CW; c++) if (c < C) put(j, m + r, n + c, tree512(acc[r][c]));
 }
 
 static void tile_avx512(const job *j, int64_t m, int R, int64_t n, int C) {
     switch (R) {
-    case 4: tile_avx512_r(j, m, 4, n, C); break;
-    case 3: tile_avx512_r(j, m, 3, n, C); break;
-    case 2: tile_avx512_r(j, m, 2, n, C); break;
-    default: tile_avx512_r(j, m, 1, n, C); break;
+    case 4: tile_avx512_r(j, m, 4, n, C, 4); break;
+    case 3: tile_avx512_r(j, m, 3, n, C, 4); break;
+    case 2: tile_avx512_r(j, m, 2, n, C, 4); break;
+    default: tile_avx512_r(j, m, 1, n, C, 4); break;
+    }
+}
+
+/* One column, up to 4 rows (few rows: see pc_gemm). */
+static void tile_avx512_1(const job *j, int64_t m, int R, int64_t n, int C) {
+    (void)C;
+    switch (R) {
+    case 4: tile_avx512_r(j, m, 4, n, 1, 1); break;
+    case 3: tile_avx512_r(j, m, 3, n, 1, 1); break;
+    case 2: tile_avx512_r(j, m, 2, n, 1, 1); break;
+    default: tile_avx512_r(j, m, 1, n, 1, 1); break;
     }
 }
 #endif
 
 #if defined(__AVX512BF16__)
 /* bf16 x bf16 -> float32 lanes by vdpbf16ps: lane l += x[2l] w[2l] + x[2l+1] w[2l+1], 32 k a step. */
-static inline __attribute__((always_inline)) void tile_bf16_r(const job *j, int64_t m, const int R, int64_t n, int C) {
+static inline __attribute__((always_inline)) void tile_bf16_r(const job *j, int64_t m, const int R, int64_t n, int C,
+                                                              const int CW) {
     const int64_t K = j->K;
     const uint16_t *xr[4], *wr[4];
     U for (int r = 0; r < R; r++) xr[r] = (const uint16_t *)j->x + (m + r) * j->ldx;
-    U for (int c = 0; c < 4; c++) wr[c] = (const uint16_t *)j->w + (n + (c < C ? c : 0)) * K;
+    U for (int c = 0; c < CW; c++) wr[c] = (const uint16_t *)j->w + (n + (c < C ? c : 0)) * K;
     __m512 acc[4][4];
     U for (int r = 0; r < R; r++)
-        U for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+        U for (int c = 0; c < CW; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
         const int64_t left = K - k;
         const __mmask32 mk = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1);
         __m512i wv[4];
-        U for (int c = 0; c < 4; c++) wv[c] = _mm512_maskz_loadu_epi16(mk, wr[c] + k);
+        U for (int c = 0; c < CW; c++) wv[c] = _mm512_maskz_loadu_epi16(mk, wr[c] + k);
         U for (int r = 0; r < R; r++) {
             const __m512i xv = _mm512_maskz_loadu_epi16(mk, xr[r] + k);
-            U for (int c = 0; c < 4; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)xv, (__m512bh)wv[c]);
+            U for (int c = 0; c < CW; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)xv, (__m512bh)wv[c]);
         }
     }
     U for (int r = 0; r < R; r++)
-        U for (int c = 0; c < 4; c++) if (c < C) put(j, m + r, n + c, tree512(acc[r][c]));
+        U for (int c = 0; c < CW; c++) if (c < C) put(j, m + r, n + c, tree512(acc[r][c]));
 }
 
 static void tile_bf16(const job *j, int64_t m, int R, int64_t n, int C) {
     switch (R) {
-    case 4: tile_bf16_r(j, m, 4, n, C); break;
-    case 3: tile_bf16_r(j, m, 3, n, C); break;
-    case 2: tile_bf16_r(j, m, 2, n, C); break;
-    default: tile_bf16_r(j, m, 1, n, C); break;
+    case 4: tile_bf16_r(j, m, 4, n, C, 4); break;
+    case 3: tile_bf16_r(j, m, 3, n, C, 4); break;
+    case 2: tile_bf16_r(j, m, 2, n, C, 4); break;
+    default: tile_bf16_r(j, m, 1, n, C, 4); break;
+    }
+}
+
+/* One column, up to 4 rows (few rows: see pc_gemm). */
+static void tile_bf16_1(const job *j, int64_t m, int R, int64_t n, int C) {
+    (void)C;
+    switch (R) {
+    case 4: tile_bf16_r(j, m, 4, n, 1, 1); break;
+    case 3: tile_bf16_r(j, m, 3, n, 1, 1); break;
+    case 2: tile_bf16_r(j, m, 2, n, 1, 1); break;
+    default: tile_bf16_r(j, m, 1, n, 1, 1); break;
     }
 }
 #endif
@@ -271,14 +310,21 @@ int pc_gemm(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void *x, 
     const job j = {M, N, K, ldx, ldy, x, w, bias, y, dtype == 1};
     tile_fn tile = tile_generic;
     int RT = 1, CT = 1;
+    /* Up to FEW_ROWS rows (decode): one column per tile, so each weight row is read as one
+     * sequential stream (several interleaved rows measured at half the read bandwidth here);
+     * more rows: wider tiles, which reuse each loaded weight vector across rows. Either way every
+     * output is the same sequence of operations (the header), so the choice changes no bits. */
+    const int one = M <= FEW_ROWS;
+    (void)one;
 #if defined(__AVX2__) && defined(__FMA__)
-    if (isa == G_AVX2) tile = tile_avx2, RT = 2, CT = 2;
+    if (isa == G_AVX2) tile = one ? tile_avx2_1 : tile_avx2, RT = one ? 4 : 2, CT = one ? 1 : 2;
 #endif
 #if defined(__AVX512F__)
-    if (isa == G_AVX512 || (isa == G_AVX512BF16 && !j.bf16)) tile = tile_avx512, RT = 4, CT = 4;
+    if (isa == G_AVX512 || (isa == G_AVX512BF16 && !j.bf16))
+        tile = one ? tile_avx512_1 : tile_avx512, RT = 4, CT = one ? 1 : 4;
 #endif
 #if defined(__AVX512BF16__)
-    if (isa == G_AVX512BF16 && j.bf16) tile = tile_bf16, RT = 4, CT = 4;
+    if (isa == G_AVX512BF16 && j.bf16) tile = one ? tile_bf16_1 : tile_bf16, RT = 4, CT = one ? 1 : 4;
 #endif
     if (M <= 0 || N <= 0) return 0;
     const int64_t tiles = (N + CT - 1) / CT;
