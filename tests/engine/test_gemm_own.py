@@ -103,6 +103,32 @@ def test_out_is_written_in_place_and_bad_shapes_are_refused() -> None:
         matmul.own_linear(x, w.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+def test_the_bound_gemm_of_the_hot_path_gives_own_linears_bits(isa: str, dtype: torch.dtype) -> None:
+    x, w, b = _data(dtype, 131, 200, 9)
+    gemm = matmul.bound(isa)
+    assert matmul.bound(isa) is gemm
+    for m in (1, 3, 4, 5, 9):
+        assert torch.equal(gemm(x[:m], w, b), matmul.own_linear(x[:m], w, b, isa=isa)), m
+        assert torch.equal(gemm(x[:m], w), matmul.own_linear(x[:m], w, isa=isa)), m
+    wide = torch.cat([x, x], dim=1)[:, :200]  # rows with a stride past K: read in place
+    assert torch.equal(gemm(wide, w, b), matmul.own_linear(x, w, b, isa=isa))
+    out = torch.zeros(11, 131, dtype=dtype)
+    gemm(x, w, b, out[1:10])
+    assert (
+        torch.equal(out[1:10], matmul.own_linear(x, w, b, isa=isa)) and not out[0].any() and not out[10].any()
+    )
+    with pytest.raises(ValueError, match="do not multiply"):
+        gemm(x, w[:, :199])
+
+
+def test_a_bound_gemm_for_an_isa_this_machine_lacks_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(matmul, "available", lambda: ("generic",))
+    with pytest.raises(matmul.IsaUnavailableError, match="no avx2 path here"):
+        matmul.BoundGemm("avx2")
+
+
 def test_the_environment_caps_the_isa(monkeypatch: pytest.MonkeyPatch) -> None:
     best = ISAS[-1]
     monkeypatch.setenv(matmul.ENV, "avx2")

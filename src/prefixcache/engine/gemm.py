@@ -150,14 +150,15 @@ class GemmRule:
     def _own_linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: Rows
     ) -> torch.Tensor:
-        from prefixcache.engine.kernels.matmul import own_linear
+        from prefixcache.engine.kernels.matmul import bound
 
+        gemm = bound(self.own)
         if self.own_prefill or all(decode for _, _, decode in rows.runs):
-            return own_linear(x, weight, bias, isa=self.own)
+            return gemm(x, weight, bias)
         out = x.new_empty(x.shape[0], weight.shape[0])
         for start, stop, decode in rows.runs:
             if decode:
-                own_linear(x[start:stop], weight, bias, isa=self.own, out=out[start:stop])
+                gemm(x[start:stop], weight, bias, out[start:stop])
             else:
                 mm = lambda a, decode: F.linear(a, weight, bias)  # noqa: E731
                 parts = self._pieces(x, start, stop, False, mm)

@@ -139,3 +139,59 @@ def own_linear(
     if rc != 0:
         raise IsaUnavailableError(f"the own GEMM has no {name} path here (runs {', '.join(available())})")
     return out
+
+
+class BoundGemm:
+    """:func:`own_linear`'s product for one ISA with the library bound once, for the runner's hot
+    path (121 products a SmolLM2 step): per call only the shapes are checked, the output
+    allocated and the library called. The caller has checked the dtypes and the device."""
+
+    def __init__(self, isa: str) -> None:
+        lib = _lib()
+        if lib is None:
+            raise kernels.KernelsUnavailableError(
+                "the own GEMM needs the native kernels (see kernels.resolve)"
+            )
+        if isa not in available():
+            raise IsaUnavailableError(f"the own GEMM has no {isa} path here (runs {', '.join(available())})")
+        self.isa = isa
+        self._code = ISAS.index(isa)
+        self._gemm = lib.pc_gemm
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        if not w.is_contiguous():
+            w = w.contiguous()
+        M, K = x.shape
+        N = w.shape[0]
+        if w.shape[1] != K:
+            raise ValueError(f"own_linear: x {tuple(x.shape)} and w {tuple(w.shape)} do not multiply")
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        if out is None:
+            out = torch.empty(M, N, dtype=x.dtype)
+        rc = self._gemm(
+            _DTYPES[x.dtype], self._code, M, N, K, x.data_ptr(), x.stride(0), w.data_ptr(),
+            None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise IsaUnavailableError(f"the own GEMM has no {self.isa} path here")
+        return out
+
+
+_BOUND: dict[str, BoundGemm] = {}
+
+
+def bound(isa: str) -> BoundGemm:
+    """The :class:`BoundGemm` of ``isa`` (made once per process)."""
+    gemm = _BOUND.get(isa)
+    if gemm is None:
+        gemm = _BOUND[isa] = BoundGemm(isa)
+    return gemm
