@@ -40,7 +40,7 @@ from prefixcache.engine.llama import LlamaRunner
 from prefixcache.engine.model import ModelRunner, env_dtype
 from prefixcache.engine.pool import KVPool, pool_size
 from prefixcache.engine.prompts import PromptReader
-from prefixcache.engine.runtime import quantized_runner, select_runner
+from prefixcache.engine.runtime import off_this_thread, quantized_runner, select_runner
 from prefixcache.engine.serving.admission import check_request_fields, make_request, prefetch_blocks
 from prefixcache.engine.serving.guided import Grammar, Grammars
 from prefixcache.engine.serving.prompt_logprobs import PromptLogprob, prompt_logprobs
@@ -95,9 +95,7 @@ class Engine(PromptReader):
         else:
             load_dtype = cfg.dtype if (cfg.runner == "hf" and cfg.dtype) else "float32"
             base = ModelRunner.load(model, dtype=load_dtype, threads=cfg.threads)
-        self.runner = select_runner(base, cfg.runner, cfg.dtype)
-        if cfg.weights != "float":
-            self.runner = quantized_runner(base, self.runner, cfg.weights)
+        self.runner = off_this_thread(lambda: self._runner(base, cfg))
         block_size = cache.block_size if cache is not None else cfg.block_size
         chunk = cfg.chunk
         if chunk < block_size or chunk % block_size:
@@ -131,7 +129,7 @@ class Engine(PromptReader):
             max_wait_s=cfg.max_wait_s,
         )
         if isinstance(self.runner, LlamaRunner):
-            self.pool, reserve = self._new_pool(cfg.kv_reserve_tokens)
+            self.pool, reserve = off_this_thread(lambda: self._new_pool(cfg.kv_reserve_tokens))
             if self.cache is not None:
                 self.pool.watch(self.cache.store)  # the cache's holds on pool blocks
                 if self.cache.adopt is None:
@@ -144,6 +142,13 @@ class Engine(PromptReader):
         self.auditor: Auditor | None = None
         if isinstance(self._worker, BatchWorker) and self.cache is not None:
             self.auditor = self._worker.auditor = Auditor(cfg.verify_rate)
+
+    @staticmethod
+    def _runner(base: ModelRunner, cfg: EngineConfig) -> ModelRunner:
+        runner = select_runner(base, cfg.runner, cfg.dtype)
+        if cfg.weights != "float":
+            runner = quantized_runner(base, runner, cfg.weights)
+        return runner
 
     def _new_pool(self, reserve_tokens: int | None) -> tuple[KVPool, int]:
         """The KV pool: the cache's byte budget (pinned included) plus the running reserve."""
