@@ -19,7 +19,7 @@ from prefixcache.analysis.report import plot_sweep
 from prefixcache.analysis.simulate import SimConfig, simulate
 from prefixcache.analysis.trace import load_trace
 from prefixcache.cache.tiers import BlockLayout
-from prefixcache.server.tracelog import TraceLog, engine_header
+from prefixcache.server.ops.tracelog import TraceLog, engine_header
 
 SRC = str(Path(prefixcache.__file__).resolve().parents[1])
 SHIPPED = json.loads(shipped_calibration().read_text())

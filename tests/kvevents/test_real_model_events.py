@@ -160,7 +160,7 @@ def test_anchors_name_blocks_that_later_prompts_sharing_the_chunk_hold(real_engi
     from prefixcache.router.affinity import prefix_key
     from prefixcache.router.kv_index import BlockAnchors
     from prefixcache.router.proxy import rendered_chars
-    from prefixcache.server.kv_blocks import blocks_header
+    from prefixcache.server.compat.kv_blocks import blocks_header
 
     words = [
         "account",

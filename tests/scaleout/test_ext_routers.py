@@ -31,7 +31,7 @@ from prefixcache.commands.ext_routers import (
 from prefixcache.engine.engine import Engine
 from prefixcache.kvevents.publisher import KVEventPublisher, PublisherConfig
 from prefixcache.server import create_app
-from prefixcache.server.kv_blocks import enable_kv_events
+from prefixcache.server.compat.kv_blocks import enable_kv_events
 
 from .conftest import ServerThread, free_port
 

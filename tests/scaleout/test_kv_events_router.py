@@ -16,7 +16,7 @@ from prefixcache.kvevents.publisher import KVEventPublisher, PublisherConfig
 from prefixcache.router import RouterConfig, create_router_app
 from prefixcache.router.kv_index import FeedSpec, parse_feed
 from prefixcache.server import create_app
-from prefixcache.server.kv_blocks import enable_kv_events
+from prefixcache.server.compat.kv_blocks import enable_kv_events
 
 from .conftest import ServerThread
 

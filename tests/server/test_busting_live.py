@@ -1,4 +1,4 @@
-"""The live cache-busting watch (``server/busting.py``) on traffic replayed from synthetic traces
+"""The live cache-busting watch (``server/ops/busting.py``) on traffic replayed from synthetic traces
 with planted busting: every planted span is found at its planted token, and the clean endpoints
 (multi-turn chats, long random tails, prompt deploys, plain traffic, and all of them interleaved
 on one endpoint: distinct system prompts side by side) raise nothing."""
@@ -13,7 +13,7 @@ import pytest
 from prefixcache.analysis.trace import ByteTokenizer, load_trace
 from prefixcache.analysis.trace.spans import BustingDetector, Pair, find_busting
 from prefixcache.analysis.trace.synth import parse_endpoint, synthesize
-from prefixcache.server.busting import LiveBusting
+from prefixcache.server.ops.busting import LiveBusting
 
 BUSTING = (
     "stamp:rate=2,system=600,bust=timestamp,tenant=acme",

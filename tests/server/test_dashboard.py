@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from prefixcache.server.auth import Authenticator
-from prefixcache.server.dashboard import DashboardRecorder, DashboardSources
+from prefixcache.server.ops.dashboard import DashboardRecorder, DashboardSources
 
 MODEL = "test-model"
 SYSTEM_A = "Alpha's handbook for support agents: be brief and kind. " * 4

@@ -144,13 +144,11 @@ async def _call(app: Any, method: str, path: str, headers: dict[str, str], body:
 
 
 def _gated_paths() -> list[tuple[str, str]]:
-    from prefixcache.server import (
-        routes_anthropic,
-        routes_dashboard,
-        routes_openai,
-        routes_ops,
-        routes_responses,
-    )
+    from prefixcache.server.anthropic import routes as routes_anthropic
+    from prefixcache.server.openai import responses as routes_responses
+    from prefixcache.server.openai import routes as routes_openai
+    from prefixcache.server.ops import routes as routes_ops
+    from prefixcache.server.ops import routes_dashboard
 
     out = []
     modules = (routes_openai, routes_responses, routes_anthropic, routes_ops, routes_dashboard)

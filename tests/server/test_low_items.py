@@ -65,8 +65,8 @@ def test_a_token_id_past_32_bits_with_echo_is_a_400_on_smollm2(serve, real_runne
 
 
 def test_a_thousand_nested_brackets_in_a_tool_call_are_text_not_a_500():
-    from prefixcache.server.tool_calls import parse_tool_calls
-    from prefixcache.server.tool_prompt import CallSyntax
+    from prefixcache.server.tools.calls import parse_tool_calls
+    from prefixcache.server.tools.prompt import CallSyntax
 
     deep = "[" * 1_000 + "]" * 1_000
     args = '{"name": "get", "arguments": ' + deep + "}"
@@ -119,14 +119,14 @@ def test_busting_warnings_quote_no_prompt_text_under_the_privacy_mode(
 ):
     from test_server_busting import QUESTIONS, STAMPS, _messages
 
-    caplog.set_level(logging.WARNING, logger="prefixcache.server.busting")
+    caplog.set_level(logging.WARNING, logger="prefixcache.server.ops.busting")
     trace = tmp_path / "trace.jsonl"
     server = serve(make_engine(), model_name=MODEL, trace_log=trace, trace_keys_only=keys_only)
     for stamp, question in zip(STAMPS, QUESTIONS, strict=True):
         body = {"model": MODEL, "max_tokens": 1, "temperature": 0, "messages": _messages(stamp, question)}
         assert _post(server, "/v1/chat/completions", body).status_code == 200
     server.state.busting.wait_idle()
-    [warning] = [r.getMessage() for r in caplog.records if r.name == "prefixcache.server.busting"]
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "prefixcache.server.ops.busting"]
     assert "timestamp" in warning
     quoted = [s for s in STAMPS if s in warning]
     assert (quoted == []) is keys_only, warning

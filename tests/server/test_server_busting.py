@@ -65,7 +65,7 @@ def _run(server, engine, caplog) -> None:
     assert [(r["endpoint"], r["requests"], r["busting"]) for r in other["endpoints"]] == [
         ("/v1/chat/completions", 3, [])
     ]
-    warnings = [r.getMessage() for r in caplog.records if r.name == "prefixcache.server.busting"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "prefixcache.server.ops.busting"]
     assert len(warnings) == 1 and "'alpha'" in warnings[0] and "timestamp" in warnings[0]
     metrics = httpx.get(server.url + "/metrics").text
     assert 'prefixcache_cache_busting_findings_total{kind="timestamp"} 1.0' in metrics
@@ -73,7 +73,7 @@ def _run(server, engine, caplog) -> None:
 
 
 def test_busting_report_on_the_tiny_model(serve, make_engine, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="prefixcache.server.busting")
+    caplog.set_level(logging.WARNING, logger="prefixcache.server.ops.busting")
     engine = make_engine()
     server = serve(engine, model_name=MODEL, api_keys=KEYS, salt_secret="s")
     _run(server, engine, caplog)
@@ -90,6 +90,6 @@ def test_unauthenticated_report_is_refused(serve, make_engine) -> None:
 
 @pytest.mark.model
 def test_busting_report_on_smollm2(serve, real_engine, one_torch_thread, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="prefixcache.server.busting")
+    caplog.set_level(logging.WARNING, logger="prefixcache.server.ops.busting")
     server = serve(real_engine, model_name=MODEL, api_keys=KEYS, salt_secret="s")
     _run(server, real_engine, caplog)

@@ -13,7 +13,7 @@ import httpx
 from server_helpers import wait_until
 
 from prefixcache.cache.tiers.base import TierStats
-from prefixcache.server.routes_ops import STALE_HEADER
+from prefixcache.server.ops.routes import STALE_HEADER
 
 MODEL = "test-model"
 STALL_S = 2.0

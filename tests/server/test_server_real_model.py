@@ -131,7 +131,7 @@ def test_a_template_that_renders_tools_is_used_and_keeps_turns_a_prefix_of_the_n
 
     from prefixcache.engine.prompts import encode
     from prefixcache.server.errors import APIError
-    from prefixcache.server.tool_prompt import (
+    from prefixcache.server.tools.prompt import (
         CallSyntax,
         FunctionTool,
         PromptRenderer,

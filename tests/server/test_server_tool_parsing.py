@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from prefixcache.server.tool_calls import ParsedCall, ToolCallSplitter, parse_tool_calls
-from prefixcache.server.tool_prompt import CallSyntax
+from prefixcache.server.tools.calls import ParsedCall, ToolCallSplitter, parse_tool_calls
+from prefixcache.server.tools.prompt import CallSyntax
 
 NAMES = {"get_weather", "search"}
 WEATHER = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'

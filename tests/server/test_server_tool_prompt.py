@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from prefixcache.server.anthropic_prompt import anthropic_tool_config, plan_for, to_messages
+from prefixcache.server.anthropic.prompt import anthropic_tool_config, plan_for, to_messages
+from prefixcache.server.anthropic.schemas import MessagesRequest
 from prefixcache.server.errors import APIError
-from prefixcache.server.openai_prompt import chat_conversation, responses_conversation
-from prefixcache.server.schemas_anthropic import MessagesRequest
-from prefixcache.server.schemas_openai import ChatMessage
-from prefixcache.server.tool_prompt import FunctionTool, ToolCall, assistant_turn, flatten, tool_turn
+from prefixcache.server.openai.prompt import chat_conversation, responses_conversation
+from prefixcache.server.openai.schemas import ChatMessage
+from prefixcache.server.tools.prompt import FunctionTool, ToolCall, assistant_turn, flatten, tool_turn
 
 WEATHER = FunctionTool(
     "get_weather", "Weather.", {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -149,7 +149,7 @@ def test_a_breakpoint_on_a_tool_result_ends_where_the_result_ends(make_engine):
 
 
 def engine_renderer(engine, config):
-    from prefixcache.server.tool_prompt import PromptRenderer
+    from prefixcache.server.tools.prompt import PromptRenderer
 
     return PromptRenderer(
         config, engine.tokenizer, lambda m, gen: engine.render(m, add_generation_prompt=gen)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from prefixcache.analysis.trace import load_trace
-from prefixcache.server.tracelog import TraceLog, trace_keys
+from prefixcache.server.ops.tracelog import TraceLog, trace_keys
 
 MODEL = "test-model"
 KEYS = {"sk-a": "alpha", "sk-b": "beta"}

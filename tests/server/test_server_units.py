@@ -8,9 +8,9 @@ from typer.testing import CliRunner
 
 from prefixcache.cli import app
 from prefixcache.commands.server import parse_bytes
-from prefixcache.server.anthropic_prompt import to_messages, ttl_plan
+from prefixcache.server.anthropic.prompt import to_messages, ttl_plan
+from prefixcache.server.anthropic.schemas import MessagesRequest
 from prefixcache.server.errors import APIError
-from prefixcache.server.schemas_anthropic import MessagesRequest
 
 
 def test_breakpoints_map_to_the_token_ends_of_their_blocks(make_engine):
@@ -123,8 +123,8 @@ def test_engine_errors_become_client_errors():
 
 
 def test_anthropic_stop_reasons():
+    from prefixcache.server.anthropic.routes import stop_reason
     from prefixcache.server.bridge import Finished, Usage
-    from prefixcache.server.routes_anthropic import stop_reason
 
     usage = Usage(10, 0, 0, 3)
     assert stop_reason(Finished("a", "length", usage, 0.1, "miss")) == ("max_tokens", None)

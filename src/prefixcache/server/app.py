@@ -37,28 +37,26 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from prefixcache import __version__
 from prefixcache.engine.config import DEFAULT_MAX_QUEUE  # one home: the engine's queue is the app's
 from prefixcache.keygate import KeyGate, key_check
-from prefixcache.server import (
-    routes_anthropic,
-    routes_dashboard,
-    routes_engine_info,
-    routes_openai,
-    routes_ops,
-    routes_responses,
-    routes_verify,
-    routes_vllm,
-)
+from prefixcache.server.anthropic import routes as routes_anthropic
 from prefixcache.server.auth import Authenticator
 from prefixcache.server.bridge import Admission, EngineBridge
-from prefixcache.server.busting import DEFAULT_WINDOW, BustingWatch, LiveBusting
 from prefixcache.server.caller_text import CallerText, TextPolicy
-from prefixcache.server.dashboard import DEFAULT_INTERVAL_S, DashboardRecorder, DashboardSources
-from prefixcache.server.engine_load import LoadSnapshot, VllmGauges, load_snapshot
+from prefixcache.server.compat import engine_info as routes_engine_info
+from prefixcache.server.compat import vllm as routes_vllm
+from prefixcache.server.compat.engine_load import LoadSnapshot, VllmGauges, load_snapshot
 from prefixcache.server.errors import install_error_handlers
 from prefixcache.server.limits import BodyLimit, default_max_body_bytes, refuse_body
-from prefixcache.server.metrics import Metrics
-from prefixcache.server.snapshots import SnapshotReader
+from prefixcache.server.openai import responses as routes_responses
+from prefixcache.server.openai import routes as routes_openai
+from prefixcache.server.ops import routes as routes_ops
+from prefixcache.server.ops import routes_dashboard
+from prefixcache.server.ops import verify as routes_verify
+from prefixcache.server.ops.busting import DEFAULT_WINDOW, BustingWatch, LiveBusting
+from prefixcache.server.ops.dashboard import DEFAULT_INTERVAL_S, DashboardRecorder, DashboardSources
+from prefixcache.server.ops.metrics import Metrics
+from prefixcache.server.ops.snapshots import SnapshotReader
+from prefixcache.server.ops.tracelog import TraceLog, engine_header
 from prefixcache.server.state import ServerState
-from prefixcache.server.tracelog import TraceLog, engine_header
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +128,7 @@ def create_app(
     ``tenant_capacity_share`` of its capacity, past which a tenant evicts its own blocks first
     (None: one LRU; see :mod:`~prefixcache.cache.shares`).
     ``busting_window``: requests per endpoint the live cache-busting watch compares (0: no
-    watch; see :mod:`~prefixcache.server.busting`). ``admin_tenants``: tenants of ``api_keys``
+    watch; see :mod:`~prefixcache.server.ops.busting`). ``admin_tenants``: tenants of ``api_keys``
     that see every tenant's prefixes on the dashboard. ``dashboard_interval_s``: seconds between
     two points of the dashboard's time series. ``caller_text``: whose prompt text miss reasons,
     the dashboard and the busting report show (:mod:`~prefixcache.server.caller_text`; default

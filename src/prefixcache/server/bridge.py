@@ -30,9 +30,9 @@ from prefixcache.engine.types import (
     QueueFullError,
     TokenLogprob,
 )
+from prefixcache.server.compat.kv_blocks import note_prompt_blocks
 from prefixcache.server.errors import APIError, template_refusal
-from prefixcache.server.kv_blocks import note_prompt_blocks
-from prefixcache.server.tool_prompt import PromptRenderer, RenderedPrompt, ToolConfig
+from prefixcache.server.tools.prompt import PromptRenderer, RenderedPrompt, ToolConfig
 
 log = logging.getLogger(__name__)
 

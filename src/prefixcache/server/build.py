@@ -34,8 +34,8 @@ from prefixcache.server.app import (
     DEFAULT_TENANT_QUEUE_SHARE,
     create_app,
 )
-from prefixcache.server.busting import DEFAULT_WINDOW
-from prefixcache.server.dashboard import DEFAULT_INTERVAL_S
+from prefixcache.server.ops.busting import DEFAULT_WINDOW
+from prefixcache.server.ops.dashboard import DEFAULT_INTERVAL_S
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -227,7 +227,7 @@ def _attach(engine: Engine, tiers: TierConfig, secret: str | bytes | None) -> No
 
 def _publish(app: FastAPI, engine: Engine, publisher: KVEventPublisher) -> None:
     from prefixcache.kvevents.wire import MEDIUM_CPU, MEDIUM_GPU
-    from prefixcache.server.kv_blocks import enable_kv_events
+    from prefixcache.server.compat.kv_blocks import enable_kv_events
 
     device = getattr(engine.runner, "device", "cpu")
     publisher.config.medium = MEDIUM_GPU if getattr(device, "type", str(device)) == "cuda" else MEDIUM_CPU

@@ -10,14 +10,14 @@ from fastapi import Header, Request
 
 from prefixcache.server.auth import Authenticator, Tenant
 from prefixcache.server.bridge import EngineBridge, Finished
-from prefixcache.server.busting import BustingWatch
 from prefixcache.server.caller_text import CallerText
-from prefixcache.server.dashboard import DashboardRecorder
-from prefixcache.server.diagnostics import DiagnosticsRecord
 from prefixcache.server.errors import APIError
-from prefixcache.server.metrics import Metrics
-from prefixcache.server.snapshots import SnapshotReader
-from prefixcache.server.tracelog import TraceLog
+from prefixcache.server.ops.busting import BustingWatch
+from prefixcache.server.ops.dashboard import DashboardRecorder
+from prefixcache.server.ops.diagnostics import DiagnosticsRecord
+from prefixcache.server.ops.metrics import Metrics
+from prefixcache.server.ops.snapshots import SnapshotReader
+from prefixcache.server.ops.tracelog import TraceLog
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ first differing token is often inside a value: ``...T22:07:28`` vs ``...T22:07:3
 Findings are grouped by (kind, token position of the value's start). One implementation serves
 both detectors: :class:`BustingDetector` takes pairs one at a time; the audit feeds it an
 endpoint's sampled pairs (:func:`find_busting`), the server each finished request of an endpoint
-over a sliding window (:mod:`prefixcache.server.busting`).
+over a sliding window (:mod:`prefixcache.server.ops.busting`).
 """
 
 from __future__ import annotations

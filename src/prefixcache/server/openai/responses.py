@@ -33,11 +33,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prefixcache.engine.types import ChoiceDelta, PromptDone
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Finished, Usage
-from prefixcache.server.cache_reasons import prefixcache_field
 from prefixcache.server.errors import APIError, bad_request
 from prefixcache.server.limits import CheckedRoute
-from prefixcache.server.openai_prompt import responses_conversation, responses_tool_config
-from prefixcache.server.routes_openai import (
+from prefixcache.server.openai.prompt import responses_conversation, responses_tool_config
+from prefixcache.server.openai.routes import (
     DEFAULT_CHAT_MAX_TOKENS,
     SSE_HEADERS,
     _items,
@@ -46,11 +45,12 @@ from prefixcache.server.routes_openai import (
     prompt_kwargs,
     render_prompt,
 )
-from prefixcache.server.schemas_responses import ResponsesRequest
+from prefixcache.server.openai.schemas_responses import ResponsesRequest
+from prefixcache.server.openai.structured import compile_grammar, forced_tool_grammar, responses_grammar
+from prefixcache.server.ops.cache_reasons import prefixcache_field
 from prefixcache.server.state import get_state, get_tenant
-from prefixcache.server.structured import compile_grammar, forced_tool_grammar, responses_grammar
-from prefixcache.server.tool_calls import ParsedCall, ParsedReply, new_call_id
-from prefixcache.server.tool_output import CallsFound, parse_reply, split_stream, with_ids
+from prefixcache.server.tools.calls import ParsedCall, ParsedReply, new_call_id
+from prefixcache.server.tools.output import CallsFound, parse_reply, split_stream, with_ids
 
 router = APIRouter(route_class=CheckedRoute)
 

@@ -9,7 +9,7 @@ lines, ``data: [DONE]`` last, and with ``stream_options.include_usage`` every ch
 ``n`` choices decode from one prefill of the prompt; usage counts the prompt once and sums the
 choices' tokens. In a stream every chunk names its choice by ``index``, and each choice ends
 with its own ``finish_reason`` chunk. ``logprobs`` (chat: ``logprobs`` + ``top_logprobs``;
-completions: ``logprobs`` = k) come in OpenAI's shapes (``server/logprobs.py``), also streamed.
+completions: ``logprobs`` = k) come in OpenAI's shapes (``server/openai/logprobs.py``), also streamed.
 With ``tools`` each chat choice's reply is parsed for its own calls (``tool_output``);
 ``logprobs`` together with parsed calls is a 400 naming ``logprobs``.
 """
@@ -30,34 +30,34 @@ from prefixcache.cache.config import TTL_CLASSES
 from prefixcache.engine.types import ChoiceDelta, PromptDone
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Usage, translate_error
-from prefixcache.server.cache_reasons import prefixcache_field
 from prefixcache.server.errors import APIError, bad_request, openai_error_body
 from prefixcache.server.limits import CheckedRoute
-from prefixcache.server.logprobs import chat_logprobs, completion_logprobs
-from prefixcache.server.openai_prompt import chat_conversation, chat_tool_config
-from prefixcache.server.prompt_logprobs import (
+from prefixcache.server.openai.logprobs import chat_logprobs, completion_logprobs
+from prefixcache.server.openai.prompt import chat_conversation, chat_tool_config
+from prefixcache.server.openai.prompt_logprobs import (
     echo_logprobs,
     join_logprobs,
     prompt_entries,
     trim_top,
     vllm_prompt_logprobs,
 )
-from prefixcache.server.schemas_openai import (
+from prefixcache.server.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     _CachedGeneration,
     _Sampling,
 )
+from prefixcache.server.openai.structured import compile_grammar, forced_tool_grammar, requested_grammar
+from prefixcache.server.ops.cache_reasons import prefixcache_field
 from prefixcache.server.state import ServerState, get_state, get_tenant
-from prefixcache.server.structured import compile_grammar, forced_tool_grammar, requested_grammar
-from prefixcache.server.tool_output import (
+from prefixcache.server.tools.output import (
     CallsFound,
     openai_call_deltas,
     openai_message,
     parse_reply,
     split_stream,
 )
-from prefixcache.server.tool_prompt import Message, RenderedPrompt, ToolConfig, has_tool_turns
+from prefixcache.server.tools.prompt import Message, RenderedPrompt, ToolConfig, has_tool_turns
 
 log = logging.getLogger(__name__)
 router = APIRouter(route_class=CheckedRoute)

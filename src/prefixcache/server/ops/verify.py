@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 from prefixcache.server.auth import Tenant
 from prefixcache.server.errors import APIError
 from prefixcache.server.limits import CheckedRoute
-from prefixcache.server.routes_ops import PinRequest, _prefix_ids
+from prefixcache.server.ops.routes import PinRequest, _prefix_ids
 from prefixcache.server.state import get_state, get_tenant
 
 router = APIRouter(route_class=CheckedRoute)

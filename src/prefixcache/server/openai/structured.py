@@ -108,7 +108,7 @@ def forced_tool_grammar(config: Any) -> tuple[str, Any, str] | None:
     (OpenAI) or ``{"type": "tool", "name": ...}`` (Anthropic). The prompt already ends in
     ``<tool_call>{"name": ..., "arguments": `` (the forced prefix), so the grammar is the
     arguments' JSON, the call's closing brace and the closing tag. None for any other choice."""
-    from prefixcache.server.tool_prompt import TOOL_CALL_CLOSE, ToolChoice
+    from prefixcache.server.tools.prompt import TOOL_CALL_CLOSE, ToolChoice
 
     if config.choice is not ToolChoice.NAMED:
         return None

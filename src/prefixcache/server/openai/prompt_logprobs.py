@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from prefixcache.engine.serving.detok import TokenText
-from prefixcache.server.logprobs import FLOOR, completion_logprobs
+from prefixcache.server.openai.logprobs import FLOOR, completion_logprobs
 
 #: vLLM's bound on ``prompt_logprobs`` (and OpenAI's on ``top_logprobs``).
 MAX_PROMPT_LOGPROBS = 20

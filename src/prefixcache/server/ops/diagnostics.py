@@ -33,7 +33,7 @@ from typing import Any
 
 from prefixcache.cache.reasons import Reason, missed_tokens
 from prefixcache.cache.stats import Usage
-from prefixcache.server.schemas_anthropic import MessagesRequest
+from prefixcache.server.anthropic.schemas import MessagesRequest
 
 #: Fingerprints kept per tenant (the oldest goes first).
 PER_TENANT = 512

@@ -4,7 +4,7 @@ GET /v1/loads and /loads (SGLang's load shape; also ``/get_loads``).
 
 SMG finds a replica's engine from ``/v1/models`` ``owned_by``, else from ``/version`` (vLLM) and
 ``/server_info`` (SGLang); a replica that answers ``/version`` is read as vLLM, and its load is
-read from the ``vllm:`` gauges on ``/metrics`` (see :mod:`~prefixcache.server.engine_load`).
+read from the ``vllm:`` gauges on ``/metrics`` (see :mod:`~prefixcache.server.compat.engine_load`).
 
 ``/version``, ``/server_info`` and ``/model_info`` say what ``/health`` says (the model, its
 context, this server's version and batch size): no key needed. The loads are ``/v1`` routes and
@@ -20,10 +20,10 @@ from fastapi import APIRouter, Depends, Query, Request
 
 import prefixcache
 from prefixcache.server.auth import Tenant
-from prefixcache.server.engine_load import LoadSnapshot, load_snapshot, sglang_loads
+from prefixcache.server.compat.engine_load import LoadSnapshot, load_snapshot, sglang_loads
 from prefixcache.server.errors import bad_request
 from prefixcache.server.limits import CheckedRoute
-from prefixcache.server.routes_ops import cache_busy
+from prefixcache.server.ops.routes import cache_busy
 from prefixcache.server.state import ServerState, get_state, get_tenant
 
 router = APIRouter(route_class=CheckedRoute)

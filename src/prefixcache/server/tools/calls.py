@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixcache.limits import MAX_JSON_DEPTH, json_depth
-from prefixcache.server.tool_prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, CallSyntax, dumps
+from prefixcache.server.tools.prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, CallSyntax, dumps
 
 _DECODER = json.JSONDecoder()
 

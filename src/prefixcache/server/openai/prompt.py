@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from prefixcache.server.errors import bad_request
-from prefixcache.server.schemas_openai import ChatCompletionRequest, ChatMessage
-from prefixcache.server.schemas_responses import ResponsesRequest
-from prefixcache.server.tool_prompt import (
+from prefixcache.server.openai.schemas import ChatCompletionRequest, ChatMessage
+from prefixcache.server.openai.schemas_responses import ResponsesRequest
+from prefixcache.server.tools.prompt import (
     CallLedger,
     FunctionTool,
     Message,

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
-from prefixcache.server.schemas_openai import MaxTokens, _CachedGeneration
+from prefixcache.server.openai.schemas import MaxTokens, _CachedGeneration
 
 
 class ResponsesTool(BaseModel):

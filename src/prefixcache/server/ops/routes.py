@@ -16,9 +16,9 @@ from prefixcache.cache.store import PinBudgetExceeded
 from prefixcache.server.auth import Tenant
 from prefixcache.server.errors import APIError, bad_request
 from prefixcache.server.limits import CheckedRoute
-from prefixcache.server.openai_prompt import chat_conversation, chat_tool_config
-from prefixcache.server.schemas_openai import ChatCompletionRequest, ChatMessage, ChatTool
-from prefixcache.server.snapshots import Snapshot
+from prefixcache.server.openai.prompt import chat_conversation, chat_tool_config
+from prefixcache.server.openai.schemas import ChatCompletionRequest, ChatMessage, ChatTool
+from prefixcache.server.ops.snapshots import Snapshot
 from prefixcache.server.state import get_state, get_tenant
 
 router = APIRouter(route_class=CheckedRoute)
@@ -231,7 +231,7 @@ async def cache_unpin(body: PinRequest, request: Request, tenant: Tenant = Depen
 @router.get("/v1/cache/report", summary="Cache busting found live in the caller's traffic")
 async def cache_report(request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
     """The caller's endpoints and their busting findings over the live window (the audit's
-    ``busting`` rows; see :mod:`~prefixcache.server.busting`). Never another tenant's."""
+    ``busting`` rows; see :mod:`~prefixcache.server.ops.busting`). Never another tenant's."""
     watch = get_state(request).busting
     if watch is None:
         raise APIError(

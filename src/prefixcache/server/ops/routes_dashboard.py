@@ -18,7 +18,7 @@ from prefixcache import webui
 from prefixcache.cache.tiers import tier_stats
 from prefixcache.server.auth import Tenant
 from prefixcache.server.limits import CheckedRoute
-from prefixcache.server.routes_ops import STALE_HEADER, TENANT_FIELDS, cache_busy
+from prefixcache.server.ops.routes import STALE_HEADER, TENANT_FIELDS, cache_busy
 from prefixcache.server.state import ServerState, get_state, get_tenant
 
 router = APIRouter(route_class=CheckedRoute)

@@ -13,7 +13,7 @@ been read but for it (see ``prefixcache.cache.reasons``).
 Per HTTP request: ``prefixcache_requests_total{route,status}``.
 
 vLLM's names for routers built for vLLM (``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``,
-...) are registered beside these by the app (``server/engine_load.py``).
+...) are registered beside these by the app (``server/compat/engine_load.py``).
 
 Read from the cache at scrape time: ``prefixcache_cache_blocks``, ``prefixcache_cache_bytes``,
 ``prefixcache_cache_hit_ratio`` (cached / prompt tokens since start), and

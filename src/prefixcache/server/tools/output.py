@@ -25,14 +25,14 @@ from typing import Any
 from prefixcache.engine.types import ChoiceDelta, PromptDone
 from prefixcache.server.bridge import Finished
 from prefixcache.server.errors import APIError
-from prefixcache.server.tool_calls import (
+from prefixcache.server.tools.calls import (
     ParsedCall,
     ParsedReply,
     ToolCallSplitter,
     new_call_id,
     parse_tool_calls,
 )
-from prefixcache.server.tool_prompt import RenderedPrompt, ToolConfig
+from prefixcache.server.tools.prompt import RenderedPrompt, ToolConfig
 
 
 @dataclass(slots=True)

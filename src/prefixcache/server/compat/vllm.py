@@ -19,25 +19,25 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from prefixcache.server.anthropic_prompt import anthropic_tool_config, to_messages
+from prefixcache.server.anthropic.prompt import anthropic_tool_config, to_messages
+from prefixcache.server.anthropic.schemas import MessagesRequest
 from prefixcache.server.auth import Tenant
 from prefixcache.server.errors import bad_request
 from prefixcache.server.limits import CheckedRoute
-from prefixcache.server.openai_prompt import chat_conversation, chat_tool_config, responses_conversation
-from prefixcache.server.openai_prompt import responses_tool_config as responses_tools
-from prefixcache.server.routes_openai import DEFAULT_CHAT_MAX_TOKENS, choices_count, render_prompt
-from prefixcache.server.routes_responses import refuse_unsupported
-from prefixcache.server.schemas_anthropic import MessagesRequest
-from prefixcache.server.schemas_openai import (
+from prefixcache.server.openai.prompt import chat_conversation, chat_tool_config, responses_conversation
+from prefixcache.server.openai.prompt import responses_tool_config as responses_tools
+from prefixcache.server.openai.responses import refuse_unsupported
+from prefixcache.server.openai.routes import DEFAULT_CHAT_MAX_TOKENS, choices_count, render_prompt
+from prefixcache.server.openai.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     ChatTool,
     CompletionRequest,
     NamedToolChoice,
 )
-from prefixcache.server.schemas_responses import ResponsesRequest
+from prefixcache.server.openai.schemas_responses import ResponsesRequest
 from prefixcache.server.state import ServerState, get_state, get_tenant
-from prefixcache.server.tool_prompt import RenderedPrompt, has_tool_turns
+from prefixcache.server.tools.prompt import RenderedPrompt, has_tool_turns
 
 router = APIRouter(route_class=CheckedRoute)
 

@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prefixcache.cache.config import TTL_CLASSES
+from prefixcache.server.anthropic.schemas import ANTHROPIC_TTLS, MAX_BREAKPOINTS, CacheControl, _Prompt
 from prefixcache.server.errors import bad_request
-from prefixcache.server.schemas_anthropic import ANTHROPIC_TTLS, MAX_BREAKPOINTS, CacheControl, _Prompt
-from prefixcache.server.tool_prompt import (
+from prefixcache.server.tools.prompt import (
     CallLedger,
     FunctionTool,
     Message,

@@ -21,25 +21,25 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from prefixcache.engine.types import ChoiceDelta, PromptDone
-from prefixcache.server.anthropic_prompt import anthropic_tool_config, plan_for, to_messages
+from prefixcache.server.anthropic.prompt import anthropic_tool_config, plan_for, to_messages
+from prefixcache.server.anthropic.schemas import CountTokensRequest, MessagesRequest, _Prompt
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Finished, Usage
-from prefixcache.server.cache_reasons import prefixcache_field
-from prefixcache.server.diagnostics import compare, fingerprint
 from prefixcache.server.errors import APIError, anthropic_error_body
 from prefixcache.server.limits import CheckedRoute
-from prefixcache.server.routes_openai import SSE_HEADERS, _items, _start_stream, prompt_kwargs
-from prefixcache.server.schemas_anthropic import CountTokensRequest, MessagesRequest, _Prompt
+from prefixcache.server.openai.routes import SSE_HEADERS, _items, _start_stream, prompt_kwargs
+from prefixcache.server.openai.structured import compile_grammar, forced_tool_grammar
+from prefixcache.server.ops.cache_reasons import prefixcache_field
+from prefixcache.server.ops.diagnostics import compare, fingerprint
 from prefixcache.server.state import ServerState, get_state, get_tenant
-from prefixcache.server.structured import compile_grammar, forced_tool_grammar
-from prefixcache.server.tool_output import (
+from prefixcache.server.tools.output import (
     CallsFound,
     anthropic_content,
     anthropic_tool_use,
     parse_reply,
     split_stream,
 )
-from prefixcache.server.tool_prompt import RenderedPrompt, ToolConfig, has_tool_turns
+from prefixcache.server.tools.prompt import RenderedPrompt, ToolConfig, has_tool_turns
 
 router = APIRouter(route_class=CheckedRoute)
 

@@ -112,7 +112,7 @@ class _Prompt(BaseModel):
 
 
 class DiagnosticsParam(BaseModel):
-    """Cache diagnostics (see ``prefixcache.server.diagnostics``): the previous answer's id, or
+    """Cache diagnostics (see ``prefixcache.server.ops.diagnostics``): the previous answer's id, or
     null on the first turn."""
 
     model_config = ConfigDict(extra="ignore")
