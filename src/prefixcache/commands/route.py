@@ -18,11 +18,10 @@ from prefixcache.commands.lifecycle import sigterm_as_interrupt
 from prefixcache.commands.options import free_port_or_fail, http_url, input_file
 from prefixcache.commands.router_security import curve_client, keepwarm_keys, router_keys
 from prefixcache.commands.server import parse_bytes
+from prefixcache.routing import POLICIES  # one home: the router's and the simulator's names
 
 #: ``--max-connections``' default (uvicorn answers 503 beyond it, before any route runs).
 DEFAULT_MAX_CONNECTIONS = 1024
-
-POLICIES = ("prefix-affinity", "cache-aware", "round-robin", "least-loaded", "random")
 
 
 def check_policy(value: str) -> str:
