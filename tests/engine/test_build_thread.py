@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from prefixcache.engine import engine as engine_module
+from prefixcache.engine.llama import LlamaRunner
 from prefixcache.engine.runtime import off_this_thread
 
 
@@ -32,18 +33,18 @@ def test_the_engine_builds_its_runner_and_pool_off_the_callers_thread(
     tiny_runner: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: dict[str, int] = {}
-    real_select, real_pool = engine_module.select_runner, engine_module.Engine._new_pool
+    real_select, real_pool = engine_module.select_runner, LlamaRunner.new_pool
 
     def select(*args: Any, **kwargs: Any) -> Any:
         seen["runner"] = threading.get_ident()
         return real_select(*args, **kwargs)
 
-    def new_pool(self: Any, *args: Any) -> Any:
+    def new_pool(self: Any, *args: Any, **kwargs: Any) -> Any:
         seen["pool"] = threading.get_ident()
-        return real_pool(self, *args)
+        return real_pool(self, *args, **kwargs)
 
     monkeypatch.setattr(engine_module, "select_runner", select)
-    monkeypatch.setattr(engine_module.Engine, "_new_pool", new_pool)
+    monkeypatch.setattr(LlamaRunner, "new_pool", new_pool)
     engine = engine_module.Engine(tiny_runner, prefill_chunk=16)
     try:
         here = threading.get_ident()
