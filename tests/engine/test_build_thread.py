@@ -1,6 +1,7 @@
 """The engine builds its runner and KV pool off the caller's thread (``runtime.off_this_thread``),
 so the caller keeps no OpenMP thread pool that would compete with the worker's: the build runs on a
-thread of its own, its result or its exception comes back unchanged."""
+thread of its own, its result or its exception comes back unchanged; ``Engine.run_on_worker`` runs
+other compute (the benchmark's floors) on the worker's own thread."""
 
 from __future__ import annotations
 
@@ -51,5 +52,21 @@ def test_the_engine_builds_its_runner_and_pool_off_the_callers_thread(
         assert seen.keys() == {"runner", "pool"} and here not in seen.values()
         out = engine.generate(prompt_token_ids=list(range(1, 40)), max_tokens=2)
         assert len(out.tokens) == 2  # and it serves as before
+    finally:
+        engine.close()
+
+
+def test_run_on_worker_runs_on_the_engines_compute_thread(tiny_runner: Any) -> None:
+    engine = engine_module.Engine(tiny_runner, prefill_chunk=16)
+    try:
+        engine.generate(prompt_token_ids=list(range(1, 20)), max_tokens=1)  # the worker is up
+        assert engine.run_on_worker(lambda: threading.current_thread().name) == "prefixcache-engine"
+
+        def fail() -> None:
+            raise KeyError("on the worker")
+
+        with pytest.raises(KeyError, match="on the worker"):
+            engine.run_on_worker(fail)
+        assert engine.generate(prompt_token_ids=list(range(1, 20)), max_tokens=1).tokens  # still serving
     finally:
         engine.close()

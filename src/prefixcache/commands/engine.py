@@ -141,6 +141,7 @@ def demo(
     from prefixcache.engine.engine import select_runner
     from prefixcache.engine.llama import LlamaRunner
     from prefixcache.engine.model import ModelRunner, env_dtype
+    from prefixcache.engine.runtime import off_this_thread
 
     console = Console(width=None if sys.stdout.isatty() else 120)
     steps = _Steps(Console(stderr=True, soft_wrap=True))
@@ -149,7 +150,7 @@ def demo(
         try:
             env_dtype()  # a bad $PREFIXCACHE_DTYPE fails before the model loads
             base = ModelRunner.load(model, threads=threads)
-            chosen = select_runner(base, runner, dtype)
+            chosen = off_this_thread(lambda: select_runner(base, runner, dtype))
         except ValueError as exc:
             _fail(exc)
             return
@@ -248,6 +249,7 @@ def bench(
     from prefixcache.engine.bench_peer import peer_lines, run_llamacpp
     from prefixcache.engine.engine import quantized_runner, select_runner
     from prefixcache.engine.model import ModelRunner, env_dtype
+    from prefixcache.engine.runtime import off_this_thread
 
     if fmt not in FORMATS:
         raise typer.BadParameter(f"{fmt!r}: choose one of {', '.join(FORMATS)}", param_hint="--format")
@@ -270,10 +272,12 @@ def bench(
             env_dtype()  # a bad $PREFIXCACHE_DTYPE fails before the model loads
             base = ModelRunner.load(model, threads=threads)
 
-            def chosen(kind: str) -> ModelRunner:
+            def chosen(kind: str) -> ModelRunner:  # built off this thread: no OpenMP pool stays here
                 if kind == "hf":
-                    return select_runner(base, kind, None)
-                return quantized_runner(base, select_runner(base, kind, dtype), weights)
+                    return off_this_thread(lambda: select_runner(base, kind, None))
+                return off_this_thread(
+                    lambda: quantized_runner(base, select_runner(base, kind, dtype), weights)
+                )
 
             res = [
                 run_bench(

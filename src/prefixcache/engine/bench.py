@@ -208,12 +208,14 @@ def run_bench(
             progress(f"[{label}] {msg}")
 
     chunk = on.prefill_chunk
-    prefill = _Prefill(runner)
+    on.generate(prompt_token_ids=_ids(rng, 64, vocab), max_tokens=1)  # warm-up; starts the worker
+    # Everything computed outside the engines runs on `on`'s worker thread, and `off` is closed
+    # before the figures that follow it: one OpenMP pool at a time (docs/engine.md, Threads).
+    prefill = on.run_on_worker(lambda: _Prefill(runner))
     res = BenchResult(runner.name, label, runner.dtype_name, runner.threads, chunk, tail, repeats)
     res.kv_bytes_per_token = (
         2 * runner.num_layers * runner.num_kv_heads * runner.head_dim * runner.dtype.itemsize
     )
-    on.generate(prompt_token_ids=_ids(rng, 64, vocab), max_tokens=1)  # warm-up
     for n in lengths:
         say(f"TTFT, prefix {n} + tail {tail}")
         cold, warm, floor = [], [], []
@@ -227,11 +229,16 @@ def run_bench(
             cached = r.usage.cached_tokens
             # floor: the prefix's KV prebuilt (outside the timer), then the tail alone
             tail_ids = _ids(rng, tail, vocab)
-            fresh = _prefix_kv(on, prefix, tail_ids, prefill)
-            t = time.perf_counter()
-            prefill.forward(tail_ids, n, fresh)
-            floor.append(time.perf_counter() - t)
-            prefill.drop(fresh)
+
+            def timed_floor(prefix: list[int] = prefix, tail_ids: list[int] = tail_ids, n: int = n) -> float:
+                fresh = _prefix_kv(on, prefix, tail_ids, prefill)
+                t = time.perf_counter()
+                prefill.forward(tail_ids, n, fresh)
+                elapsed = time.perf_counter() - t
+                prefill.drop(fresh)
+                return elapsed
+
+            floor.append(on.run_on_worker(timed_floor))
         paired = statistics.median(w / f for w, f in zip(warm, floor, strict=True))
         res.rows.append(
             TtftRow(
@@ -250,26 +257,33 @@ def run_bench(
     res.miss_on_s, res.miss_off_s = statistics.median(on_t), statistics.median(off_t)
     # Paired ratios: each on/off pair ran back to back on the same prompt, so load drifts cancel.
     res.overhead_paired = statistics.median(a / b for a, b in zip(on_t, off_t, strict=True)) - 1.0
+    off.close()
     say(f"prefill throughput, {n} tokens: single pass vs {chunk}-token chunks")
     ids = _ids(rng, n, vocab)
     res.prefill_tokens = n
-    res.single_pass_tps, res.chunked_tps = prefill_rates(runner, ids, chunk, repeats)
+    res.single_pass_tps, res.chunked_tps = on.run_on_worker(
+        lambda: prefill_rates(runner, ids, chunk, repeats)
+    )
     if isinstance(runner, LlamaRunner):
         say(f"prefill throughput, {n} tokens: invariant attention vs SDPA")
-        sdpa = _Prefill(runner.with_attention("sdpa"))
-        times: tuple[list[float], list[float]] = ([], [])
-        for _ in range(repeats):  # interleaved
-            times[0].append(prefill.run(ids, [(0, n)]))
-            times[1].append(sdpa.run(ids, [(0, n)]))
+
+        def against_sdpa() -> tuple[list[float], list[float]]:
+            sdpa = _Prefill(runner.with_attention("sdpa"))
+            times: tuple[list[float], list[float]] = ([], [])
+            for _ in range(repeats):  # interleaved
+                times[0].append(prefill.run(ids, [(0, n)]))
+                times[1].append(sdpa.run(ids, [(0, n)]))
+            return times
+
+        times = on.run_on_worker(against_sdpa)
         res.single_pass_tps = n / statistics.median(times[0])
         res.sdpa_tps = n / statistics.median(times[1])
     say("decode throughput")
-    r = off.generate(prompt_token_ids=_ids(rng, 32, vocab), max_tokens=33)
+    r = on.generate(prompt_token_ids=_ids(rng, 32, vocab), max_tokens=33)  # a miss: random ids
     res.decode_tps = (len(r.tokens) - 1) / r.decode_s if r.decode_s > 0 else 0.0
     say("hashing + lookup of a 50,000-token prompt")
     res.hash_lookup_ms = hash_lookup_ms(res.hash_tokens)
     on.close()
-    off.close()
     return res
 
 

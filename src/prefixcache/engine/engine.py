@@ -9,17 +9,15 @@
 
 Two runners, chosen by the model (``runner="auto"``):
 
-* **The own Llama runner** (:class:`~prefixcache.engine.llama.LlamaRunner`; Llama, SmolLM2,
-  Mistral, Qwen2): continuous batching over a paged KV pool (``engine/serving/scheduler.py``). Its
-  forward is row- and batch-invariant, so a hit may end on any block boundary, every full block
-  of a prompt is stored, and hits are bitwise exact also when batched with other requests.
+* **The own Llama runner** (:class:`~prefixcache.engine.llama.LlamaRunner`; Llama, SmolLM2, Mistral,
+  Qwen2): continuous batching over a paged KV pool (``engine/serving/scheduler.py``). Its forward is
+  row- and batch-invariant, so a hit may end on any block boundary, every full block of a prompt is
+  stored, and hits are bitwise exact also when batched with other requests.
 * **The Hugging Face runner** (any other causal LM, or ``runner="hf"``): one request at a time
-  (``engine/serving/sequential.py``). Its bits depend on the rows a pass computes, so a hit is rounded
-  down to a prefill-chunk boundary (the runner's alignment) and only blocks inside complete
-  chunks are committed (see docs/engine.md).
+  (``engine/serving/sequential.py``). Its bits depend on the rows a pass computes, so a hit is
+  rounded down to a prefill-chunk boundary and only blocks inside complete chunks are committed.
 
-A request may ask for ``n`` choices (decoded from one prefill of its prompt) and for each
-generated token's logprobs: :meth:`Engine.stream_choices` and :meth:`Engine.generate_choices`.
+``n`` choices (decoded from one prefill) and logprobs: :meth:`stream_choices`, :meth:`generate_choices`.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from prefixcache.cache import CacheStats, FakeClock, PrefixCache
 from prefixcache.cache.tiers.codec import BlockLayout
@@ -48,7 +46,7 @@ from prefixcache.engine.serving.sampling import InvalidRequestError, SamplingPar
 from prefixcache.engine.serving.scheduler import BatchWorker
 from prefixcache.engine.serving.sequential import SequentialWorker, chunk_schedule
 from prefixcache.engine.serving.verify import Auditor, VerifyResult
-from prefixcache.engine.serving.worker import Job, Worker
+from prefixcache.engine.serving.worker import Job
 from prefixcache.engine.types import (
     MAX_TOP_LOGPROBS,
     ChoiceDelta,
@@ -60,6 +58,7 @@ from prefixcache.engine.types import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 CancelSignal = threading.Event | Callable[[], bool] | None
@@ -171,7 +170,6 @@ class Engine(PromptReader):
         kwargs.setdefault("prefill_chunk", 16)
         return cls(ModelRunner.tiny(seed), **kwargs)
 
-    # ------------------------------------------------------------------ properties
     @property
     def tokenizer(self) -> Any:
         return self.runner.tokenizer
@@ -201,8 +199,12 @@ class Engine(PromptReader):
 
     def worker_stats(self) -> WorkerStats:
         """The request worker's counters (prefilled tokens, steps, what is running)."""
-        worker: Worker = self._worker
-        return worker.stats()
+        return self._worker.stats()
+
+    def run_on_worker(self, fn: Callable[[], T], timeout: float = 3600.0) -> T:
+        """``fn()`` on the worker thread between two steps (on this thread before the worker has
+        started): compute beside the engine's that should share its OpenMP pool (see runtime)."""
+        return self._worker.between_steps(fn, timeout)
 
     def check_integrity(self) -> None:
         """Check the cache's invariants and, with the own runner, that every KV pool block is
@@ -223,7 +225,6 @@ class Engine(PromptReader):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ the cache
     def namespace(self, tenant: str = "default", salt: bytes | str = b"") -> Any:
         if self.cache is None:
             raise InvalidRequestError("the cache is disabled on this engine (enable_cache=False)")
@@ -307,7 +308,6 @@ class Engine(PromptReader):
         "json_schema", schema)`` on a request; compiled grammars are cached per spec."""
         return Grammars(self.tokenizer, self.runner.vocab_size, self.runner.eos_token_ids)
 
-    # ------------------------------------------------------------------ requests
     @property
     def max_n(self) -> int:
         """The most choices one request may ask for: ``max_batch`` (they decode side by side)."""
