@@ -176,7 +176,14 @@ async def _prefix_ids(request: Request, body: PinRequest) -> list[int]:
         return await bridge.run(lambda: bridge.render_ids(kw["messages"], add_generation_prompt=False))
     if "prompt" in kw:
         return await bridge.run(lambda: list(bridge.engine.tokenize(kw["prompt"])))
-    return kw["prompt_token_ids"]
+    ids = kw["prompt_token_ids"]
+    vocab = bridge.engine.runner.vocab_size
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
+    if bad is not None:  # before the cache packs them (a 64-bit id overflowed there: a 500)
+        raise bad_request(
+            f"token id {bad} is outside the vocabulary (0 to {vocab - 1}).", param="prompt_token_ids"
+        )
+    return ids
 
 
 @router.post("/v1/cache/pin", summary="Prefill a prefix and keep it warm (no expiry, no eviction)")
