@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +43,6 @@ if TYPE_CHECKING:
     from prefixcache.engine.model import ModelRunner
     from prefixcache.kvevents.publisher import KVEventPublisher
 
-log = logging.getLogger(__name__)
 
 #: The disk tier's byte budget when none is given (``--disk-cache-size``).
 DEFAULT_DISK_BYTES = 8 << 30
@@ -60,8 +58,8 @@ class BuildError(ValueError):
 
 @dataclass(frozen=True)
 class TierConfig:
-    """The cache tiers below memory (none by default). ``secret``: the salt secret the entries'
-    MAC (and, with ``encrypt``, their key) derive from."""
+    """The cache tiers below memory (none by default). The entries' MAC key (and, with
+    ``encrypt``, their key) derive from the app's ``salt_secret``."""
 
     disk_dir: str | os.PathLike[str] | None = None
     disk_bytes: int = DEFAULT_DISK_BYTES

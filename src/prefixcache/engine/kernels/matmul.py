@@ -131,14 +131,7 @@ def own_linear(
         out = torch.empty(M, N, dtype=x.dtype)
     elif out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"own_linear: out must be [{M}, {N}] {x.dtype} with contiguous rows")
-    nt = torch.get_num_threads() if threads is None else threads
-    rc = lib.pc_gemm(
-        _DTYPES[x.dtype], ISAS.index(name), M, N, K, x.data_ptr(), x.stride(0), w.data_ptr(),
-        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), nt,
-    )  # fmt: skip
-    if rc != 0:
-        raise IsaUnavailableError(f"the own GEMM has no {name} path here (runs {', '.join(available())})")
-    return out
+    return bound(name)(x, w, bias, out, threads)
 
 
 class BoundGemm:
@@ -164,6 +157,7 @@ class BoundGemm:
         w: torch.Tensor,
         bias: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        threads: int | None = None,
     ) -> torch.Tensor:
         if x.stride(1) != 1:
             x = x.contiguous()
@@ -179,7 +173,8 @@ class BoundGemm:
             out = torch.empty(M, N, dtype=x.dtype)
         rc = self._gemm(
             _DTYPES[x.dtype], self._code, M, N, K, x.data_ptr(), x.stride(0), w.data_ptr(),
-            None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads(),
+            None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+            torch.get_num_threads() if threads is None else threads,
         )  # fmt: skip
         if rc != 0:
             raise IsaUnavailableError(f"the own GEMM has no {self.isa} path here")
