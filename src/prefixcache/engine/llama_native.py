@@ -9,10 +9,17 @@ with the residual adds; SwiGLU between the MLP's GEMMs. Each kernel computes eve
 same arithmetic whatever the batch, the row count and the thread count (pc_kernels.c's header),
 so a row's bits depend only on its token, its position and the KV before it, as on the torch
 path (they are not the torch path's bits: the cache namespace names the kernel set).
+
+Where every weight product of the step goes through the own GEMM in one call (decode-only steps,
+or prefill too where the GEMM rule sends prefill rows there) and the weights are dense, the whole
+layer loop runs in compiled code (``pc_layers`` in ``kernels/pc_forward.c``): the same calls in
+the same order, so the same bits, with one release of the GIL a step instead of one per kernel
+(``runner.layer_loop = "python"`` keeps the loop here, for tests and profiles).
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -22,6 +29,7 @@ from prefixcache.engine.kernels import KernelsUnavailableError, NativeKernels, r
 from prefixcache.engine.pool import KVPool
 
 if TYPE_CHECKING:  # pragma: no cover
+    from prefixcache.engine.gemm import Rows
     from prefixcache.engine.llama import LlamaRunner, Segment
 
 #: Kernel dtype codes (pc_kernels.c).
@@ -52,6 +60,40 @@ def pick_kernels(runner: LlamaRunner, kernels: str | None) -> tuple[NativeKernel
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+#: The weights of one layer, in the order pc_forward.c reads them (PC_LW pointers a layer).
+LAYER_WEIGHTS = ("ln1", "qkv", "qkv_b", "o", "o_b", "ln2", "gu", "gu_b", "down", "down_b")
+
+
+def layer_pointers(runner: LlamaRunner) -> ctypes.Array[ctypes.c_void_p] | None:
+    """Every layer's weight pointers for ``pc_layers`` (made once per runner and weight set), or
+    None when a weight is not a dense tensor of the runner's dtype (4-bit weights: Python loop)."""
+    cached = runner.__dict__.get("_layer_pointers")
+    if cached is not None and cached[0] is runner.layers:
+        return cached[1]
+    ptrs: list[int | None] = []
+    ok = True
+    for lw in runner.layers:
+        for name in LAYER_WEIGHTS:
+            t = lw[name]
+            plain = isinstance(t, torch.Tensor) and t.dtype == runner.dtype and t.is_contiguous()
+            if t is not None and not plain:
+                ok = False
+            ptrs.append(_ptr(t) if ok else None)
+    array = (ctypes.c_void_p * len(ptrs))(*ptrs) if ok else None
+    runner.__dict__["_layer_pointers"] = (runner.layers, array)
+    return array
+
+
+def _compiled_loop(runner: LlamaRunner, rows: Rows) -> ctypes.Array[ctypes.c_void_p] | None:
+    """The weight pointers when this step's layer loop can run in compiled code, else None."""
+    gemm = runner.gemm
+    if getattr(runner, "layer_loop", "compiled") != "compiled" or not gemm.own or gemm.legacy:
+        return None
+    if not (gemm.own_prefill or all(decode for _, _, decode in rows.runs)):
+        return None
+    return layer_pointers(runner)
 
 
 class StepPlan:
@@ -112,6 +154,21 @@ def native_step(
     layers = runner.layers
     x = runner.embed[plan.ids]  # [R, hidden], the residual stream (updated in place)
     h = torch.empty_like(x)
+    weights = _compiled_loop(runner, rows)
+    if weights is not None and n == R:
+        from prefixcache.engine.kernels.matmul import ISAS
+
+        inter = runner.layers[0]["down"].shape[1]  # type: ignore[union-attr]
+        dims = (ctypes.c_int64 * 6)(len(layers), H, KV, D, hidden, inter)
+        rc = lib.pc_layers(
+            dt, ISAS.index(gemm.own), R, dims, weights, _ptr(runner.norm), runner.eps, runner.scaling,
+            x.data_ptr(), h.data_ptr(), data.data_ptr(), data.shape[3], B, plan.pos.data_ptr(),
+            plan.slots.data_ptr(), runner.cos.data_ptr(), runner.sin.data_ptr(), plan.nseg,
+            plan.seg.data_ptr(), plan.tables.data_ptr(), nt,
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"pc_layers failed ({'no memory' if rc == -2 else f'GEMM ISA {gemm.own}'})")
+        return _logits(runner, h, plan)
     q = torch.empty(R, H, D, dtype=torch.float32)  # rows >= n are never read
     attn = torch.zeros(R, H * D, dtype=runner.dtype)  # padding rows stay zero
     lib.pc_rms_residual(
@@ -142,6 +199,12 @@ def native_step(
         lib.pc_rms_residual(
             dt, R, hidden, x.data_ptr(), down.data_ptr(), _ptr(norm), runner.eps, h.data_ptr(), nt
         )
+    return _logits(runner, h, plan)
+
+
+def _logits(runner: LlamaRunner, h: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+    """The float32 logits of the rows that want them (``h``: the final norm of every row)."""
+    gemm = runner.gemm
     if not plan.last_rows:
         return torch.empty(0, runner.vocab_size)
     want = len(plan.last_rows)

@@ -15,9 +15,13 @@
  * every ISA (the same FMAs in the same order); the `vdpbf16ps` path has its own bits (the cache
  * namespace names the GEMM ISA). Weights are read in place ([N, K] row-major, as torch keeps
  * them): decode is bound by reading weights, and each weight row is read once per row tile, the
- * tile's columns staying in L2 while all row tiles pass over them. Up to FEW_ROWS rows a tile has
- * one column, so each weight row streams alone (tiles over 4 interleaved weight rows read at
- * about half the bandwidth on the 2-core AMD EPYC measured); more rows, 4 (2 on AVX2) columns.
+ * tile's columns staying in L2 while all row tiles pass over them, and the next block's weights
+ * are prefetched into L2 meanwhile (8 rows: the lm_head product 7.9 -> 4.6 ms on the 2-core Xeon
+ * measured, where a core computes or waits for memory but does not overlap the two unasked). Up to
+ * FEW_ROWS rows a tile has one column, so each weight row streams alone (tiles over 4 interleaved
+ * weight rows read at about half the bandwidth on the 2-core AMD EPYC measured); more rows, 4 (2
+ * on AVX2) columns. On AVX512 the tiles leave each output's 16 lanes in a buffer and reduce16 sums
+ * 16 columns at once (the same tree, vectorised across outputs).
  */
 #include <stdint.h>
 #include <string.h>
@@ -30,7 +34,16 @@
 
 #define PC_GEMM_VERSION 1
 #define U _Pragma("GCC unroll 4")
-#define CB 64 /* columns per cache block (each thread's columns go block by block) */
+#ifndef CB
+#define CB 64 /* columns per cache block (each thread's columns go block by block; a multiple of 16) */
+#endif
+#ifndef PF_DIST
+#define PF_DIST 1 /* blocks ahead the prefetch reads */
+#endif
+#ifndef PREFETCH
+#define PREFETCH 1 /* prefetch the weights PF_DIST blocks ahead into L2 while this block computes */
+#endif
+#define BUF_ROW 256 /* floats a row of the lanes buffer holds: 16 columns x 16 lanes */
 #ifndef FEW_ROWS
 #define FEW_ROWS 4 /* up to this many rows, tiles of one column (pc_gemm) */
 #endif
@@ -82,7 +95,8 @@ static inline float xload(const job *j, const void *p, int64_t i) {
 }
 
 /* ---------------------------------------------------------------- generic (the reference order) */
-static void tile_generic(const job *j, int64_t m, int R, int64_t n, int C) {
+static void tile_generic(const job *j, int64_t m, int R, int64_t n, int C, float *buf) {
+    (void)buf;
     const int64_t K = j->K;
     const size_t es = j->bf16 ? 2 : 4;
     U for (int r = 0; r < R; r++)
@@ -156,14 +170,16 @@ static inline __attribute__((always_inline)) void tile_avx2_r(const job *j, int6
         U for (int c = 0; c < CW; c++) if (c < C) put(j, m + r, n + c, tree256x2(lo[r][c], hi[r][c]));
 }
 
-static void tile_avx2(const job *j, int64_t m, int R, int64_t n, int C) {
+static void tile_avx2(const job *j, int64_t m, int R, int64_t n, int C, float *buf) {
+    (void)buf;
     if (R == 2) tile_avx2_r(j, m, 2, n, C, 2);
     else tile_avx2_r(j, m, 1, n, C, 2);
 }
 
 /* One column, up to 4 rows (few rows: see pc_gemm). */
-static void tile_avx2_1(const job *j, int64_t m, int R, int64_t n, int C) {
+static void tile_avx2_1(const job *j, int64_t m, int R, int64_t n, int C, float *buf) {
     (void)C;
+    (void)buf;
     switch (R) {
     case 4: tile_avx2_r(j, m, 4, n, 1, 1); break;
     case 3: tile_avx2_r(j, m, 3, n, 1, 1); break;
@@ -174,12 +190,6 @@ static void tile_avx2_1(const job *j, int64_t m, int R, int64_t n, int C) {
 #endif
 
 #if defined(__AVX512F__)
-static inline float tree512(__m512 a) {
-    const __m256 lo = _mm512_castps512_ps256(a);
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
-    return tree256x2(lo, hi);
-}
-
 /* 16 lanes from p + k (n valid, the rest zero), float32 or bf16 widened. */
 static inline __m512 ld16(const job *j, const void *p, int64_t k, int n) {
     const __mmask16 mk = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
@@ -190,9 +200,10 @@ static inline __m512 ld16(const job *j, const void *p, int64_t k, int n) {
     return _mm512_maskz_loadu_ps(mk, (const float *)p + k);
 }
 
-/* R rows x 4 columns, one zmm accumulator per output. */
+/* R rows x 4 columns, one zmm accumulator per output; the 16 lanes of output (r, c) go to
+ * buf[r * BUF_ROW + c * 16] (the caller reduces 16 columns at once: reduce16). */
 static inline __attribute__((always_inline)) void tile_avx512_r(const job *j, int64_t m, const int R, int64_t n, int C,
-                                                                const int CW) {
+                                                                const int CW, float *buf) {
     const int64_t K = j->K;
     const size_t es = j->bf16 ? 2 : 4;
     const void *xr[4], *wr[4];
@@ -211,26 +222,68 @@ static inline __attribute__((always_inline)) void tile_avx512_r(const job *j, in
         }
     }
     U for (int r = 0; r < R; r++)
-        U for (int c = 0; c < CW; c++) if (c < C) put(j, m + r, n + c, tree512(acc[r][c]));
+        U for (int c = 0; c < CW; c++) if (c < C) _mm512_store_ps(buf + r * BUF_ROW + c * 16, acc[r][c]);
 }
 
-static void tile_avx512(const job *j, int64_t m, int R, int64_t n, int C) {
+static void tile_avx512(const job *j, int64_t m, int R, int64_t n, int C, float *buf) {
     switch (R) {
-    case 4: tile_avx512_r(j, m, 4, n, C, 4); break;
-    case 3: tile_avx512_r(j, m, 3, n, C, 4); break;
-    case 2: tile_avx512_r(j, m, 2, n, C, 4); break;
-    default: tile_avx512_r(j, m, 1, n, C, 4); break;
+    case 4: tile_avx512_r(j, m, 4, n, C, 4, buf); break;
+    case 3: tile_avx512_r(j, m, 3, n, C, 4, buf); break;
+    case 2: tile_avx512_r(j, m, 2, n, C, 4, buf); break;
+    default: tile_avx512_r(j, m, 1, n, C, 4, buf); break;
     }
 }
 
 /* One column, up to 4 rows (few rows: see pc_gemm). */
-static void tile_avx512_1(const job *j, int64_t m, int R, int64_t n, int C) {
+static void tile_avx512_1(const job *j, int64_t m, int R, int64_t n, int C, float *buf) {
     (void)C;
     switch (R) {
-    case 4: tile_avx512_r(j, m, 4, n, 1, 1); break;
-    case 3: tile_avx512_r(j, m, 3, n, 1, 1); break;
-    case 2: tile_avx512_r(j, m, 2, n, 1, 1); break;
-    default: tile_avx512_r(j, m, 1, n, 1, 1); break;
+    case 4: tile_avx512_r(j, m, 4, n, 1, 1, buf); break;
+    case 3: tile_avx512_r(j, m, 3, n, 1, 1, buf); break;
+    case 2: tile_avx512_r(j, m, 2, n, 1, 1, buf); break;
+    default: tile_avx512_r(j, m, 1, n, 1, 1, buf); break;
+    }
+}
+
+/* The 16 sums of 16 columns' lane vectors (buf[c * 16 + l]: lane l of column c), each the same
+ * tree as tree16 and tree256x2 (l + l+8, then +4, +2, +1: the same pairs, so the same bits), 16 at a time:
+ * each step adds two shuffles that line the pairs of several columns up in one vector. */
+static inline __m512 reduce16(const float *buf) {
+    __m512 w[8], x[4], y[2];
+    for (int p = 0; p < 8; p++) { /* lanes 0-7: column 2p's s8, 8-15: column 2p+1's */
+        const __m512 a = _mm512_load_ps(buf + 32 * p), b = _mm512_load_ps(buf + 32 * p + 16);
+        w[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    }
+    for (int p = 0; p < 4; p++) /* 128-bit lane i: s4 of column 4p + i */
+        x[p] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * p], w[2 * p + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * p], w[2 * p + 1], 0xDD));
+    for (int p = 0; p < 2; p++) /* lane i: [s2 of column 8p + i (2), of column 8p + 4 + i (2)] */
+        y[p] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * p], x[2 * p + 1], 0x44),
+                             _mm512_shuffle_ps(x[2 * p], x[2 * p + 1], 0xEE));
+    /* element 4i + k: the sum of column i + 4k */
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, z);
+}
+
+/* put() for outputs (m, n .. n + cnt - 1) at once: bias in float32, one rounding to bf16. */
+static inline void put16(const job *j, int64_t m, int64_t n, int cnt, __m512 s) {
+    const __mmask16 mk = cnt >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cnt) - 1);
+    if (j->bf16) {
+        if (j->bias) {
+            const __m256i b = _mm256_maskz_loadu_epi16(mk, (const uint16_t *)j->bias + n);
+            s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+        }
+        const __m512i u = _mm512_castps_si512(s);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                      _mm512_set1_epi32(0x7f800000));
+        r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+        _mm256_mask_storeu_epi16((uint16_t *)j->y + m * j->ldy + n, mk, _mm512_cvtepi32_epi16(r));
+    } else {
+        if (j->bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(mk, (const float *)j->bias + n));
+        _mm512_mask_storeu_ps((float *)j->y + m * j->ldy + n, mk, s);
     }
 }
 #endif
@@ -238,7 +291,7 @@ static void tile_avx512_1(const job *j, int64_t m, int R, int64_t n, int C) {
 #if defined(__AVX512BF16__)
 /* bf16 x bf16 -> float32 lanes by vdpbf16ps: lane l += x[2l] w[2l] + x[2l+1] w[2l+1], 32 k a step. */
 static inline __attribute__((always_inline)) void tile_bf16_r(const job *j, int64_t m, const int R, int64_t n, int C,
-                                                              const int CW) {
+                                                              const int CW, float *buf) {
     const int64_t K = j->K;
     const uint16_t *xr[4], *wr[4];
     U for (int r = 0; r < R; r++) xr[r] = (const uint16_t *)j->x + (m + r) * j->ldx;
@@ -257,31 +310,31 @@ static inline __attribute__((always_inline)) void tile_bf16_r(const job *j, int6
         }
     }
     U for (int r = 0; r < R; r++)
-        U for (int c = 0; c < CW; c++) if (c < C) put(j, m + r, n + c, tree512(acc[r][c]));
+        U for (int c = 0; c < CW; c++) if (c < C) _mm512_store_ps(buf + r * BUF_ROW + c * 16, acc[r][c]);
 }
 
-static void tile_bf16(const job *j, int64_t m, int R, int64_t n, int C) {
+static void tile_bf16(const job *j, int64_t m, int R, int64_t n, int C, float *buf) {
     switch (R) {
-    case 4: tile_bf16_r(j, m, 4, n, C, 4); break;
-    case 3: tile_bf16_r(j, m, 3, n, C, 4); break;
-    case 2: tile_bf16_r(j, m, 2, n, C, 4); break;
-    default: tile_bf16_r(j, m, 1, n, C, 4); break;
+    case 4: tile_bf16_r(j, m, 4, n, C, 4, buf); break;
+    case 3: tile_bf16_r(j, m, 3, n, C, 4, buf); break;
+    case 2: tile_bf16_r(j, m, 2, n, C, 4, buf); break;
+    default: tile_bf16_r(j, m, 1, n, C, 4, buf); break;
     }
 }
 
 /* One column, up to 4 rows (few rows: see pc_gemm). */
-static void tile_bf16_1(const job *j, int64_t m, int R, int64_t n, int C) {
+static void tile_bf16_1(const job *j, int64_t m, int R, int64_t n, int C, float *buf) {
     (void)C;
     switch (R) {
-    case 4: tile_bf16_r(j, m, 4, n, 1, 1); break;
-    case 3: tile_bf16_r(j, m, 3, n, 1, 1); break;
-    case 2: tile_bf16_r(j, m, 2, n, 1, 1); break;
-    default: tile_bf16_r(j, m, 1, n, 1, 1); break;
+    case 4: tile_bf16_r(j, m, 4, n, 1, 1, buf); break;
+    case 3: tile_bf16_r(j, m, 3, n, 1, 1, buf); break;
+    case 2: tile_bf16_r(j, m, 2, n, 1, 1, buf); break;
+    default: tile_bf16_r(j, m, 1, n, 1, 1, buf); break;
     }
 }
 #endif
 
-typedef void (*tile_fn)(const job *, int64_t, int, int64_t, int);
+typedef void (*tile_fn)(const job *, int64_t, int, int64_t, int, float *);
 
 /* Bit i set: GEMM ISA i is compiled in and this CPU runs it. */
 int pc_gemm_isas(void) {
@@ -310,12 +363,14 @@ int pc_gemm(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void *x, 
             const void *bias, void *y, int64_t ldy, int nt) {
     if (isa < 0 || isa > G_AVX512BF16 || !((pc_gemm_isas() >> isa) & 1)) return -1;
     const job j = {M, N, K, ldx, ldy, x, w, bias, y, dtype == 1};
+    const int64_t es = dtype == 1 ? 2 : 4;
+    (void)es;
     tile_fn tile = tile_generic;
-    int RT = 1, CT = 1;
+    int RT = 1, CT = 1, lanes = 0; /* lanes: tiles leave 16 lanes per output for reduce16 */
     /* Up to FEW_ROWS rows (decode): one column per tile, so each weight row is read as one
-     * sequential stream (several interleaved rows measured at half the read bandwidth here);
-     * more rows: wider tiles, which reuse each loaded weight vector across rows. Either way every
-     * output is the same sequence of operations (the header), so the choice changes no bits. */
+     * sequential stream (several interleaved rows measured at half the read bandwidth on the AMD
+     * EPYC); more rows: wider tiles, which reuse each loaded weight vector across rows. Either way
+     * every output is the same sequence of operations (the header), so the choice changes no bits. */
     const int one = M <= FEW_ROWS;
     (void)one;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -323,15 +378,16 @@ int pc_gemm(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void *x, 
 #endif
 #if defined(__AVX512F__)
     if (isa == G_AVX512 || (isa == G_AVX512BF16 && !j.bf16))
-        tile = one ? tile_avx512_1 : tile_avx512, RT = 4, CT = one ? 1 : 4;
+        tile = one ? tile_avx512_1 : tile_avx512, RT = 4, CT = one ? 1 : 4, lanes = 1;
 #endif
 #if defined(__AVX512BF16__)
-    if (isa == G_AVX512BF16 && j.bf16) tile = one ? tile_bf16_1 : tile_bf16, RT = 4, CT = one ? 1 : 4;
+    if (isa == G_AVX512BF16 && j.bf16) tile = one ? tile_bf16_1 : tile_bf16, RT = 4, CT = one ? 1 : 4, lanes = 1;
 #endif
     if (M <= 0 || N <= 0) return 0;
-    const int64_t tiles = (N + CT - 1) / CT;
+    /* Threads own whole groups of 16 columns (one reduce16 each). */
+    const int64_t groups = (N + 15) / 16;
     if (nt < 1) nt = 1;
-    if (nt > tiles) nt = (int)tiles;
+    if (nt > groups) nt = (int)groups;
 #pragma omp parallel num_threads(nt)
     {
         int t = 0, T = 1;
@@ -339,14 +395,32 @@ int pc_gemm(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void *x, 
         t = omp_get_thread_num();
         T = omp_get_num_threads();
 #endif
-        const int64_t n0 = tiles * t / T * CT;
-        int64_t n1 = tiles * (t + 1) / T * CT;
+        float buf[4 * BUF_ROW] __attribute__((aligned(64)));
+        memset(buf, 0, sizeof buf); /* columns past N's end are summed, never stored */
+        const int64_t n0 = groups * t / T * 16;
+        int64_t n1 = groups * (t + 1) / T * 16;
         if (n1 > N) n1 = N;
         for (int64_t b = n0; b < n1; b += CB) {
             const int64_t e = b + CB < n1 ? b + CB : n1;
             for (int64_t m = 0; m < M; m += RT) {
                 const int R = M - m < RT ? (int)(M - m) : RT;
-                for (int64_t n = b; n < e; n += CT) tile(&j, m, R, n, e - n < CT ? (int)(e - n) : CT);
+                for (int64_t g = b; g < e; g += 16) {
+                    const int cnt = e - g < 16 ? (int)(e - g) : 16;
+                    if (m == 0 && PREFETCH) { /* group g's twin in the next block, into L2 */
+                        const int64_t pg = g + PF_DIST * CB;
+                        const int64_t pe = pg + 16 < n1 ? pg + 16 : n1;
+                        const char *base = (const char *)w;
+                        for (int64_t pn = pg; pn < pe; pn++)
+                            for (int64_t off = 0; off < K * es; off += 64)
+                                _mm_prefetch(base + (pn * K) * es + off, _MM_HINT_T1);
+                    }
+                    for (int64_t n = g; n < g + cnt; n += CT)
+                        tile(&j, m, R, n, g + cnt - n < CT ? (int)(g + cnt - n) : CT, buf + (n - g) * 16);
+#if defined(__AVX512F__)
+                    if (lanes)
+                        for (int r = 0; r < R; r++) put16(&j, m + r, g, cnt, reduce16(buf + r * BUF_ROW));
+#endif
+                }
             }
         }
     }

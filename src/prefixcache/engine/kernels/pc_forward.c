@@ -1,0 +1,85 @@
+/* The decoder's layer loop in compiled code: one call runs every layer of a step.
+ *
+ * pc_layers performs exactly the calls the Python loop of llama_native.native_step makes, in the
+ * same order, on the same buffers' contents, with the same thread count: per layer the fused QKV
+ * GEMM, RoPE + KV write, paged attention, the output GEMM, RMSNorm + residual, the gate/up GEMM,
+ * SwiGLU, the down GEMM and RMSNorm + residual (fused with the next layer's input norm). So its
+ * bits are the Python loop's bits (tests/engine/test_layer_loop.py checks logits and every KV
+ * row). What it saves is the Python between the kernels and 240 releases and re-takes of the GIL
+ * a step: in a server the step thread gives the GIL up once a step instead of once a kernel.
+ *
+ * It runs only where every weight product of the step goes through the own GEMM in one call
+ * (pc_gemm over all rows; the Python side checks the rule), with dense weights.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+void pc_rms_residual(int dt, int64_t rows, int64_t hidden, void *x, const void *delta, const void *w, float eps,
+                     void *out, int nthreads);
+void pc_rope_kv(int dt, int64_t rows, int64_t H, int64_t KV, int64_t D, const void *qkv, const int64_t *pos,
+                const int64_t *slots, const void *cos_t, const void *sin_t, float scaling, float *q_out, void *keys,
+                void *values, int64_t head_stride, int nthreads);
+void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, const void *keys, const void *values,
+                  int64_t head_stride, int64_t B, int64_t nseg, const int64_t *seg, const int32_t *tables, void *out,
+                  int nthreads);
+void pc_swiglu(int dt, int64_t rows, int64_t I, const void *gu, void *out, int nthreads);
+int pc_gemm(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void *x, int64_t ldx, const void *w,
+            const void *bias, void *y, int64_t ldy, int nt);
+
+/* Weights per layer in `w`, PC_LW pointers each: input norm, qkv, qkv bias, o, o bias,
+ * post-attention norm, gate|up, gate|up bias, down, down bias (biases and norms may be NULL). */
+enum { W_LN1, W_QKV, W_QKV_B, W_O, W_O_B, W_LN2, W_GU, W_GU_B, W_DOWN, W_DOWN_B, PC_LW };
+
+static void *buf(int64_t elems, int64_t elem_size) {
+    size_t n = (size_t)(elems * elem_size);
+    return aligned_alloc(64, (n + 63) / 64 * 64 + 64);
+}
+
+/* x [R, hidden] (dtype dt): the embedded rows, the residual stream (updated in place).
+ * h [R, hidden]: out, the final norm of the last layer (norm: the model's final norm weight).
+ * dims: layers, H, KV, D, hidden, inter (the MLP width). pool: [layers, 2, KV, blocks, B, D].
+ * pos, slots: per row; seg, tables: pc_attention's segments and block tables.
+ * Returns 0, or the first failing pc_gemm's code (-1: ISA not available), or -2 (no memory). */
+int pc_layers(int dt, int isa, int64_t R, const int64_t *dims, const void *const *w, const void *norm, float eps,
+              float scaling, void *x, void *h, void *pool, int64_t blocks, int64_t B, const int64_t *pos,
+              const int64_t *slots, const void *cos_t, const void *sin_t, int64_t nseg, const int64_t *seg,
+              const int32_t *tables, int nt) {
+    const int64_t L = dims[0], H = dims[1], KV = dims[2], D = dims[3], hidden = dims[4], inter = dims[5];
+    const int64_t es = dt == 1 ? 2 : 4, width = (H + 2 * KV) * D;
+    const int64_t head_stride = blocks * B * D, layer_elems = 2 * KV * head_stride;
+    void *qkv = buf(R * width, es), *attn = buf(R * H * D, es), *o = buf(R * hidden, es);
+    void *gu = buf(R * 2 * inter, es), *act = buf(R * inter, es);
+    float *q = (float *)buf(R * H * D, 4);
+    int rc = 0;
+    if (!qkv || !attn || !o || !gu || !act || !q) {
+        rc = -2;
+        goto done;
+    }
+    pc_rms_residual(dt, R, hidden, x, NULL, w[W_LN1], eps, h, nt);
+    for (int64_t li = 0; li < L && rc == 0; li++) {
+        const void *const *lw = w + li * PC_LW;
+        char *keys = (char *)pool + li * layer_elems * es, *values = keys + KV * head_stride * es;
+        rc = pc_gemm(dt, isa, R, width, hidden, h, hidden, lw[W_QKV], lw[W_QKV_B], qkv, width, nt);
+        if (rc) break;
+        pc_rope_kv(dt, R, H, KV, D, qkv, pos, slots, cos_t, sin_t, scaling, q, keys, values, head_stride, nt);
+        pc_attention(dt, H, KV, D, q, keys, values, head_stride, B, nseg, seg, tables, attn, nt);
+        rc = pc_gemm(dt, isa, R, hidden, H * D, attn, H * D, lw[W_O], lw[W_O_B], o, hidden, nt);
+        if (rc) break;
+        pc_rms_residual(dt, R, hidden, x, o, lw[W_LN2], eps, h, nt);
+        rc = pc_gemm(dt, isa, R, 2 * inter, hidden, h, hidden, lw[W_GU], lw[W_GU_B], gu, 2 * inter, nt);
+        if (rc) break;
+        pc_swiglu(dt, R, inter, gu, act, nt);
+        rc = pc_gemm(dt, isa, R, hidden, inter, act, inter, lw[W_DOWN], lw[W_DOWN_B], o, hidden, nt);
+        if (rc) break;
+        const void *next = li + 1 < L ? w[(li + 1) * PC_LW + W_LN1] : norm;
+        pc_rms_residual(dt, R, hidden, x, o, next, eps, h, nt);
+    }
+done:
+    free(qkv);
+    free(attn);
+    free(o);
+    free(gu);
+    free(act);
+    free(q);
+    return rc;
+}

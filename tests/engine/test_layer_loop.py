@@ -1,0 +1,138 @@
+"""The layer loop in compiled code (``pc_layers``, kernels/pc_forward.c) against the Python loop
+over the same kernels: the same logits and the same KV, bit for bit, in both dtypes, for decode
+batches of mixed context lengths and (where the GEMM rule sends prefill rows to the own GEMM)
+prefill chunks; which steps take it (a spy on the library call), and SmolLM2."""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from test_invariance import _Prompt
+
+from prefixcache.engine.llama import LlamaRunner, Segment
+from prefixcache.engine.model import ModelRunner
+
+DTYPES = ["float32", "bfloat16"]
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Counts pc_layers calls (each call's row count) while the test runs."""
+    from prefixcache.engine import kernels
+
+    k = kernels.load("native")
+    assert k is not None
+    real = k.lib.pc_layers
+    calls: list[int] = []
+
+    def counted(*args: Any) -> int:
+        calls.append(int(args[2]))
+        return int(real(*args))
+
+    monkeypatch.setattr(k.lib, "pc_layers", counted)
+    yield calls
+
+
+def _pair(base: ModelRunner, dtype: str) -> tuple[LlamaRunner, LlamaRunner]:
+    compiled = LlamaRunner.from_model_runner(base, dtype=dtype, kernels="native")
+    assert compiled.native is not None and compiled.gemm.own
+    python = copy.copy(compiled)
+    python.layer_loop = "python"
+    return compiled, python
+
+
+def _scenario(runner: LlamaRunner, seed: int, prefill: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Three prompts (lengths 37, 300 and 1 tokens past ``prefill``-token chunks), then 6 decode
+    steps of all three at once: every step's logits and the pool afterwards."""
+    rng = random.Random(seed)
+    pool = runner.new_pool(96)
+    pool.data.zero_()
+    lengths = (37, 300, 1)
+    prompts = [_Prompt(runner, pool, [rng.randrange(runner.vocab_size) for _ in range(n)]) for n in lengths]
+    out: list[torch.Tensor] = []
+    for p in prompts:
+        for a in range(0, len(p.ids), prefill):
+            b = min(a + prefill, len(p.ids))
+            out.append(runner.step(pool, [Segment(p.ids[a:b], a, p.table, want_logits=b == len(p.ids))]))
+    ends = [len(p.ids) for p in prompts]
+    for step in range(6):
+        segs = [
+            Segment([rng.randrange(runner.vocab_size)], end + step, p.table, decode=True, want_logits=True)
+            for p, end in zip(prompts, ends, strict=True)
+        ]
+        out.append(runner.step(pool, segs))
+    return out, pool.data.clone()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_compiled_loop_computes_the_python_loops_bits(
+    tiny_runner: ModelRunner, dtype: str, spy: list[int]
+) -> None:
+    compiled, python = _pair(tiny_runner, dtype)
+    got, got_kv = _scenario(compiled, 1, prefill=64)
+    decode_calls = [r for r in spy if r == 3]
+    assert len(decode_calls) == 6  # every decode step of three rows ran in compiled code
+    spy.clear()
+    want, want_kv = _scenario(python, 1, prefill=64)
+    assert spy == []  # the Python loop never calls it
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), i
+    assert torch.equal(got_kv, want_kv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_steps_take_the_compiled_loop_only_where_the_own_gemm_computes_prefill(
+    tiny_runner: ModelRunner, dtype: str, spy: list[int]
+) -> None:
+    compiled, _ = _pair(tiny_runner, dtype)
+    pool = compiled.new_pool(16)
+    p = _Prompt(compiled, pool, list(range(5, 45)))
+    compiled.step(pool, [Segment(p.ids, 0, p.table, want_logits=True)])
+    assert spy == ([40] if compiled.gemm.own_prefill else [])
+    # a step mixing prefill rows with a decode row follows the same rule
+    spy.clear()
+    q = _Prompt(compiled, pool, list(range(7, 20)))
+    mixed = [Segment([9], 40, p.table, decode=True), Segment(q.ids, 0, q.table, want_logits=True)]
+    compiled.step(pool, mixed)
+    assert spy == ([14] if compiled.gemm.own_prefill else [])
+
+
+def test_four_bit_or_strided_weights_keep_the_python_loop(tiny_runner: ModelRunner, spy: list[int]) -> None:
+    from prefixcache.engine.llama_native import layer_pointers
+    from prefixcache.engine.quant import Q4Weight
+
+    compiled, _ = _pair(tiny_runner, "bfloat16")
+    assert layer_pointers(compiled) is not None
+    n, k = compiled.layers[1]["down"].shape
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    d, m = torch.rand(n, k // 32, generator=gen) / 50, -torch.rand(n, k // 32, generator=gen) / 10
+    for odd_down in (Q4Weight(q, d, m, torch.bfloat16), compiled.layers[1]["down"].t().contiguous().t()):
+        odd = copy.copy(compiled)
+        odd.layers = [dict(lw) for lw in compiled.layers]
+        odd.layers[1]["down"] = odd_down
+        assert layer_pointers(odd) is None
+        pool = odd.new_pool(8)
+        p = _Prompt(odd, pool, [3, 4, 5])
+        odd.step(pool, [Segment(p.ids, 0, p.table)])
+        odd.step(pool, [Segment([6], 3, p.table, decode=True, want_logits=True)])
+        assert spy == []
+    assert layer_pointers(compiled) is not None  # the original keeps its own pointers
+
+
+@pytest.mark.model
+def test_smollm2_decode_in_compiled_code_equals_the_python_loop(
+    real_runner: ModelRunner, spy: list[int]
+) -> None:
+    compiled, python = _pair(real_runner, real_runner.dtype_name)
+    got, got_kv = _scenario(compiled, 2, prefill=128)
+    assert sum(1 for r in spy if r == 3) == 6
+    want, want_kv = _scenario(python, 2, prefill=128)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert torch.equal(got_kv, want_kv)
