@@ -59,7 +59,8 @@ BF16_DECODE_PIECE = 32
 #: float32 decode rows: padded to exactly this many (invariant on AVX2 and AVX512 machines).
 F32_DECODE_PIECE = 16
 #: Dtypes whose prefill rows the own GEMM computes faster than torch's 128-row pieces (measured
-#: with ``benchmarks/gemm_own.py`` on AVX512-BF16 without AMX; with AMX torch's bf16 is faster).
+#: with ``benchmarks/gemm_own.py`` on AVX512-BF16 without AMX). With AMX the own GEMM's tile path
+#: computes bfloat16 prefill rows too (``own_gemm``).
 OWN_PREFILL = {"float32": True, "bfloat16": False}
 
 
@@ -206,14 +207,6 @@ def unpadded_rows_invariant(shape: tuple[int, int], dtype: torch.dtype, upto: in
     return _CHECKED[key]
 
 
-def _amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_bf16" in f.read()
-    except OSError:
-        return False
-
-
 def own_gemm(dtype: torch.dtype, kernels: str | None = None) -> tuple[str, bool, int]:
     """(ISA, prefill rows too, version) of the own GEMM for ``dtype`` under ``kernels``
     (auto|native|torch; None: ``PREFIXCACHE_KERNELS``), or ("", False, 0): the torch rule."""
@@ -226,7 +219,7 @@ def own_gemm(dtype: torch.dtype, kernels: str | None = None) -> tuple[str, bool,
     if isa is None:
         return "", False, 0
     name = "bfloat16" if dtype == torch.bfloat16 else "float32"
-    prefill = OWN_PREFILL[name] and not (dtype == torch.bfloat16 and _amx())
+    prefill = OWN_PREFILL[name] or isa == "amx"
     return isa, prefill, matmul.version()
 
 

@@ -33,7 +33,16 @@ FLAGS = (
     "-fno-fast-math",
     "-Wno-psabi",
 )
-_ISA_MACROS = ("__AVX512BF16__", "__AVX512F__", "__AVX2__", "__FMA__", "__aarch64__", "__ARM_NEON")
+_ISA_MACROS = (
+    "__AMX_TILE__",
+    "__AMX_BF16__",
+    "__AVX512BF16__",
+    "__AVX512F__",
+    "__AVX2__",
+    "__FMA__",
+    "__aarch64__",
+    "__ARM_NEON",
+)
 
 
 class BuildError(RuntimeError):

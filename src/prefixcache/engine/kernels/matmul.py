@@ -10,11 +10,14 @@ bf16), so every row count, row position and thread count gives a row the same bi
 header). Threads split the output columns only. The weights are read where torch keeps them
 (``[N, K]`` row-major): no packed copy.
 
-``PREFIXCACHE_KERNEL_ISA`` (``auto`` | ``avx2`` | ``avx512`` | ``avx512bf16``) caps the GEMM's
+``PREFIXCACHE_KERNEL_ISA`` (``auto`` | ``avx2`` | ``avx512`` | ``avx512bf16`` | ``amx``) caps the GEMM's
 ISA, so the lower paths run (and are tested) on a CPU that has the higher ones; asking for one
 this build or CPU lacks is an error naming what there is. The float32 paths of every ISA compute
-the same bits; bfloat16 on ``avx512bf16`` uses the CPU's bf16 dot product (other bits: the
-GEMM's tag, in the cache namespace, names the ISA per dtype).
+the same bits; bfloat16 on ``avx512bf16`` uses the CPU's bf16 dot product, and on ``amx`` the
+tile unit (Intel AMX-BF16: 16 x 16 outputs a tile product, any row count up to 16 at the cost of
+one, so decode batches and prefill chunks run at the weights' read rate), each with its own bits
+(the GEMM's tag, in the cache namespace, names the ISA per dtype). ``amx`` takes weights whose
+inner size is a multiple of 32 and outer a multiple of 16; other shapes run the dot product.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 from prefixcache.engine import kernels
 
 #: ISA codes of pc_gemm.c, lowest first.
-ISAS = ("generic", "avx2", "avx512", "avx512bf16")
+ISAS = ("generic", "avx2", "avx512", "avx512bf16", "amx")
 ENV = "PREFIXCACHE_KERNEL_ISA"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _bound: dict[int, ctypes.CDLL] = {}
@@ -90,8 +93,8 @@ def gemm_isa(dtype: torch.dtype, want: str | None = None) -> str | None:
         isa = want
     else:
         raise IsaUnavailableError(f"{ENV}={want}: this CPU and build run only {', '.join(have)}")
-    if isa == "avx512bf16" and dtype == torch.float32:
-        isa = "avx512"  # float32 has no bf16 dot product: the AVX512 FMA path
+    if isa in ("avx512bf16", "amx") and dtype == torch.float32:
+        isa = "avx512"  # float32 has no bf16 dot product or tiles: the AVX512 FMA path
     return None if isa == "generic" else isa
 
 

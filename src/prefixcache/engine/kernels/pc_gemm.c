@@ -31,6 +31,11 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define PC_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #define PC_GEMM_VERSION 1
 #define U _Pragma("GCC unroll 4")
@@ -48,7 +53,7 @@
 #define FEW_ROWS 4 /* up to this many rows, tiles of one column (pc_gemm) */
 #endif
 
-enum { G_GENERIC = 0, G_AVX2 = 1, G_AVX512 = 2, G_AVX512BF16 = 3 };
+enum { G_GENERIC = 0, G_AVX2 = 1, G_AVX512 = 2, G_AVX512BF16 = 3, G_AMX = 4 };
 
 typedef struct {
     int64_t M, N, K, ldx, ldy;
@@ -334,10 +339,136 @@ static void tile_bf16_1(const job *j, int64_t m, int R, int64_t n, int C, float 
 }
 #endif
 
+#ifdef PC_AMX
+/* ---------------------------------------------------------------- AMX (bfloat16)
+ * y^T tiles: C[16 weight rows n][16 x rows m] += W[n, k .. k+32) . X[m, k .. k+32) by TDPBF16PS,
+ * k ascending in steps of 32: each output (m, n) is one fixed sequence of tile products that
+ * depends on K alone (the hardware computes every element of C by the same arithmetic, whatever
+ * its place in the tile or the other rows: checked by the tests at every row count). Weight rows
+ * are tile A as they lie ([N, K] row-major, 64 bytes a row); X is repacked once a call into B
+ * (VNNI: pairs of k per m), zero rows past M. Needs K % 32 == 0 and N % 16 == 0 (the caller
+ * falls back to the dot-product path otherwise: a choice by shape, never by row count). */
+#define AMX_NT 4 /* n tiles (64 weight rows) a pass: C in tmm0-3, A in tmm4/tmm6, B in tmm5 */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_cfg;
+
+static int amx_permitted(void) { /* Linux grants AMX state per process on request */
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
+
+static void amx_config(void) {
+    amx_cfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    _tile_loadconfig(&c);
+}
+
+/* X [M, K] bf16 -> B blocks: xp[(mt * KS + ks) * 512 + i * 32 + mm * 2 + e] = X[mt*16+mm][ks*32+2i+e]. */
+static void amx_pack(const job *j, uint16_t *xp) {
+    const int64_t KS = j->K / 32, MT = (j->M + 15) / 16;
+    const uint16_t *x = (const uint16_t *)j->x;
+    uint32_t *out = (uint32_t *)xp;
+    for (int64_t mt = 0; mt < MT; mt++)
+        for (int64_t ks = 0; ks < KS; ks++) {
+            uint32_t *blk = out + (mt * KS + ks) * 256;
+            for (int mm = 0; mm < 16; mm++) {
+                const int64_t m = mt * 16 + mm;
+                for (int i = 0; i < 16; i++) {
+                    uint32_t pair = 0; /* x[m, k], x[m, k + 1]: memcpy, as x may sit at any even byte */
+                    if (m < j->M) memcpy(&pair, x + m * j->ldx + ks * 32 + 2 * i, 4);
+                    blk[i * 16 + mm] = pair;
+                }
+            }
+        }
+}
+
+/* n tiles [n, n + 16 nt) of x rows [16 mt, 16 mt + 16) (nt in 1..AMX_NT). */
+static inline __attribute__((always_inline)) void amx_pass(const job *j, const uint16_t *xp, int64_t mt, int64_t n,
+                                                           const int nt, float *cbuf) {
+    const int64_t K = j->K, KS = K / 32;
+    const uint16_t *w = (const uint16_t *)j->w;
+    _tile_zero(0);
+    if (nt > 1) _tile_zero(1);
+    if (nt > 2) _tile_zero(2);
+    if (nt > 3) _tile_zero(3);
+    for (int64_t ks = 0; ks < KS; ks++) {
+        _tile_loadd(5, xp + (mt * KS + ks) * 512, 64);
+        const uint16_t *a = w + n * K + ks * 32;
+        _tile_loadd(4, a, K * 2);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nt > 1) {
+            _tile_loadd(6, a + 16 * K, K * 2);
+            _tile_dpbf16ps(1, 6, 5);
+        }
+        if (nt > 2) {
+            _tile_loadd(4, a + 32 * K, K * 2);
+            _tile_dpbf16ps(2, 4, 5);
+        }
+        if (nt > 3) {
+            _tile_loadd(6, a + 48 * K, K * 2);
+            _tile_dpbf16ps(3, 6, 5);
+        }
+    }
+    _tile_stored(0, cbuf, 64);
+    if (nt > 1) _tile_stored(1, cbuf + 256, 64);
+    if (nt > 2) _tile_stored(2, cbuf + 512, 64);
+    if (nt > 3) _tile_stored(3, cbuf + 768, 64);
+    const __m512i col = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    const int64_t rows = j->M - mt * 16 < 16 ? j->M - mt * 16 : 16;
+    for (int t = 0; t < nt; t++)
+        for (int64_t mm = 0; mm < rows; mm++) /* column mm of C tile t: outputs (m, n + 16 t ..) */
+            put16(j, mt * 16 + mm, n + 16 * t, 16, _mm512_i32gather_ps(col, cbuf + 256 * t + mm, 4));
+}
+
+static void amx_gemm(const job *j, int nt) {
+    const int64_t MT = (j->M + 15) / 16, groups = j->N / 16;
+    uint16_t *xp = (uint16_t *)aligned_alloc(64, (size_t)(MT * j->K * 16 * 2));
+    amx_pack(j, xp);
+    if (nt > groups) nt = (int)groups;
+#pragma omp parallel num_threads(nt)
+    {
+        int t = 0, T = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        T = omp_get_num_threads();
+#endif
+        float cbuf[AMX_NT * 256] __attribute__((aligned(64)));
+        amx_config();
+        const int64_t g0 = groups * t / T, g1 = groups * (t + 1) / T;
+        for (int64_t g = g0; g < g1; g += AMX_NT) {
+            const int left = g1 - g < AMX_NT ? (int)(g1 - g) : AMX_NT;
+            if (PREFETCH && g + AMX_NT < g1) /* the next pass's weights into L2 */
+                for (int64_t pn = (g + AMX_NT) * 16; pn < (g + 2 * AMX_NT < g1 ? g + 2 * AMX_NT : g1) * 16; pn++)
+                    for (int64_t off = 0; off < j->K * 2; off += 64)
+                        _mm_prefetch((const char *)j->w + pn * j->K * 2 + off, _MM_HINT_T1);
+            for (int64_t mt = 0; mt < MT; mt++) {
+                switch (left) {
+                case 4: amx_pass(j, xp, mt, g * 16, 4, cbuf); break;
+                case 3: amx_pass(j, xp, mt, g * 16, 3, cbuf); break;
+                case 2: amx_pass(j, xp, mt, g * 16, 2, cbuf); break;
+                default: amx_pass(j, xp, mt, g * 16, 1, cbuf); break;
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(xp);
+}
+#endif
+
 typedef void (*tile_fn)(const job *, int64_t, int, int64_t, int, float *);
 
-/* Bit i set: GEMM ISA i is compiled in and this CPU runs it. */
+/* Bit i set: GEMM ISA i is compiled in and this CPU runs it (found once a process). */
+static int isas_found = -1;
+
 int pc_gemm_isas(void) {
+    int found = __atomic_load_n(&isas_found, __ATOMIC_ACQUIRE);
+    if (found >= 0) return found;
     int mask = 1 << G_GENERIC;
 #if defined(__x86_64__)
     __builtin_cpu_init();
@@ -351,6 +482,10 @@ int pc_gemm_isas(void) {
 #if defined(__AVX512BF16__)
     if (__builtin_cpu_supports("avx512bf16")) mask |= 1 << G_AVX512BF16;
 #endif
+#ifdef PC_AMX
+    if ((mask >> G_AVX512BF16 & 1) && __builtin_cpu_supports("amx-bf16") && amx_permitted()) mask |= 1 << G_AMX;
+#endif
+    __atomic_store_n(&isas_found, mask, __ATOMIC_RELEASE);
     return mask;
 }
 
@@ -361,8 +496,15 @@ int pc_gemm_version(void) { return PC_GEMM_VERSION; }
  * Returns 0, or -1 when the ISA is not available here (nothing written). */
 int pc_gemm(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void *x, int64_t ldx, const void *w,
             const void *bias, void *y, int64_t ldy, int nt) {
-    if (isa < 0 || isa > G_AVX512BF16 || !((pc_gemm_isas() >> isa) & 1)) return -1;
+    if (isa < 0 || isa > G_AMX || !((pc_gemm_isas() >> isa) & 1)) return -1;
     const job j = {M, N, K, ldx, ldy, x, w, bias, y, dtype == 1};
+#ifdef PC_AMX
+    if (isa == G_AMX && j.bf16 && K % 32 == 0 && N % 16 == 0 && M > 0) {
+        amx_gemm(&j, nt < 1 ? 1 : nt);
+        return 0;
+    }
+#endif
+    if (isa == G_AMX) isa = G_AVX512BF16; /* float32, or a shape AMX does not take: the dot product */
     const int64_t es = dtype == 1 ? 2 : 4;
     (void)es;
     tile_fn tile = tile_generic;
