@@ -138,8 +138,11 @@ def test_events_dropped_on_a_full_queue_leave_a_gap_every_subscriber_sees() -> N
         tokens = list(range(12))  # three blocks: the first fits in the queue, two are dropped
         cache.replay(ns, cache.block_keys(tokens, ns), pack_tokens(tokens), nbytes=1)
         assert pub.stats.dropped_events == 2
-        index.start()
+        # publish batch 0 before the feed starts, so the feed's catch-up from 0 on connecting
+        # replays it (a live copy sent while the subscription is still joining would be lost)
         pub.start()
+        until(lambda: pub.stats.batches == 1, "batch 0 published")
+        index.start()
         until(lambda: index.snapshot()["http://r"]["last_seq"] == 0, "the batch before the drops")
         assert (
             index.snapshot()["http://r"] | {"synced": True, "blocks": 1, "lost": 0}
