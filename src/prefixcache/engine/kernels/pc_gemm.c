@@ -368,22 +368,45 @@ static void amx_config(void) {
     _tile_loadconfig(&c);
 }
 
-/* X [M, K] bf16 -> B blocks: xp[(mt * KS + ks) * 512 + i * 32 + mm * 2 + e] = X[mt*16+mm][ks*32+2i+e]. */
-static void amx_pack(const job *j, uint16_t *xp) {
-    const int64_t KS = j->K / 32, MT = (j->M + 15) / 16;
+/* In-register transpose of 16 x 16 floats (r[i] lane j -> r[j] lane i): the AMX epilogue and packing. */
+static inline void tr16(__m512 *r) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 4; i++) {
+            t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
+            t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xDD);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
+    }
+}
+
+/* X [M, K] bf16 -> B blocks: xp[(mt * KS + ks) * 512 + i * 32 + mm * 2 + e] = X[mt*16+mm][ks*32+2i+e]
+ * (a 16 x 16 transpose of k pairs per block), for m tiles [mt0, mt1). */
+static void amx_pack(const job *j, uint16_t *xp, int64_t mt0, int64_t mt1) {
+    const int64_t KS = j->K / 32;
     const uint16_t *x = (const uint16_t *)j->x;
-    uint32_t *out = (uint32_t *)xp;
-    for (int64_t mt = 0; mt < MT; mt++)
+    for (int64_t mt = mt0; mt < mt1; mt++)
         for (int64_t ks = 0; ks < KS; ks++) {
-            uint32_t *blk = out + (mt * KS + ks) * 256;
+            __m512 r[16];
             for (int mm = 0; mm < 16; mm++) {
                 const int64_t m = mt * 16 + mm;
-                for (int i = 0; i < 16; i++) {
-                    uint32_t pair = 0; /* x[m, k], x[m, k + 1]: memcpy, as x may sit at any even byte */
-                    if (m < j->M) memcpy(&pair, x + m * j->ldx + ks * 32 + 2 * i, 4);
-                    blk[i * 16 + mm] = pair;
-                }
+                r[mm] = m < j->M ? _mm512_castsi512_ps(_mm512_loadu_si512(x + m * j->ldx + ks * 32)) : _mm512_setzero_ps();
             }
+            tr16(r);
+            float *blk = (float *)(xp + (mt * KS + ks) * 512);
+            for (int i = 0; i < 16; i++) _mm512_store_ps(blk + i * 16, r[i]);
         }
 }
 
@@ -418,17 +441,18 @@ static inline __attribute__((always_inline)) void amx_pass(const job *j, const u
     if (nt > 1) _tile_stored(1, cbuf + 256, 64);
     if (nt > 2) _tile_stored(2, cbuf + 512, 64);
     if (nt > 3) _tile_stored(3, cbuf + 768, 64);
-    const __m512i col = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
     const int64_t rows = j->M - mt * 16 < 16 ? j->M - mt * 16 : 16;
-    for (int t = 0; t < nt; t++)
-        for (int64_t mm = 0; mm < rows; mm++) /* column mm of C tile t: outputs (m, n + 16 t ..) */
-            put16(j, mt * 16 + mm, n + 16 * t, 16, _mm512_i32gather_ps(col, cbuf + 256 * t + mm, 4));
+    for (int t = 0; t < nt; t++) { /* C tile t transposed: r[mm] = outputs (m, n + 16 t ..) */
+        __m512 r[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(cbuf + 256 * t + 16 * i);
+        tr16(r);
+        for (int64_t mm = 0; mm < rows; mm++) put16(j, mt * 16 + mm, n + 16 * t, 16, r[mm]);
+    }
 }
 
 static void amx_gemm(const job *j, int nt) {
     const int64_t MT = (j->M + 15) / 16, groups = j->N / 16;
     uint16_t *xp = (uint16_t *)aligned_alloc(64, (size_t)(MT * j->K * 16 * 2));
-    amx_pack(j, xp);
     if (nt > groups) nt = (int)groups;
 #pragma omp parallel num_threads(nt)
     {
@@ -438,6 +462,8 @@ static void amx_gemm(const job *j, int nt) {
         T = omp_get_num_threads();
 #endif
         float cbuf[AMX_NT * 256] __attribute__((aligned(64)));
+        amx_pack(j, xp, MT * t / T, MT * (t + 1) / T); /* each thread packs a share of the row tiles */
+#pragma omp barrier
         amx_config();
         const int64_t g0 = groups * t / T, g1 = groups * (t + 1) / T;
         for (int64_t g = g0; g < g1; g += AMX_NT) {
