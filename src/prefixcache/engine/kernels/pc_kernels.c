@@ -56,10 +56,29 @@ static inline v16 vsplat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x
 static inline v16 vload(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void vstore(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 static inline v16 vsel(v16i mask, v16 a, v16 b) { /* mask ? a : b */
+#if defined(__AVX512F__)
+    const __mmask16 k = _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask); /* lanes all-ones */
+    return (v16)_mm512_mask_blend_ps(k, (__m512)b, (__m512)a);
+#else
     return (v16)(((v16i)a & mask) | ((v16i)b & ~mask));
+#endif
 }
-static inline v16 vmax(v16 a, v16 b) { return vsel(a > b, a, b); }
-static inline v16 vmin(v16 a, v16 b) { return vsel(a < b, a, b); }
+/* a > b ? a : b and a < b ? a : b: what MAXPS / MINPS compute (the second operand when the
+ * comparison is false, NaNs included), so the instructions give the same bits as the select. */
+static inline v16 vmax(v16 a, v16 b) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_max_ps((__m512)a, (__m512)b);
+#else
+    return vsel(a > b, a, b);
+#endif
+}
+static inline v16 vmin(v16 a, v16 b) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_min_ps((__m512)a, (__m512)b);
+#else
+    return vsel(a < b, a, b);
+#endif
+}
 
 static inline v16 vfma(v16 a, v16 b, v16 c) { /* a * b + c, one rounding */
 #if defined(__AVX512F__)
@@ -116,7 +135,7 @@ static inline float vhmax(v16 v) {
 }
 
 /* out lane j = vhsum(p[j]) for 16 vectors (the same tree, four levels of pairwise merges). */
-static inline v16 vhsum16(const v16 *p) {
+static inline __attribute__((always_inline)) v16 vhsum16(const v16 *p) {
     v16 a[8], b[4], c[2];
     for (int i = 0; i < 8; i++)
         a[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], (v16i){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
@@ -324,11 +343,19 @@ static inline __attribute__((always_inline)) void query_tile(const int64_t dv, c
     }
     const v16i visible = (v16i){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} < (int32_t)nv;
     float e[ng][LANES];
+    v16 sc[ng];
+    v16 shift = vsplat(0.0f); /* lane g: m - m' of query g (the exp below is lane-wise: one for all) */
+    float mts[ng];
     for (int64_t g = 0; g < ng; g++) {
-        const v16 sc = vsel(visible, vhsum16(part + g * LANES), vsplat(-INFINITY));
-        const float mx = vhmax(sc), mt = mx > m[g] ? mx : m[g];
-        const v16 eg = vexp(sc - mt);
-        const float alpha = vexp(vsplat(m[g] - mt))[0]; /* 0 on the first tile (m = -inf) */
+        sc[g] = vsel(visible, vhsum16(part + g * LANES), vsplat(-INFINITY));
+        const float mx = vhmax(sc[g]);
+        mts[g] = mx > m[g] ? mx : m[g];
+        shift[g] = m[g] - mts[g];
+    }
+    const v16 alphas = vexp(shift); /* 0 on the first tile (m = -inf) */
+    for (int64_t g = 0; g < ng; g++) {
+        const float mt = mts[g], alpha = alphas[g];
+        const v16 eg = vexp(sc[g] - mt);
         l[g] = l[g] * alpha + vhsum(eg);
         m[g] = mt;
         vstore(e[g], eg);
@@ -371,8 +398,8 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
         float *kt = falloc(LANES * D); /* [16][D] */
         float *vt = falloc(LANES * D);
         float *acc = falloc(Q * D);
-        float *m = falloc(Q), *l = falloc(Q), *row = falloc(D);
-        v16 *part = (v16 *)falloc(LANES * LANES * (G > 4 ? G : 4));
+        float *m = falloc(Q), *l = falloc(Q), *row = falloc(D), *qbuf = falloc(Q * D);
+        v16 *part = (v16 *)falloc(LANES * LANES * (2 * G > 6 ? 2 * G : 6));
         #pragma omp for schedule(dynamic, 1)
         for (int64_t wi = 0; wi < nwork; wi++) {
             const int64_t item = wi / KV, kvh = wi % KV;
@@ -387,6 +414,8 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
                 l[i] = 0.0f;
             }
             memset(acc, 0, sizeof(float) * (size_t)(nr * G * D));
+            for (int64_t ri = 0; ri < nr; ri++) /* the item's queries, contiguous: row-major (row, g) */
+                memcpy(qbuf + ri * G * D, q + ((row0 + ri) * H + kvh * G) * D, sizeof(float) * (size_t)(G * D));
             for (int64_t t0 = 0; t0 <= last; t0 += LANES) {
                 const int64_t nk = last - t0 + 1 < LANES ? last - t0 + 1 : LANES;
                 for (int64_t j = 0; j < nk; j++) {
@@ -401,7 +430,14 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
                     if (t0 > p) continue; /* fully masked for this row: never read */
                     const int64_t nv = p - t0 + 1 < LANES ? p - t0 + 1 : LANES;
                     const int64_t qi = ri * G;
-                    const float *qq = q + ((row0 + ri) * H + kvh * G) * D;
+                    const float *qq = qbuf + qi * D;
+                    if (nv == LANES && ri + 1 < nr && DV == 4 && G == 3) {
+                        /* two rows that see the whole tile: their 2G queries share each key's and
+                         * value's loads (each query's arithmetic is the same as alone) */
+                        query_tile(4, 6, qq, D, kt, vt, LANES, m + qi, l + qi, acc + qi * D, part);
+                        ri++;
+                        continue;
+                    }
 #define PC_TILE(dv_, ng_) query_tile(dv_, ng_, qq, D, kt, vt, nv, m + qi, l + qi, acc + qi * D, part)
                     /* constant shapes keep a row's vectors in registers; other shapes one query at a time */
                     if (DV == 4 && G == 3) PC_TILE(4, 3);
@@ -431,6 +467,7 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
         free(m);
         free(l);
         free(row);
+        free(qbuf);
         free(part);
     }
     free(work);
