@@ -457,6 +457,55 @@ class RunResult:
     records: list[RequestRecord]
 
 
+@dataclass
+class ColdResult:
+    """Cold prefill: ``repeats`` requests, each a system prompt no server has seen, 1 token out."""
+
+    target: str
+    repeats: int
+    errors: int
+    prompt_tokens: int | None  # median of the servers' usage
+    cached_tokens: int | None  # the most any request reported cached (0 when cold)
+    ttft_p50_s: float | None
+    ttfts_s: list[float]
+
+    @property
+    def prefill_tok_s(self) -> float | None:
+        if not self.prompt_tokens or not self.ttft_p50_s:
+            return None
+        return self.prompt_tokens / self.ttft_p50_s
+
+
+async def run_cold(
+    url: str, model: str, name: str, tokens: int, repeats: int, tag: str, timeout_s: float
+) -> ColdResult:
+    """One request at a time, each with a fresh system prompt of about ``tokens`` tokens."""
+    rng = random.Random(f"cold-{tokens}")
+    ttfts: list[float] = []
+    prompts: list[int] = []
+    cached: list[int] = []
+    errors = 0
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0)) as http:
+        for i in range(repeats):
+            system = f"[cold {tag}-{i}] " + policy_text(rng, tokens, f"Assistant {i}")
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello."}]
+            try:
+                _, ttft, total, usage = await stream_chat(http, url, model, messages, 1)
+            except Exception as e:  # one failed request: counted, the others go on
+                errors += 1
+                console.print(f"[red]{name} cold prefill {i}: {type(e).__name__}: {e}[/]")
+                continue
+            ttfts.append(ttft if ttft is not None else total)
+            p, c, _ = usage_fields(usage)
+            if p is not None:
+                prompts.append(p)
+            if c is not None:
+                cached.append(c)
+    mid = sorted(prompts)[len(prompts) // 2] if prompts else None
+    most_cached = max(cached) if cached else None
+    return ColdResult(name, repeats, errors, mid, most_cached, percentile(ttfts, 50), ttfts)
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """Linear-interpolated percentile, q in [0, 100]."""
     if not values:
@@ -651,6 +700,10 @@ def fmt_ms(s: float | None) -> str:
     return "—" if s is None else f"{s * 1000:.0f}"
 
 
+def fmt_rate(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0f}"
+
+
 def fmt_ratio(x: float | None) -> str:
     return "—" if x is None else f"{x:.2f}×"
 
@@ -702,6 +755,33 @@ def main_rows(results: list[RunResult]) -> list[list[str]]:
 
 
 RATIO_HEADERS = ["target", "clients", "out tok/s ÷ ref", "TTFT p50 ÷ ref"]
+COLD_HEADERS = [
+    "target",
+    "requests",
+    "errors",
+    "prompt tok",
+    "cached tok",
+    "TTFT p50 ms",
+    "prefill tok/s",
+    "÷ ref",
+]
+
+
+def cold_rows(colds: list[ColdResult], ref: str | None) -> list[list[str]]:
+    base = next((c for c in colds if c.target == ref), None)
+    return [
+        [
+            c.target,
+            str(c.repeats),
+            str(c.errors),
+            "—" if c.prompt_tokens is None else str(c.prompt_tokens),
+            "—" if c.cached_tokens is None else str(c.cached_tokens),
+            fmt_ms(c.ttft_p50_s),
+            fmt_rate(c.prefill_tok_s),
+            "—" if base is None or c is base else fmt_ratio(ratio(c.prefill_tok_s, base.prefill_tok_s)),
+        ]
+        for c in colds
+    ]
 
 
 def ratio_rows(results: list[RunResult], ref: str) -> list[list[str]]:
@@ -749,6 +829,20 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_flags() -> str:
+    """The SIMD flags that choose the engines' code paths (avx2, avx512f, avx512_bf16, amx_bf16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    names = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+                    return " ".join(x for x in names if x in have)
+    except OSError:
+        pass
+    return ""
+
+
 def nproc() -> int:
     return len(cpu_ids())
 
@@ -793,7 +887,11 @@ def plot(results: list[RunResult], path: Path) -> None:
 
 
 def write_outputs(
-    args: argparse.Namespace, results: list[RunResult], info: dict[str, dict[str, Any]], work: Workload
+    args: argparse.Namespace,
+    results: list[RunResult],
+    info: dict[str, dict[str, Any]],
+    work: Workload,
+    colds: list[ColdResult],
 ) -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -810,7 +908,8 @@ def write_outputs(
         f"Command: `{command_line()}`",
         "",
         f"Date: {date}  ",
-        f"Machine: {machine}",
+        f"Machine: {machine}  ",
+        f"CPU flags: {cpu_flags() or '—'}",
         "",
         f"Workload (seed {args.seed}): {len(work.chats)} chats × {len(work.chats[0])} turns, "
         "chat i uses system "
@@ -835,6 +934,15 @@ def write_outputs(
                 md_table(RATIO_HEADERS, rows),
                 "",
             ]
+    if colds:
+        lines += [
+            f"Cold prefill: {args.cold_repeats} requests per target, one at a time, each with a system "
+            f"prompt of about {args.cold_prefill} tokens that no server has seen, 1 output token; "
+            "prefill tok/s = prompt tokens / TTFT p50 (÷ ref: to the --ratio-to target).",
+            "",
+            md_table(COLD_HEADERS, cold_rows(colds, args.ratio_to)),
+            "",
+        ]
     lines += ["Targets:", ""]
     for name, d in info.items():
         desc = d.get("command") or d.get("url")
@@ -856,6 +964,7 @@ def write_outputs(
             "turns": len(work.chats[0]),
         },
         "runs": [asdict(r) for r in results],
+        "cold_prefill": [asdict(c) | {"prefill_tok_s": c.prefill_tok_s} for c in colds],
     }
     (out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
     if results:
@@ -949,6 +1058,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-dir", default=None, help="Where started servers' logs go (default: a new temporary directory)."
     )
+    p.add_argument(
+        "--cold-prefill",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="After the levels, also time cold prefill: requests with a fresh system prompt of about "
+        "TOKENS tokens and 1 output token (0: off; the issue's figure is 2112).",
+    )
+    p.add_argument("--cold-repeats", type=int, default=3, help="Cold-prefill requests per target.")
     p.add_argument("--no-write", action="store_true", help="Print the table only; write no files.")
     return p
 
@@ -967,6 +1085,7 @@ def run_target(
     log_dir: Path,
     info: dict[str, dict[str, Any]],
     results: list[RunResult],
+    colds: list[ColdResult],
 ) -> None:
     server: ManagedServer | None = None
     d: dict[str, Any] = {"kind": spec.kind}
@@ -997,6 +1116,17 @@ def run_target(
                 f"{r.output_tok_s:.1f} tok/s, TTFT p50 {fmt_ms(r.ttft_p50_s)} ms, cached "
                 f"{'—' if r.cached_share is None else f'{r.cached_share:.1%}'}"
             )
+        if args.cold_prefill:
+            c = asyncio.run(
+                run_cold(
+                    url, model, spec.name, args.cold_prefill, args.cold_repeats, tag, args.request_timeout
+                )
+            )
+            colds.append(c)
+            console.print(
+                f"  {spec.name} cold prefill: {c.prompt_tokens} prompt tokens, TTFT p50 "
+                f"{fmt_ms(c.ttft_p50_s)} ms, {fmt_rate(c.prefill_tok_s)} tok/s"
+            )
     except Exception as e:  # report and go on to the next target
         d["error"] = f"{type(e).__name__}: {e}"[:500]
         console.print(f"[red]{spec.name}: {d['error']}[/]")
@@ -1020,6 +1150,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--ratio-to {args.ratio_to}: no such target")
     if args.chats < 1 or args.turns < 1 or args.max_tokens < 1:
         parser.error("--chats, --turns and --max-tokens must be >= 1")
+    if args.cold_prefill < 0 or args.cold_repeats < 1:
+        parser.error("--cold-prefill must be >= 0 and --cold-repeats >= 1")
     tag = args.tag or secrets.token_hex(4)
     work = build_workload(args.seed, args.chats, args.turns)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bench_serve_"))
@@ -1030,10 +1162,11 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     results: list[RunResult] = []
+    colds: list[ColdResult] = []
     info: dict[str, dict[str, Any]] = {}
     try:
         for spec in targets:
-            run_target(spec, args, work, tag, log_dir, info, results)
+            run_target(spec, args, work, tag, log_dir, info, results, colds)
     except KeyboardInterrupt:
         console.print("[red]interrupted; reporting what was measured[/]")
 
@@ -1042,8 +1175,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = ratio_rows(results, args.ratio_to)
         if rows:
             print_table(f"Ratios to {args.ratio_to} (same concurrency)", RATIO_HEADERS, rows)
+    if colds:
+        title = f"Cold prefill, about {args.cold_prefill} tokens"
+        print_table(title, COLD_HEADERS, cold_rows(colds, args.ratio_to))
     if not args.no_write:
-        write_outputs(args, results, info, work)
+        write_outputs(args, results, info, work, colds)
     failed = [n for n, d in info.items() if d.get("error")]
     return 1 if failed or not results else 0
 
