@@ -33,7 +33,6 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ from prefixcache.engine.kernels import mode as kernels_mode
 from prefixcache.engine.llama_native import native_step, pick_kernels
 from prefixcache.engine.model import ModelRunner
 from prefixcache.engine.pool import KVPool
+from prefixcache.engine.segment import Segment
 
 log = logging.getLogger(__name__)
 
@@ -57,28 +57,6 @@ SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 def padded_rows(n: int) -> int:
     """Rows a GEMM runs for ``n`` real rows under the CUDA rule: a multiple of 4 (``engine/gemm.py``)."""
     return max(4, (n + 3) // 4 * 4)
-
-
-@dataclass(slots=True)
-class Segment:
-    """One request's rows in a step: ``tokens`` at positions ``start, start + 1, ...``.
-
-    ``table`` holds the pool block indices of positions ``[0, start + len(tokens))`` (at least);
-    the step writes the new rows' KV into those blocks. ``decode``: one generated token.
-    ``want_logits``: the step returns the logits of this segment's last row (with
-    ``all_logits``: of every row, in order; prompt logprobs).
-    """
-
-    tokens: Sequence[int]
-    start: int
-    table: Sequence[int]
-    decode: bool = False
-    want_logits: bool = False
-    all_logits: bool = False
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.tokens)
 
 
 def unsupported_reason(config: Any) -> str | None:

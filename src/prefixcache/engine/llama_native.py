@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -29,8 +29,34 @@ from prefixcache.engine.kernels import KernelsUnavailableError, NativeKernels, r
 from prefixcache.engine.pool import KVPool
 
 if TYPE_CHECKING:  # pragma: no cover
-    from prefixcache.engine.gemm import Rows
-    from prefixcache.engine.llama import LlamaRunner, Segment
+    from prefixcache.engine.gemm import GemmRule, Rows
+    from prefixcache.engine.segment import Segment
+
+
+class LlamaRunner(Protocol):
+    """What the kernels' step reads of :class:`prefixcache.engine.llama.LlamaRunner` (named here,
+    so this module does not import the torch runner that imports it)."""
+
+    layers: list[dict[str, Any]]
+    gemm: GemmRule
+    dtype: torch.dtype
+    dtype_name: str
+    device: torch.device
+    attention: str
+    head_dim: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    eps: float
+    scaling: float
+    embed: torch.Tensor
+    norm: torch.Tensor | None
+    lm_head: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    __dict__: dict[str, Any]
+
 
 #: Kernel dtype codes (pc_kernels.c).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -158,7 +184,7 @@ def native_step(
     if weights is not None and n == R:
         from prefixcache.engine.kernels.matmul import ISAS
 
-        inter = runner.layers[0]["down"].shape[1]  # type: ignore[union-attr]
+        inter = runner.layers[0]["down"].shape[1]
         dims = (ctypes.c_int64 * 6)(len(layers), H, KV, D, hidden, inter)
         rc = lib.pc_layers(
             dt, ISAS.index(gemm.own), R, dims, weights, _ptr(runner.norm), runner.eps, runner.scaling,
