@@ -32,3 +32,12 @@ def test_figures_become_a_table_with_the_ratio_and_its_target() -> None:
     assert "| decode, one stream (tok/s) | 80.0 | 100.0 | 0.80x | >= 1x |" in peer_lines(
         peer, 80.0, 500.0, q4=True
     )
+
+
+def test_a_peer_that_crashes_is_a_skip_naming_the_signal(tmp_path: Path) -> None:
+    """llama-cpp-python 0.3.36 segfaults in its AMX matmul on an AMX Xeon: the column says so."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    fake.chmod(0o755)
+    peer = run_llamacpp(fake, tmp_path / "m.gguf", threads=2, vocab=100, prefill_tokens=64)
+    assert peer.skipped == f"llama.cpp crashed (SIGSEGV) through {fake}"

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 #: Run by the peer's interpreter: argv[1] is a JSON job; prints one JSON line of figures.
 _SCRIPT = r"""
-import json, sys, time
+import faulthandler, json, sys, time
+faulthandler.enable()  # a crash in the library names the Python frame it happened under
 job = json.loads(sys.argv[1])
 from llama_cpp import Llama, __version__
 llm = Llama(model_path=job["gguf"], n_threads=job["threads"], n_threads_batch=job["threads"],
@@ -103,6 +105,14 @@ def run_llamacpp(
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return PeerResult(skipped=f"llama.cpp did not run: {exc}")
+    if done.returncode < 0:  # killed by a signal: a crash inside llama.cpp, usually
+        try:
+            name = signal.Signals(-done.returncode).name
+        except ValueError:
+            name = f"signal {-done.returncode}"
+        where = next((ln.strip() for ln in done.stderr.splitlines() if 'File "' in ln), "")
+        at = f" at {where}" if where else ""
+        return PeerResult(skipped=f"llama.cpp crashed ({name}) through {exe}{at}")
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return PeerResult(skipped=f"llama.cpp failed through {exe}: {last}")
