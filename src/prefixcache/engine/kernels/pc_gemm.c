@@ -535,6 +535,7 @@ int pc_gemm(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void *x, 
     (void)es;
     tile_fn tile = tile_generic;
     int RT = 1, CT = 1, lanes = 0; /* lanes: tiles leave 16 lanes per output for reduce16 */
+    (void)lanes;
     /* Up to FEW_ROWS rows (decode): one column per tile, so each weight row is read as one
      * sequential stream (several interleaved rows measured at half the read bandwidth on the AMD
      * EPYC); more rows: wider tiles, which reuse each loaded weight vector across rows. Either way
@@ -580,7 +581,7 @@ int pc_gemm(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void *x, 
                         const char *base = (const char *)w;
                         for (int64_t pn = pg; pn < pe; pn++)
                             for (int64_t off = 0; off < K * es; off += 64)
-                                _mm_prefetch(base + (pn * K) * es + off, _MM_HINT_T1);
+                                __builtin_prefetch(base + (pn * K) * es + off, 0, 2); /* into L2 (T1), on any ISA */
                     }
                     for (int64_t n = g; n < g + cnt; n += CT)
                         tile(&j, m, R, n, g + cnt - n < CT ? (int)(g + cnt - n) : CT, buf + (n - g) * 16);
