@@ -8,7 +8,8 @@ source, the compiler's version, the flags and the ISA macros ``-march=native`` t
 install (which ships only the source) and ``make install`` (which calls ``build()`` ahead of time)
 end up with the same file; a changed source, compiler or CPU gets its own file, and a home shared
 by machines of different CPUs keeps one library per ISA. Concurrent builders write to a temporary
-file and rename it into place (atomic), so they never load a half-written library.
+file and rename it into place (atomic), so they never load a half-written library. After a new
+build the oldest libraries of the same ISA beyond the newest ``KEEP_BUILDS`` are deleted.
 """
 
 from __future__ import annotations
@@ -124,4 +125,25 @@ def build(force: bool = False) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    prune(folder, isa, keep=target)
     return target
+
+
+#: Builds of one ISA kept in the cache (other source versions: other checkouts sharing the home).
+KEEP_BUILDS = 4
+
+
+def prune(folder: Path, isa: str, keep: Path, builds: int = KEEP_BUILDS) -> list[Path]:
+    """Delete all but the ``builds`` newest libraries of ``isa`` in ``folder`` (never ``keep``, the
+    one just built; other ISAs' libraries are left alone: a home shared by machines of different
+    CPUs). A process that has one of them loaded keeps its mapping. Returns what was deleted."""
+    mine = [p for p in folder.glob(f"pc_kernels-{isa}-*.so") if p != keep and ".tmp" not in p.name]
+    mine.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    gone = []
+    for old in mine[max(builds - 1, 0) :]:
+        try:
+            old.unlink()
+            gone.append(old)
+        except OSError:  # another builder pruned it first, or the folder is read-only: fine
+            pass
+    return gone
