@@ -123,7 +123,7 @@ def test_four_bit_or_strided_weights_keep_the_python_loop(tiny_runner: ModelRunn
         odd.step(pool, [Segment(p.ids, 0, p.table)])
         odd.step(pool, [Segment([6], 3, p.table, decode=True, want_logits=True)])
         assert spy == []
-    assert layer_pointers(compiled) is not None  # the original keeps its own pointers
+    assert layer_pointers(compiled) is not None  # the original's weights are untouched
 
 
 @pytest.mark.model

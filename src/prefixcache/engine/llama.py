@@ -103,6 +103,9 @@ class LlamaRunner(ModelRunner):
     copied into fused tensors in ``dtype`` (q/k/v as one GEMM, gate/up as one)."""
 
     kind = "llama"
+    #: "compiled": steps whose products are all the own GEMM's run the layer loop in pc_layers;
+    #: "python": always the loop in llama_native (the same bits; for tests and profiles).
+    layer_loop = "compiled"
 
     def __init__(
         self,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from prefixcache.engine.kernels import KernelsUnavailableError, NativeKernels, resolve
+from prefixcache.engine.kernels.matmul import ISAS
 from prefixcache.engine.pool import KVPool
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -55,7 +56,7 @@ class LlamaRunner(Protocol):
     lm_head: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-    __dict__: dict[str, Any]
+    layer_loop: str
 
 
 #: Kernel dtype codes (pc_kernels.c).
@@ -93,29 +94,27 @@ LAYER_WEIGHTS = ("ln1", "qkv", "qkv_b", "o", "o_b", "ln2", "gu", "gu_b", "down",
 
 
 def layer_pointers(runner: LlamaRunner) -> ctypes.Array[ctypes.c_void_p] | None:
-    """Every layer's weight pointers for ``pc_layers`` (made once per runner and weight set), or
-    None when a weight is not a dense tensor of the runner's dtype (4-bit weights: Python loop)."""
-    cached = runner.__dict__.get("_layer_pointers")
-    if cached is not None and cached[0] is runner.layers:
-        return cached[1]
+    """Every layer's weight pointers for ``pc_layers``, or None when a weight is not a dense
+    contiguous tensor of the runner's dtype (4-bit weights: the Python loop). Read each step from
+    ``runner.layers`` (about 300 pointers, a fraction of a percent of a step), so a weight swapped
+    in place can never leave a stale pointer behind."""
     ptrs: list[int | None] = []
-    ok = True
     for lw in runner.layers:
         for name in LAYER_WEIGHTS:
             t = lw[name]
-            plain = isinstance(t, torch.Tensor) and t.dtype == runner.dtype and t.is_contiguous()
-            if t is not None and not plain:
-                ok = False
-            ptrs.append(_ptr(t) if ok else None)
-    array = (ctypes.c_void_p * len(ptrs))(*ptrs) if ok else None
-    runner.__dict__["_layer_pointers"] = (runner.layers, array)
-    return array
+            if t is None:
+                ptrs.append(None)
+            elif isinstance(t, torch.Tensor) and t.dtype == runner.dtype and t.is_contiguous():
+                ptrs.append(t.data_ptr())
+            else:
+                return None
+    return (ctypes.c_void_p * len(ptrs))(*ptrs)
 
 
 def _compiled_loop(runner: LlamaRunner, rows: Rows) -> ctypes.Array[ctypes.c_void_p] | None:
     """The weight pointers when this step's layer loop can run in compiled code, else None."""
     gemm = runner.gemm
-    if getattr(runner, "layer_loop", "compiled") != "compiled" or not gemm.own or gemm.legacy:
+    if runner.layer_loop != "compiled" or not gemm.own or gemm.legacy:
         return None
     if not (gemm.own_prefill or all(decode for _, _, decode in rows.runs)):
         return None
@@ -182,8 +181,6 @@ def native_step(
     h = torch.empty_like(x)
     weights = _compiled_loop(runner, rows)
     if weights is not None and n == R:
-        from prefixcache.engine.kernels.matmul import ISAS
-
         inter = runner.layers[0]["down"].shape[1]
         dims = (ctypes.c_int64 * 6)(len(layers), H, KV, D, hidden, inter)
         rc = lib.pc_layers(

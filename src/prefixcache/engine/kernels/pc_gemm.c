@@ -99,6 +99,13 @@ static inline float xload(const job *j, const void *p, int64_t i) {
     return j->bf16 ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+/* Weight rows [r0, r1) (each `bytes` long) toward L2 (locality 2: T1), on any ISA. */
+static inline void prefetch_rows(const void *w, int64_t r0, int64_t r1, int64_t bytes) {
+    const char *base = (const char *)w;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(base + r * bytes + off, 0, 2);
+}
+
 /* ---------------------------------------------------------------- generic (the reference order) */
 static void tile_generic(const job *j, int64_t m, int R, int64_t n, int C, float *buf) {
     (void)buf;
@@ -469,9 +476,7 @@ static void amx_gemm(const job *j, int nt) {
         for (int64_t g = g0; g < g1; g += AMX_NT) {
             const int left = g1 - g < AMX_NT ? (int)(g1 - g) : AMX_NT;
             if (PREFETCH && g + AMX_NT < g1) /* the next pass's weights into L2 */
-                for (int64_t pn = (g + AMX_NT) * 16; pn < (g + 2 * AMX_NT < g1 ? g + 2 * AMX_NT : g1) * 16; pn++)
-                    for (int64_t off = 0; off < j->K * 2; off += 64)
-                        _mm_prefetch((const char *)j->w + pn * j->K * 2 + off, _MM_HINT_T1);
+                prefetch_rows(j->w, (g + AMX_NT) * 16, (g + 2 * AMX_NT < g1 ? g + 2 * AMX_NT : g1) * 16, j->K * 2);
             for (int64_t mt = 0; mt < MT; mt++) {
                 switch (left) {
                 case 4: amx_pass(j, xp, mt, g * 16, 4, cbuf); break;
@@ -531,8 +536,7 @@ int pc_gemm(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void *x, 
     }
 #endif
     if (isa == G_AMX) isa = G_AVX512BF16; /* float32, or a shape AMX does not take: the dot product */
-    const int64_t es = dtype == 1 ? 2 : 4;
-    (void)es;
+    const int64_t es = dtype == 1 ? 2 : 4; /* bytes an element */
     tile_fn tile = tile_generic;
     int RT = 1, CT = 1, lanes = 0; /* lanes: tiles leave 16 lanes per output for reduce16 */
     (void)lanes;
@@ -575,13 +579,9 @@ int pc_gemm(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void *x, 
                 const int R = M - m < RT ? (int)(M - m) : RT;
                 for (int64_t g = b; g < e; g += 16) {
                     const int cnt = e - g < 16 ? (int)(e - g) : 16;
-                    if (m == 0 && PREFETCH) { /* group g's twin in the next block, into L2 */
+                    if (m == 0 && PREFETCH) { /* group g's twin PF_DIST blocks ahead, into L2 */
                         const int64_t pg = g + PF_DIST * CB;
-                        const int64_t pe = pg + 16 < n1 ? pg + 16 : n1;
-                        const char *base = (const char *)w;
-                        for (int64_t pn = pg; pn < pe; pn++)
-                            for (int64_t off = 0; off < K * es; off += 64)
-                                __builtin_prefetch(base + (pn * K) * es + off, 0, 2); /* into L2 (T1), on any ISA */
+                        prefetch_rows(w, pg, pg + 16 < n1 ? pg + 16 : n1, K * es);
                     }
                     for (int64_t n = g; n < g + cnt; n += CT)
                         tile(&j, m, R, n, g + cnt - n < CT ? (int)(g + cnt - n) : CT, buf + (n - g) * 16);
