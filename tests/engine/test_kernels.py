@@ -158,13 +158,17 @@ class _Paged:
         self.table = (torch.randperm(self.blocks - 1, generator=g)[:nb] + 1).to(torch.int32)
         self.q = torch.randn(length, H, D, generator=g) * D**-0.5 * 3
 
-    def run(self, lib: object, segs: list[tuple[int, int]], nt: int = 2) -> torch.Tensor:
-        """Segments (start, rows) of this sequence, each its own segment of one call; the
-        outputs' rows in call order."""
+    def run(
+        self, lib: object, segs: list[tuple[int, int]], nt: int = 2, decode: bool | list[bool] = False
+    ) -> torch.Tensor:
+        """Segments (start, rows) of this sequence, each its own segment of one call (prompt rows,
+        or decode rows: ``decode`` for all of them or one flag per segment); the outputs' rows in
+        call order."""
+        flags = decode if isinstance(decode, list) else [decode] * len(segs)
         qs = torch.cat([self.q[s : s + n] for s, n in segs]).contiguous()
         seg, row = [], 0
-        for s, n in segs:
-            seg.extend((row, n, s, 0))
+        for (s, n), d in zip(segs, flags, strict=True):
+            seg.extend((row, n, s, 0, int(d)))
             row += n
         seg_t = torch.tensor(seg, dtype=torch.long)
         out = torch.empty(row, self.H, self.D, dtype=self.dtype)
@@ -189,38 +193,47 @@ class _Paged:
         return out
 
 
+PATHS = [False, True]  # prompt rows, decode rows: two arithmetics (pc_kernels.c)
+
+
+@pytest.mark.parametrize("decode", PATHS, ids=["prompt", "decode"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_matches_the_reference(lib: object, dtype: torch.dtype) -> None:
+def test_attention_matches_the_reference(lib: object, dtype: torch.dtype, decode: bool) -> None:
     pg = _Paged(dtype, 300, seed=4)
-    for start, n in [(0, 1), (0, 20), (150, 33), (299, 1), (17, 5)]:
-        _close(pg.run(lib, [(start, n)]), pg.reference(start, n), dtype)
+    for start, n in [(0, 1), (0, 20), (150, 33), (299, 1), (17, 5), (40, 100)]:
+        _close(pg.run(lib, [(start, n)], decode=decode), pg.reference(start, n), dtype)
     # tiny-model shapes (head_dim 16, two query heads per KV head) take another code path
     small = _Paged(dtype, 90, H=4, KV=2, D=16, seed=5)
-    _close(small.run(lib, [(40, 50)]), small.reference(40, 50), dtype)
+    _close(small.run(lib, [(40, 50)], decode=decode), small.reference(40, 50), dtype)
     odd = _Paged(dtype, 70, H=5, KV=1, D=32, seed=6)  # the generic path (one query at a time)
-    _close(odd.run(lib, [(10, 60)]), odd.reference(10, 60), dtype)
+    _close(odd.run(lib, [(10, 60)], decode=decode), odd.reference(10, 60), dtype)
+    wide = _Paged(dtype, 40, H=4, KV=2, D=128, seed=10)
+    _close(wide.run(lib, [(3, 37)], decode=decode), wide.reference(3, 37), dtype)
 
 
-def test_attention_does_not_read_keys_past_a_rows_position(lib: object) -> None:
+@pytest.mark.parametrize("decode", PATHS, ids=["prompt", "decode"])
+def test_attention_does_not_read_keys_past_a_rows_position(lib: object, decode: bool) -> None:
     """Poisoned (NaN) keys and values past the last row change nothing."""
     pg = _Paged(torch.float32, 200, seed=7)
-    before = pg.run(lib, [(100, 21)])
+    before = pg.run(lib, [(100, 21)], decode=decode)
     flat_k = pg.keys.view(pg.KV, -1, pg.D)
     flat_v = pg.values.view(pg.KV, -1, pg.D)
     for p in range(121, 200):
         slot = int(pg.table[p // 16]) * 16 + p % 16
         flat_k[:, slot] = float("nan")
         flat_v[:, slot] = float("nan")
-    assert torch.equal(pg.run(lib, [(100, 21)]), before)
+    assert torch.equal(pg.run(lib, [(100, 21)], decode=decode), before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_rows_are_invariant(lib: object, dtype: torch.dtype) -> None:
-    """Every row of every chunk equals that row computed alone (a one-row segment), for the
-    row counts, offsets, batch mates and thread counts of the module doc."""
+    """Every prompt row of every chunk equals that row computed alone (a one-row segment), and
+    every decode row its decode row alone, for the row counts, offsets, batch mates and thread
+    counts of the module doc."""
     length = 700
     pg = _Paged(dtype, length, seed=8)
     alone = torch.cat([pg.run(lib, [(p, 1)], nt=1) for p in range(length)])
+    alone_decode = torch.cat([pg.run(lib, [(p, 1)], nt=1, decode=True) for p in range(length)])
     rng = random.Random(0)
     threads = torch.get_num_threads()
     try:
@@ -230,19 +243,36 @@ def test_attention_rows_are_invariant(lib: object, dtype: torch.dtype) -> None:
                 start = rng.randrange(0, length - n + 1)
                 got = pg.run(lib, [(start, n)], nt=nt)
                 assert torch.equal(got, alone[start : start + n]), (n, start, nt)
-        # batched: decode-like rows and a chunk of the same sequence in one call
-        segs = [(5, 1), (640, 1), (100, 64), (699, 1), (16, 17)]
-        got = pg.run(lib, segs, nt=2)
-        want = torch.cat([alone[s : s + n] for s, n in segs])
+                got = pg.run(lib, [(start, n)], nt=nt, decode=True)
+                assert torch.equal(got, alone_decode[start : start + n]), (n, start, nt)
+        # batched: decode rows and prompt chunks of the same sequence in one call
+        segs = [(5, 1), (640, 1), (100, 64), (699, 1), (16, 17), (300, 1)]
+        flags = [True, True, False, True, False, False]
+        got = pg.run(lib, segs, nt=2, decode=flags)
+        want = torch.cat(
+            [(alone_decode if d else alone)[s : s + n] for (s, n), d in zip(segs, flags, strict=True)]
+        )
         assert torch.equal(got, want)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_two_paths_are_two_arithmetics(lib: object) -> None:
+    """Prompt and decode rows agree within rounding, not bitwise (each is invariant on its own);
+    a decode row's KV is never cached, so nothing needs them equal."""
+    pg = _Paged(torch.float32, 300, seed=11)
+    prompt, decode = pg.run(lib, [(0, 300)]), pg.run(lib, [(0, 300)], decode=True)
+    _close(prompt, decode, torch.float32)
+    assert not torch.equal(prompt, decode)
 
 
 def test_a_prompt_split_at_every_block_gives_the_same_rows(lib: object) -> None:
     pg = _Paged(torch.bfloat16, 400, seed=9)
     whole = pg.run(lib, [(0, 400)])
     for cut in range(16, 400, 16):
+        parts = torch.cat([pg.run(lib, [(0, cut)]), pg.run(lib, [(cut, 400 - cut)])])
+        assert torch.equal(parts, whole), cut
+    for cut in (1, 7, 23, 399):  # chunks need not end on a block
         parts = torch.cat([pg.run(lib, [(0, cut)]), pg.run(lib, [(cut, 400 - cut)])])
         assert torch.equal(parts, whole), cut
 

@@ -123,7 +123,7 @@ def _compiled_loop(runner: LlamaRunner, rows: Rows) -> ctypes.Array[ctypes.c_voi
 
 class StepPlan:
     """What every layer of one step shares: rows' positions and KV slots, the attention segments
-    ``[row0, rows, start, table offset]`` and the concatenated block tables (int32)."""
+    ``[row0, rows, start, table offset, decode]`` and the concatenated block tables (int32)."""
 
     __slots__ = ("n", "R", "ids", "pos", "slots", "seg", "tables", "nseg", "last_rows")
 
@@ -136,7 +136,7 @@ class StepPlan:
         self.last_rows: list[int] = []
         for s in segments:
             assert len(s.tokens) > 0, "a segment has no tokens"
-            seg.extend((len(tokens), len(s.tokens), s.start, len(tables)))
+            seg.extend((len(tokens), len(s.tokens), s.start, len(tables), int(s.decode)))
             used = -(-s.end // B)
             tables.extend(s.table[:used])
             positions.extend(range(s.start, s.end))

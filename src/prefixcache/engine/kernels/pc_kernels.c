@@ -27,8 +27,9 @@
 #include <immintrin.h>
 #endif
 
-#define PC_VERSION 1
+#define PC_VERSION 2
 #define LANES 16 /* partial sums of a reduction; also the attention key tile */
+#define PC_ARGS(...) __VA_ARGS__
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
@@ -307,19 +308,28 @@ void pc_swiglu(int dt, int64_t rows, int64_t I, const void *gu, void *out, int n
 }
 
 /* ------------------------------------------------------------------ paged attention */
-/* One call for every row of a step. Segment i: rows [seg[4i], seg[4i] + seg[4i+1]) of q/out at
- * positions seg[4i+2], seg[4i+2] + 1, ...; its block table is tables[seg[4i+3] ...] (pool block
- * indices of positions 0, B, 2B, ...). keys/values: one layer of the pool, [KV, blocks, B, D]
- * (head_stride = blocks * B * D elements). q: [rows, H, D] float32, scaled. out: [rows, H, D] dt.
- * D % 16 == 0.
+/* One call for every row of a step. Segment i: rows [seg[5i], seg[5i] + seg[5i+1]) of q/out at
+ * positions seg[5i+2], seg[5i+2] + 1, ...; its block table is tables[seg[5i+3] ...] (pool block
+ * indices of positions 0, B, 2B, ...); seg[5i+4]: 1 for a decode row (a generated token), 0 for
+ * prompt rows. keys/values: one layer of the pool, [KV, blocks, B, D] (head_stride = blocks * B *
+ * D elements). q: [rows, H, D] float32, scaled. out: [rows, H, D] dt. D % 16 == 0.
+ *
+ * Two kinds of rows, two arithmetics, each the same for a row whatever its chunk, its batch mates
+ * or the thread count. Prompt rows are what the cache stores (a hit reads them, a miss recomputes
+ * them: both through the prompt path); a decode row's KV is never cached, and a generated token
+ * that comes back in the next turn's prompt is prefilled again as a prompt row. So the two paths
+ * never have to agree with each other, only each with itself.
  *
  * Work item: (segment, KV head, block of up to QB rows); its G * rows query heads share one
  * pass over the keys (each 16-key tile converted to float32 once). Per query, tiles ascending:
- *   s_j = q . k_j   (16 lanes over d, fmaf chains in ascending d, then vhsum's tree)
  *   m' = max(m, max_j s_j);  a = exp(m - m');  p_j = exp(s_j - m')
- *   l = l a + sum_j p_j   (vhsum's tree; lanes past the row's position are exact zeros)
  *   acc = acc a + sum_j p_j v_j   (fmaf, j ascending, only j <= the row's position)
- * out = acc / l. Tiles past the row's position are never read for it. */
+ * out = acc / l. Tiles past the row's position are never read for it.
+ * Decode rows: s_j = q . k_j (16 lanes over d, fmaf chains in ascending d, then vhsum's tree),
+ *   l = l a + sum_j p_j (vhsum's tree; lanes past the row's position are exact zeros).
+ * Prompt rows: s_j = q . k_j with the keys in the lanes (one fmaf chain over d ascending per key;
+ *   the tile transposed once for all the item's queries), l kept per lane, lane = position mod 16:
+ *   l_lane = l_lane a + p_lane, and l = vhsum(l_lanes) at the end. */
 /* ng queries (the query heads of one row that share a KV head) against one 16-key tile (kt,
  * vt: [16][D] float32; nv of the keys visible to the row): the online-softmax update of each
  * query's (m, l, acc) described above. dv = D / 16. Each key's and value's vectors are loaded
@@ -374,18 +384,371 @@ static inline __attribute__((always_inline)) void query_tile(const int64_t dv, c
 }
 
 #define QB 16
+#define SEG 5 /* int64 fields per segment */
+#define PQ 8  /* prompt queries sharing one pass over a tile's transposed keys */
+
+/* Lane-wise 16x16 transpose (t[d] lane j = r[j] lane d): four levels of two-row shuffles. */
+#define PC_T_LEVEL(h, lo, hi)                                                 \
+    for (int i = 0; i < 16; i++)                                             \
+        if (!(i & (h))) {                                                    \
+            const v16 a_ = r[i], b_ = r[i + (h)];                            \
+            r[i] = __builtin_shuffle(a_, b_, (v16i)lo);                      \
+            r[i + (h)] = __builtin_shuffle(a_, b_, (v16i)hi);                \
+        }
+static inline void transpose16(v16 *r) {
+    PC_T_LEVEL(8, PC_ARGS({0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}),
+               PC_ARGS({8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}))
+    PC_T_LEVEL(4, PC_ARGS({0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}),
+               PC_ARGS({4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}))
+    PC_T_LEVEL(2, PC_ARGS({0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}),
+               PC_ARGS({2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}))
+    PC_T_LEVEL(1, PC_ARGS({0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}),
+               PC_ARGS({1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}))
+}
+
+/* nq prompt queries (q: nq rows of D float32, contiguous) against one tile: kt [D] vectors
+ * (lane j: key j's dimension d), vt [16][D], nv keys visible to every one of them. */
+static inline __attribute__((always_inline)) void prompt_tile(const int64_t D, const int64_t dv, const int64_t nq,
+                                                              const float *q, const v16 *kt, const float *vt,
+                                                              const int64_t nv, float *m, v16 *lv, float *acc) {
+    v16 sc[nq];
+    for (int64_t g = 0; g < nq; g++) sc[g] = vsplat(0.0f);
+    for (int64_t d = 0; d < D; d++) {
+        const v16 kd = kt[d];
+        for (int64_t g = 0; g < nq; g++) sc[g] = vfma(vsplat(q[g * D + d]), kd, sc[g]);
+    }
+    const v16i visible = (v16i){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} < (int32_t)nv;
+    v16 shift = vsplat(0.0f); /* lane g: m - m' of query g */
+    float mts[nq];
+    for (int64_t g = 0; g < nq; g++) {
+        if (nv < LANES) sc[g] = vsel(visible, sc[g], vsplat(-INFINITY));
+        const float mx = vhmax(sc[g]);
+        mts[g] = mx > m[g] ? mx : m[g];
+        shift[g] = m[g] - mts[g];
+    }
+    const v16 alphas = vexp(shift); /* 0 on the first tile (m = -inf) */
+    float e[nq][LANES];
+    for (int64_t g = 0; g < nq; g++) {
+        const v16 eg = vexp(sc[g] - mts[g]);
+        lv[g] = lv[g] * alphas[g] + eg;
+        m[g] = mts[g];
+        vstore(e[g], eg);
+    }
+    for (int64_t g0 = 0; g0 < nq; g0 += 4) { /* four queries' accumulators in registers */
+        const int64_t ng = nq - g0 < 4 ? nq - g0 : 4;
+        v16 ar[ng][dv];
+        for (int64_t g = 0; g < ng; g++) {
+            const v16 va = vsplat(alphas[g0 + g]);
+            for (int64_t c = 0; c < dv; c++) ar[g][c] = vload(acc + (g0 + g) * D + c * LANES) * va;
+        }
+        for (int64_t j = 0; j < nv; j++) {
+            const float *vj = vt + j * D;
+            for (int64_t c = 0; c < dv; c++) {
+                const v16 vc = vload(vj + c * LANES);
+                for (int64_t g = 0; g < ng; g++) ar[g][c] = vfma(vsplat(e[g0 + g][j]), vc, ar[g][c]);
+            }
+        }
+        for (int64_t g = 0; g < ng; g++)
+            for (int64_t c = 0; c < dv; c++) vstore(acc + (g0 + g) * D + c * LANES, ar[g][c]);
+    }
+}
+
+/* Constant shapes keep the loops unrolled and the accumulators in registers. */
+static void prompt_tile_any(const int64_t D, const int64_t nq, const float *q, const v16 *kt, const float *vt,
+                            const int64_t nv, float *m, v16 *lv, float *acc) {
+#define PC_PT(nq_) prompt_tile(64, 4, nq_, q, kt, vt, nv, m, lv, acc)
+    if (D == 64) {
+        switch (nq) {
+        case 8: PC_PT(8); return;
+        case 7: PC_PT(7); return;
+        case 6: PC_PT(6); return;
+        case 5: PC_PT(5); return;
+        case 4: PC_PT(4); return;
+        case 3: PC_PT(3); return;
+        case 2: PC_PT(2); return;
+        case 1: PC_PT(1); return;
+        }
+    }
+#undef PC_PT
+    prompt_tile(D, D / LANES, nq, q, kt, vt, nv, m, lv, acc);
+}
+
+#if defined(__AVX512BF16__)
+/* bfloat16 pools on CPUs with AVX512-BF16: the prompt path's two products by VDPBF16PS (pairs of
+ * bf16 products added to a float32 lane, in the instruction's fixed order): scores from the
+ * query rounded to bf16 (round to nearest even) against the pool's keys, the values weighted by
+ * the probabilities rounded to bf16; the running maximum, the exponentials, l and the rescaling
+ * stay float32. kt2[dp] lane j: key j's dimensions (2dp, 2dp + 1); v2[k * dv + c] lane i: key
+ * 2k's and key 2k + 1's dimension 16c + i. qh: nq rows of D / 2 pairs. A row whose visible keys
+ * end inside a pair weights that pair with the second key's value zeroed, so it never touches a
+ * key past its position. */
+static inline __attribute__((always_inline)) void prompt_tile_bf16(const int64_t D, const int64_t dv,
+                                                                   const int64_t nq, const uint32_t *qh,
+                                                                   const __m512i *kt2, const __m512i *v2,
+                                                                   const int64_t nv, float *m, v16 *lv,
+                                                                   float *acc) {
+    const int64_t dp2 = D / 2;
+    __m512 sc[nq];
+    for (int64_t g = 0; g < nq; g++) sc[g] = _mm512_setzero_ps();
+    for (int64_t dp = 0; dp < dp2; dp++) {
+        const __m512bh kd = (__m512bh)kt2[dp];
+        for (int64_t g = 0; g < nq; g++)
+            sc[g] = _mm512_dpbf16_ps(sc[g], kd, (__m512bh)_mm512_set1_epi32((int)qh[g * dp2 + dp]));
+    }
+    const v16i visible = (v16i){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} < (int32_t)nv;
+    v16 shift = vsplat(0.0f);
+    float mts[nq];
+    v16 s[nq];
+    for (int64_t g = 0; g < nq; g++) {
+        s[g] = (v16)sc[g];
+        if (nv < LANES) s[g] = vsel(visible, s[g], vsplat(-INFINITY));
+        const float mx = vhmax(s[g]);
+        mts[g] = mx > m[g] ? mx : m[g];
+        shift[g] = m[g] - mts[g];
+    }
+    const v16 alphas = vexp(shift);
+    uint32_t e[nq][LANES / 2];
+    for (int64_t g = 0; g < nq; g++) {
+        const v16 eg = vexp(s[g] - mts[g]);
+        lv[g] = lv[g] * alphas[g] + eg;
+        m[g] = mts[g];
+        const __m256bh pb = _mm512_cvtneps_pbh((__m512)eg);
+        memcpy(e[g], &pb, sizeof pb);
+    }
+    const int64_t pairs = (nv + 1) / 2;
+    const __m512i first = _mm512_set1_epi32(0xffff); /* key 2k's half of a pair */
+    for (int64_t g0 = 0; g0 < nq; g0 += 4) {
+        const int64_t ng = nq - g0 < 4 ? nq - g0 : 4;
+        __m512 ar[ng][dv];
+        for (int64_t g = 0; g < ng; g++) {
+            const __m512 va = _mm512_set1_ps(alphas[g0 + g]);
+            for (int64_t c = 0; c < dv; c++) ar[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (g0 + g) * D + c * LANES), va);
+        }
+        for (int64_t k = 0; k < pairs; k++) {
+            const int half = 2 * k + 1 == nv;
+            for (int64_t c = 0; c < dv; c++) {
+                __m512i vc = v2[k * dv + c];
+                if (half) vc = _mm512_and_si512(vc, first);
+                for (int64_t g = 0; g < ng; g++)
+                    ar[g][c] = _mm512_dpbf16_ps(ar[g][c], (__m512bh)vc, (__m512bh)_mm512_set1_epi32((int)e[g0 + g][k]));
+            }
+        }
+        for (int64_t g = 0; g < ng; g++)
+            for (int64_t c = 0; c < dv; c++) _mm512_storeu_ps(acc + (g0 + g) * D + c * LANES, ar[g][c]);
+    }
+}
+
+static void prompt_tile_bf16_any(const int64_t D, const int64_t nq, const uint32_t *qh, const __m512i *kt2,
+                                 const __m512i *v2, const int64_t nv, float *m, v16 *lv, float *acc) {
+#define PC_PT(nq_) prompt_tile_bf16(64, 4, nq_, qh, kt2, v2, nv, m, lv, acc)
+    if (D == 64) {
+        switch (nq) {
+        case 8: PC_PT(8); return;
+        case 7: PC_PT(7); return;
+        case 6: PC_PT(6); return;
+        case 5: PC_PT(5); return;
+        case 4: PC_PT(4); return;
+        case 3: PC_PT(3); return;
+        case 2: PC_PT(2); return;
+        case 1: PC_PT(1); return;
+        }
+    }
+#undef PC_PT
+    prompt_tile_bf16(D, D / LANES, nq, qh, kt2, v2, nv, m, lv, acc);
+}
+
+/* One tile of bf16 keys and values in the layouts above (keys past `last` are zeros). */
+static void tile_bf16(const uint16_t *keys, const uint16_t *values, int64_t off0, int64_t kvh, int64_t head_stride,
+                      const int32_t *table, int64_t B, int64_t D, int64_t t0, int64_t nk, __m512i *kt2, __m512i *v2,
+                      uint16_t *raw) {
+    const int64_t dv = D / LANES;
+    (void)off0;
+    for (int64_t j = 0; j < LANES; j++) { /* raw: [16][D] keys, then [16][D] values */
+        if (j < nk) {
+            const int64_t p = t0 + j;
+            const int64_t off = kvh * head_stride + ((int64_t)table[p / B] * B + p % B) * D;
+            memcpy(raw + j * D, keys + off, sizeof(uint16_t) * (size_t)D);
+            memcpy(raw + (LANES + j) * D, values + off, sizeof(uint16_t) * (size_t)D);
+        } else {
+            memset(raw + j * D, 0, sizeof(uint16_t) * (size_t)D);
+            memset(raw + (LANES + j) * D, 0, sizeof(uint16_t) * (size_t)D);
+        }
+    }
+    for (int64_t c = 0; c < D / 32; c++) { /* 16 pairs of dimensions at a time */
+        v16 r[LANES];
+        for (int j = 0; j < LANES; j++) memcpy(&r[j], raw + j * D + c * 32, sizeof r[j]);
+        transpose16(r);
+        for (int d = 0; d < LANES; d++) memcpy(&kt2[c * LANES + d], &r[d], sizeof r[d]);
+    }
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    const uint16_t *vals = raw + LANES * D;
+    for (int64_t k = 0; k < LANES / 2; k++) {
+        const uint16_t *a = vals + 2 * k * D, *b = a + D;
+        for (int64_t c = 0; c < dv; c++) {
+            const __m512i A = _mm512_loadu_si512(a + (c / 2) * 32), Bv = _mm512_loadu_si512(b + (c / 2) * 32);
+            v2[k * dv + c] = _mm512_permutex2var_epi16(A, c % 2 ? hi : lo, Bv);
+        }
+    }
+}
+#endif
+
+/* Scratch of one thread. */
+typedef struct {
+    float *kt, *vt, *acc, *m, *l, *row, *qbuf;
+    v16 *part, *ktv, *lv;
+    uint32_t *qh;  /* bf16 prompt path: the queries' pairs */
+    uint16_t *raw; /* bf16 prompt path: a tile's keys and values */
+} attn_scratch;
+
+/* Rows [r_in, r_in + nr) of prompt segment sg, KV head kvh. */
+static void prompt_item(int dt, int64_t H, int64_t G, int64_t D, const float *q, const void *keys,
+                        const void *values, int64_t head_stride, int64_t B, const int64_t *sg, const int32_t *table,
+                        int64_t r_in, int64_t nr, int64_t kvh, void *out, attn_scratch *w) {
+    const int64_t DV = D / LANES, row0 = sg[0] + r_in, pos0 = sg[2] + r_in, last = pos0 + nr - 1;
+    const int64_t nq = nr * G;
+    for (int64_t i = 0; i < nq; i++) {
+        w->m[i] = -INFINITY;
+        w->lv[i] = vsplat(0.0f);
+    }
+    memset(w->acc, 0, sizeof(float) * (size_t)(nq * D));
+    for (int64_t ri = 0; ri < nr; ri++) /* the item's queries, contiguous: row-major (row, g) */
+        memcpy(w->qbuf + ri * G * D, q + ((row0 + ri) * H + kvh * G) * D, sizeof(float) * (size_t)(G * D));
+#if defined(__AVX512BF16__)
+    if (dt == DT_BF16 && D % 32 == 0) {
+        for (int64_t i = 0; i < nq; i++)
+            for (int64_t c = 0; c < DV; c++) {
+                const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(w->qbuf + i * D + c * LANES));
+                memcpy(w->qh + i * (D / 2) + c * (LANES / 2), &h, sizeof h);
+            }
+        __m512i *kt2 = (__m512i *)w->ktv, *v2 = (__m512i *)w->vt;
+        for (int64_t t0 = 0; t0 <= last; t0 += LANES) {
+            const int64_t nk = last - t0 + 1 < LANES ? last - t0 + 1 : LANES;
+            tile_bf16((const uint16_t *)keys, (const uint16_t *)values, 0, kvh, head_stride, table, B, D, t0, nk, kt2,
+                      v2, w->raw);
+            int64_t full = t0 + LANES - 1 - pos0;
+            if (full < 0) full = 0;
+            for (int64_t i = full * G; i < nq; i += PQ) {
+                const int64_t n = nq - i < PQ ? nq - i : PQ;
+                prompt_tile_bf16_any(D, n, w->qh + i * (D / 2), kt2, v2, LANES, w->m + i, w->lv + i, w->acc + i * D);
+            }
+            for (int64_t ri = 0; ri < nr && ri < full; ri++) {
+                const int64_t p = pos0 + ri;
+                if (t0 > p) continue;
+                const int64_t i = ri * G;
+                prompt_tile_bf16_any(D, G, w->qh + i * (D / 2), kt2, v2, p - t0 + 1, w->m + i, w->lv + i,
+                                     w->acc + i * D);
+            }
+        }
+    } else
+#endif
+    for (int64_t t0 = 0; t0 <= last; t0 += LANES) {
+        const int64_t nk = last - t0 + 1 < LANES ? last - t0 + 1 : LANES;
+        for (int64_t j = 0; j < nk; j++) {
+            const int64_t p = t0 + j;
+            const int64_t off = kvh * head_stride + ((int64_t)table[p / B] * B + p % B) * D;
+            load_row(dt, keys, off, w->kt + j * D, D);
+            load_row(dt, values, off, w->vt + j * D, D);
+        }
+        if (nk < LANES) memset(w->kt + nk * D, 0, sizeof(float) * (size_t)((LANES - nk) * D));
+        for (int64_t c = 0; c < DV; c++) { /* ktv[d] lane j = key j, dimension d */
+            v16 *r = w->ktv + c * LANES;
+            for (int j = 0; j < LANES; j++) r[j] = vload(w->kt + j * D + c * LANES);
+            transpose16(r);
+        }
+        /* rows that see the whole tile: a contiguous run of queries, PQ at a time */
+        int64_t full = t0 + LANES - 1 - pos0; /* the first row that sees key t0 + 15 */
+        if (full < 0) full = 0;
+        for (int64_t i = full * G; i < nq; i += PQ) {
+            const int64_t n = nq - i < PQ ? nq - i : PQ;
+            prompt_tile_any(D, n, w->qbuf + i * D, w->ktv, w->vt, LANES, w->m + i, w->lv + i, w->acc + i * D);
+        }
+        /* rows inside the tile: each row's G queries with its own visible count */
+        for (int64_t ri = 0; ri < nr && ri < full; ri++) {
+            const int64_t p = pos0 + ri;
+            if (t0 > p) continue; /* fully masked for this row: never read */
+            const int64_t i = ri * G;
+            prompt_tile_any(D, G, w->qbuf + i * D, w->ktv, w->vt, p - t0 + 1, w->m + i, w->lv + i, w->acc + i * D);
+        }
+    }
+    for (int64_t i = 0; i < nq; i++) {
+        const v16 inv = vsplat(vhsum(w->lv[i]));
+        for (int64_t c = 0; c < DV; c++) vstore(w->row + c * LANES, vload(w->acc + i * D + c * LANES) / inv);
+        store_row(dt, out, ((row0 + i / G) * H + kvh * G + i % G) * D, w->row, D);
+    }
+}
+
+/* Rows [r_in, r_in + nr) of decode segment sg, KV head kvh. */
+static void decode_item(int dt, int64_t H, int64_t G, int64_t D, const float *q, const void *keys,
+                        const void *values, int64_t head_stride, int64_t B, const int64_t *sg, const int32_t *table,
+                        int64_t r_in, int64_t nr, int64_t kvh, void *out, attn_scratch *w) {
+    const int64_t DV = D / LANES, row0 = sg[0] + r_in, pos0 = sg[2] + r_in, last = pos0 + nr - 1;
+    float *kt = w->kt, *vt = w->vt, *acc = w->acc, *m = w->m, *l = w->l, *qbuf = w->qbuf;
+    v16 *part = w->part;
+    for (int64_t i = 0; i < nr * G; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(nr * G * D));
+    for (int64_t ri = 0; ri < nr; ri++)
+        memcpy(qbuf + ri * G * D, q + ((row0 + ri) * H + kvh * G) * D, sizeof(float) * (size_t)(G * D));
+    for (int64_t t0 = 0; t0 <= last; t0 += LANES) {
+        const int64_t nk = last - t0 + 1 < LANES ? last - t0 + 1 : LANES;
+        for (int64_t j = 0; j < nk; j++) {
+            const int64_t p = t0 + j;
+            const int64_t off = kvh * head_stride + ((int64_t)table[p / B] * B + p % B) * D;
+            load_row(dt, keys, off, kt + j * D, D);
+            load_row(dt, values, off, vt + j * D, D);
+        }
+        if (nk < LANES) memset(kt + nk * D, 0, sizeof(float) * (size_t)((LANES - nk) * D));
+        for (int64_t ri = 0; ri < nr; ri++) {
+            const int64_t p = pos0 + ri;
+            if (t0 > p) continue; /* fully masked for this row: never read */
+            const int64_t nv = p - t0 + 1 < LANES ? p - t0 + 1 : LANES;
+            const int64_t qi = ri * G;
+            const float *qq = qbuf + qi * D;
+            if (nv == LANES && ri + 1 < nr && DV == 4 && G == 3) {
+                /* two rows that see the whole tile: their 2G queries share each key's and
+                 * value's loads (each query's arithmetic is the same as alone) */
+                query_tile(4, 6, qq, D, kt, vt, LANES, m + qi, l + qi, acc + qi * D, part);
+                ri++;
+                continue;
+            }
+#define PC_TILE(dv_, ng_) query_tile(dv_, ng_, qq, D, kt, vt, nv, m + qi, l + qi, acc + qi * D, part)
+            /* constant shapes keep a row's vectors in registers; other shapes one query at a time */
+            if (DV == 4 && G == 3) PC_TILE(4, 3);
+            else if (DV == 4 && G == 2) PC_TILE(4, 2);
+            else if (DV == 4 && G == 4) PC_TILE(4, 4);
+            else if (DV == 8 && G == 2) PC_TILE(8, 2);
+            else if (DV == 8 && G == 4) PC_TILE(8, 4);
+            else if (DV == 1 && G == 2) PC_TILE(1, 2);
+            else
+                for (int64_t g = 0; g < G; g++)
+                    query_tile(DV, 1, qq + g * D, D, kt, vt, nv, m + qi + g, l + qi + g, acc + (qi + g) * D, part);
+#undef PC_TILE
+        }
+    }
+    for (int64_t ri = 0; ri < nr; ri++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t qi = ri * G + g;
+            const v16 inv = vsplat(l[qi]);
+            for (int64_t c = 0; c < DV; c++) vstore(w->row + c * LANES, vload(acc + qi * D + c * LANES) / inv);
+            store_row(dt, out, ((row0 + ri) * H + kvh * G + g) * D, w->row, D);
+        }
+}
 
 void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, const void *keys,
                   const void *values, int64_t head_stride, int64_t B, int64_t nseg, const int64_t *seg,
                   const int32_t *tables, void *out, int nthreads) {
-    const int64_t G = H / KV, DV = D / LANES;
+    const int64_t G = H / KV;
     int64_t nblocks = 0;
-    for (int64_t i = 0; i < nseg; i++) nblocks += (seg[4 * i + 1] + QB - 1) / QB;
+    for (int64_t i = 0; i < nseg; i++) nblocks += (seg[SEG * i + 1] + QB - 1) / QB;
     int64_t *work = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)(nblocks > 0 ? nblocks : 1));
     {
         int64_t w = 0;
         for (int64_t i = 0; i < nseg; i++)
-            for (int64_t r = 0; r < seg[4 * i + 1]; r += QB) {
+            for (int64_t r = 0; r < seg[SEG * i + 1]; r += QB) {
                 work[2 * w] = i;
                 work[2 * w + 1] = r;
                 w++;
@@ -395,80 +758,42 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
     #pragma omp parallel num_threads(threads_or(nthreads))
     {
         const int64_t Q = QB * G;
-        float *kt = falloc(LANES * D); /* [16][D] */
-        float *vt = falloc(LANES * D);
-        float *acc = falloc(Q * D);
-        float *m = falloc(Q), *l = falloc(Q), *row = falloc(D), *qbuf = falloc(Q * D);
-        v16 *part = (v16 *)falloc(LANES * LANES * (2 * G > 6 ? 2 * G : 6));
+        attn_scratch w;
+        w.kt = falloc(LANES * D); /* [16][D] */
+        w.vt = falloc(LANES * D);
+        w.acc = falloc(Q * D);
+        w.m = falloc(Q);
+        w.l = falloc(Q);
+        w.row = falloc(D);
+        w.qbuf = falloc(Q * D);
+        w.part = (v16 *)falloc(LANES * LANES * (2 * G > 6 ? 2 * G : 6));
+        w.ktv = (v16 *)falloc(LANES * D);
+        w.lv = (v16 *)falloc(LANES * Q);
+        w.qh = (uint32_t *)falloc(Q * D / 2);
+        w.raw = (uint16_t *)falloc(LANES * D);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t wi = 0; wi < nwork; wi++) {
             const int64_t item = wi / KV, kvh = wi % KV;
-            const int64_t *sg = seg + 4 * work[2 * item];
+            const int64_t *sg = seg + SEG * work[2 * item];
             const int64_t r_in = work[2 * item + 1];
             const int64_t nr = sg[1] - r_in < QB ? sg[1] - r_in : QB;
-            const int64_t row0 = sg[0] + r_in, pos0 = sg[2] + r_in;
-            const int32_t *table = tables + sg[3];
-            const int64_t last = pos0 + nr - 1;
-            for (int64_t i = 0; i < nr * G; i++) {
-                m[i] = -INFINITY;
-                l[i] = 0.0f;
-            }
-            memset(acc, 0, sizeof(float) * (size_t)(nr * G * D));
-            for (int64_t ri = 0; ri < nr; ri++) /* the item's queries, contiguous: row-major (row, g) */
-                memcpy(qbuf + ri * G * D, q + ((row0 + ri) * H + kvh * G) * D, sizeof(float) * (size_t)(G * D));
-            for (int64_t t0 = 0; t0 <= last; t0 += LANES) {
-                const int64_t nk = last - t0 + 1 < LANES ? last - t0 + 1 : LANES;
-                for (int64_t j = 0; j < nk; j++) {
-                    const int64_t p = t0 + j;
-                    const int64_t off = kvh * head_stride + ((int64_t)table[p / B] * B + p % B) * D;
-                    load_row(dt, keys, off, kt + j * D, D);
-                    load_row(dt, values, off, vt + j * D, D);
-                }
-                if (nk < LANES) memset(kt + nk * D, 0, sizeof(float) * (size_t)((LANES - nk) * D));
-                for (int64_t ri = 0; ri < nr; ri++) {
-                    const int64_t p = pos0 + ri;
-                    if (t0 > p) continue; /* fully masked for this row: never read */
-                    const int64_t nv = p - t0 + 1 < LANES ? p - t0 + 1 : LANES;
-                    const int64_t qi = ri * G;
-                    const float *qq = qbuf + qi * D;
-                    if (nv == LANES && ri + 1 < nr && DV == 4 && G == 3) {
-                        /* two rows that see the whole tile: their 2G queries share each key's and
-                         * value's loads (each query's arithmetic is the same as alone) */
-                        query_tile(4, 6, qq, D, kt, vt, LANES, m + qi, l + qi, acc + qi * D, part);
-                        ri++;
-                        continue;
-                    }
-#define PC_TILE(dv_, ng_) query_tile(dv_, ng_, qq, D, kt, vt, nv, m + qi, l + qi, acc + qi * D, part)
-                    /* constant shapes keep a row's vectors in registers; other shapes one query at a time */
-                    if (DV == 4 && G == 3) PC_TILE(4, 3);
-                    else if (DV == 4 && G == 2) PC_TILE(4, 2);
-                    else if (DV == 4 && G == 4) PC_TILE(4, 4);
-                    else if (DV == 8 && G == 2) PC_TILE(8, 2);
-                    else if (DV == 8 && G == 4) PC_TILE(8, 4);
-                    else if (DV == 1 && G == 2) PC_TILE(1, 2);
-                    else
-                        for (int64_t g = 0; g < G; g++)
-                            query_tile(DV, 1, qq + g * D, D, kt, vt, nv, m + qi + g, l + qi + g, acc + (qi + g) * D,
-                                       part);
-#undef PC_TILE
-                }
-            }
-            for (int64_t ri = 0; ri < nr; ri++)
-                for (int64_t g = 0; g < G; g++) {
-                    const int64_t qi = ri * G + g;
-                    const v16 inv = vsplat(l[qi]);
-                    for (int64_t c = 0; c < DV; c++) vstore(row + c * LANES, vload(acc + qi * D + c * LANES) / inv);
-                    store_row(dt, out, ((row0 + ri) * H + kvh * G + g) * D, row, D);
-                }
+            if (sg[4])
+                decode_item(dt, H, G, D, q, keys, values, head_stride, B, sg, tables + sg[3], r_in, nr, kvh, out, &w);
+            else
+                prompt_item(dt, H, G, D, q, keys, values, head_stride, B, sg, tables + sg[3], r_in, nr, kvh, out, &w);
         }
-        free(kt);
-        free(vt);
-        free(acc);
-        free(m);
-        free(l);
-        free(row);
-        free(qbuf);
-        free(part);
+        free(w.kt);
+        free(w.vt);
+        free(w.acc);
+        free(w.m);
+        free(w.l);
+        free(w.row);
+        free(w.qbuf);
+        free(w.part);
+        free(w.ktv);
+        free(w.lv);
+        free(w.qh);
+        free(w.raw);
     }
     free(work);
 }
