@@ -257,6 +257,53 @@ def test_attention_rows_are_invariant(lib: object, dtype: torch.dtype) -> None:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_rows_sharing_blocks_give_the_bits_they_give_alone(lib: object, dtype: torch.dtype) -> None:
+    """Decode rows on one cached prefix read each shared tile once (the kernel groups them by
+    block table): rows sharing all, part or none of their blocks, at positions before, inside and
+    past the shared part, in any order in the step, equal the same rows computed alone."""
+    g = torch.Generator().manual_seed(12)
+    H, KV, D, B, blocks = 9, 3, 64, 16, 200
+    keys = torch.randn(KV, blocks, B, D, generator=g).to(dtype)
+    values = torch.randn(KV, blocks, B, D, generator=g).to(dtype)
+    perm = torch.randperm(blocks, generator=g).tolist()
+    base, other, third = perm[:40], perm[40:80], perm[80:120]
+    seqs = [
+        base,
+        base[:20] + other[:20],
+        base,
+        base[:3] + third[:37],
+        other,
+        base[:20] + other[:5] + third[:15],
+    ]
+    positions = [639, 500, 317, 630, 200, 399, 16, 15, 0, 320, 321, 47]
+    rows = [(positions[i], seqs[i % len(seqs)]) for i in range(len(positions))]
+    q = torch.randn(len(rows), H, D, generator=g) * D**-0.5 * 3
+
+    def call(which: list[int]) -> torch.Tensor:
+        seg: list[int] = []
+        table: list[int] = []
+        for r, i in enumerate(which):
+            pos, blocks_of = rows[i]
+            seg.extend((r, 1, pos, len(table), 1))
+            table.extend(blocks_of[: pos // B + 1])
+        qs = q[which].contiguous()
+        out = torch.empty(len(which), H, D, dtype=dtype)
+        seg_t, table_t = torch.tensor(seg, dtype=torch.long), torch.tensor(table, dtype=torch.int32)
+        lib.pc_attention(  # type: ignore[attr-defined]
+            DTYPE_CODES[dtype], H, KV, D, qs.data_ptr(), keys.data_ptr(), values.data_ptr(),
+            blocks * B * D, B, len(which), seg_t.data_ptr(), table_t.data_ptr(), out.data_ptr(), 2,
+        )  # fmt: skip
+        return out
+
+    alone = torch.cat([call([i]) for i in range(len(rows))])
+    order = list(range(len(rows)))
+    for shuffle_seed in range(4):
+        random.Random(shuffle_seed).shuffle(order)
+        assert torch.equal(call(order), alone[order]), order
+    assert torch.equal(call([0, 2]), alone[[0, 2]])  # one prefix, a shorter row sorted first
+
+
 def test_the_two_paths_are_two_arithmetics(lib: object) -> None:
     """Prompt and decode rows agree within rounding, not bitwise (each is invariant on its own);
     a decode row's KV is never cached, so nothing needs them equal."""

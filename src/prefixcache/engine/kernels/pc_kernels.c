@@ -473,6 +473,25 @@ static void prompt_tile_any(const int64_t D, const int64_t nq, const float *q, c
     prompt_tile(D, D / LANES, nq, q, kt, vt, nv, m, lv, acc);
 }
 
+/* Ask for the keys and values of positions [t0, t0 + n) of KV head kvh (the next tile) while this
+ * one is computed: a tile's rows lie in pool blocks scattered by the block table, where the
+ * hardware prefetcher restarts at every block. */
+static inline void prefetch_tile(int dt, const void *keys, const void *values, int64_t kvh, int64_t head_stride,
+                                 const int32_t *table, int64_t B, int64_t D, int64_t t0, int64_t n) {
+    const int64_t es = dt == DT_BF16 ? 2 : 4, bytes = D * es;
+#ifdef PC_AB_NO_PREFETCH
+    n = 0;
+#endif
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t p = t0 + j;
+        const int64_t off = (kvh * head_stride + ((int64_t)table[p / B] * B + p % B) * D) * es;
+        for (int64_t b = 0; b < bytes; b += 64) {
+            __builtin_prefetch((const char *)keys + off + b, 0, 3);
+            __builtin_prefetch((const char *)values + off + b, 0, 3);
+        }
+    }
+}
+
 #if defined(__AVX512BF16__)
 /* bfloat16 pools on CPUs with AVX512-BF16: the prompt path's two products by VDPBF16PS (pairs of
  * bf16 products added to a float32 lane, in the instruction's fixed order): scores from the
@@ -627,6 +646,9 @@ static void prompt_item(int dt, int64_t H, int64_t G, int64_t D, const float *q,
             const int64_t nk = last - t0 + 1 < LANES ? last - t0 + 1 : LANES;
             tile_bf16((const uint16_t *)keys, (const uint16_t *)values, 0, kvh, head_stride, table, B, D, t0, nk, kt2,
                       v2, w->raw);
+            if (t0 + LANES <= last)
+                prefetch_tile(dt, keys, values, kvh, head_stride, table, B, D, t0 + LANES,
+                              last - t0 - LANES + 1 < LANES ? last - t0 - LANES + 1 : LANES);
             int64_t full = t0 + LANES - 1 - pos0;
             if (full < 0) full = 0;
             for (int64_t i = full * G; i < nq; i += PQ) {
@@ -652,6 +674,9 @@ static void prompt_item(int dt, int64_t H, int64_t G, int64_t D, const float *q,
             load_row(dt, values, off, w->vt + j * D, D);
         }
         if (nk < LANES) memset(w->kt + nk * D, 0, sizeof(float) * (size_t)((LANES - nk) * D));
+        if (t0 + LANES <= last)
+            prefetch_tile(dt, keys, values, kvh, head_stride, table, B, D, t0 + LANES,
+                          last - t0 - LANES + 1 < LANES ? last - t0 - LANES + 1 : LANES);
         for (int64_t c = 0; c < DV; c++) { /* ktv[d] lane j = key j, dimension d */
             v16 *r = w->ktv + c * LANES;
             for (int j = 0; j < LANES; j++) r[j] = vload(w->kt + j * D + c * LANES);
@@ -702,6 +727,9 @@ static void decode_item(int dt, int64_t H, int64_t G, int64_t D, const float *q,
             load_row(dt, values, off, vt + j * D, D);
         }
         if (nk < LANES) memset(kt + nk * D, 0, sizeof(float) * (size_t)((LANES - nk) * D));
+        if (t0 + LANES <= last)
+            prefetch_tile(dt, keys, values, kvh, head_stride, table, B, D, t0 + LANES,
+                          last - t0 - LANES + 1 < LANES ? last - t0 - LANES + 1 : LANES);
         for (int64_t ri = 0; ri < nr; ri++) {
             const int64_t p = pos0 + ri;
             if (t0 > p) continue; /* fully masked for this row: never read */
@@ -738,23 +766,151 @@ static void decode_item(int dt, int64_t H, int64_t G, int64_t D, const float *q,
         }
 }
 
+/* Decode rows that share pool blocks (requests on one cached prefix) read each shared tile once:
+ * a group of up to DG one-row decode segments, sorted by block table, runs as one item per KV head.
+ * Each row's arithmetic is exactly decode_item's for that row alone (its tiles in ascending order,
+ * its own m, l and acc; a score lane depends only on its own key, masked lanes are replaced and
+ * values past the row's position never touched), so grouping changes which loads are shared,
+ * never a bit. */
+#define DG 4
+
+/* Positions [t0, t0 + n) lie in the same pool blocks for tables a and b. */
+static inline int same_blocks(const int32_t *a, const int32_t *b, int64_t B, int64_t t0, int64_t n) {
+    for (int64_t blk = t0 / B; blk <= (t0 + n - 1) / B; blk++)
+        if (a[blk] != b[blk]) return 0;
+    return 1;
+}
+
+/* Lexicographic order of two one-row segments' block tables (their used blocks). */
+static int table_order(const int64_t *seg, const int32_t *tables, int64_t B, int64_t a, int64_t b) {
+    const int64_t *sa = seg + SEG * a, *sb = seg + SEG * b;
+    const int64_t na = sa[2] / B + 1, nb = sb[2] / B + 1, n = na < nb ? na : nb;
+    const int32_t *ta = tables + sa[3], *tb = tables + sb[3];
+    for (int64_t i = 0; i < n; i++)
+        if (ta[i] != tb[i]) return ta[i] < tb[i] ? -1 : 1;
+    return na < nb ? -1 : na > nb ? 1 : 0;
+}
+
+static void decode_group(int dt, int64_t H, int64_t G, int64_t D, const float *q, const void *keys,
+                         const void *values, int64_t head_stride, int64_t B, const int64_t *seg,
+                         const int32_t *tables, const int64_t *members, int64_t n, int64_t kvh, void *out,
+                         attn_scratch *w) {
+    const int64_t DV = D / LANES;
+    float *kt = w->kt, *vt = w->vt, *acc = w->acc, *m = w->m, *l = w->l, *qbuf = w->qbuf;
+    int64_t pos[DG], row0[DG], last = 0;
+    const int32_t *tab[DG];
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *sg = seg + SEG * members[i];
+        row0[i] = sg[0];
+        pos[i] = sg[2];
+        tab[i] = tables + sg[3];
+        if (pos[i] > last) last = pos[i];
+        memcpy(qbuf + i * G * D, q + (row0[i] * H + kvh * G) * D, sizeof(float) * (size_t)(G * D));
+    }
+    for (int64_t i = 0; i < n * G; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(n * G * D));
+    for (int64_t t0 = 0; t0 <= last; t0 += LANES) {
+        const int32_t *loaded = NULL; /* the table the tile in kt / vt was read through */
+        int64_t loaded_nk = 0;
+        for (int64_t i = 0; i < n; i++) {
+            if (t0 > pos[i]) continue; /* fully masked for this row: never read */
+            const int64_t nv = pos[i] - t0 + 1 < LANES ? pos[i] - t0 + 1 : LANES;
+            if (loaded == NULL || nv > loaded_nk || !same_blocks(tab[i], loaded, B, t0, nv)) {
+                /* read the tile through the row of this and the later rows sharing its blocks that
+                 * sees the most keys */
+                int64_t at = i, nk = nv;
+                for (int64_t j = i + 1; j < n; j++) {
+                    if (t0 > pos[j]) continue;
+                    const int64_t nvj = pos[j] - t0 + 1 < LANES ? pos[j] - t0 + 1 : LANES;
+                    if (nvj > nk && same_blocks(tab[i], tab[j], B, t0, nv)) {
+                        at = j;
+                        nk = nvj;
+                    }
+                }
+                for (int64_t j = 0; j < nk; j++) {
+                    const int64_t p = t0 + j;
+                    const int64_t off = kvh * head_stride + ((int64_t)tab[at][p / B] * B + p % B) * D;
+                    load_row(dt, keys, off, kt + j * D, D);
+                    load_row(dt, values, off, vt + j * D, D);
+                }
+                if (nk < LANES) memset(kt + nk * D, 0, sizeof(float) * (size_t)((LANES - nk) * D));
+                if (t0 + LANES <= pos[at])
+                    prefetch_tile(dt, keys, values, kvh, head_stride, tab[at], B, D, t0 + LANES,
+                                  pos[at] - t0 - LANES + 1 < LANES ? pos[at] - t0 - LANES + 1 : LANES);
+                loaded = tab[at];
+                loaded_nk = nk;
+            }
+            const int64_t qi = i * G;
+            const float *qq = qbuf + qi * D;
+#define PC_TILE(dv_, ng_) query_tile(dv_, ng_, qq, D, kt, vt, nv, m + qi, l + qi, acc + qi * D, w->part)
+            if (DV == 4 && G == 3) PC_TILE(4, 3);
+            else if (DV == 4 && G == 2) PC_TILE(4, 2);
+            else if (DV == 4 && G == 4) PC_TILE(4, 4);
+            else if (DV == 8 && G == 2) PC_TILE(8, 2);
+            else if (DV == 8 && G == 4) PC_TILE(8, 4);
+            else if (DV == 1 && G == 2) PC_TILE(1, 2);
+            else
+                for (int64_t g = 0; g < G; g++)
+                    query_tile(DV, 1, qq + g * D, D, kt, vt, nv, m + qi + g, l + qi + g, acc + (qi + g) * D,
+                               w->part);
+#undef PC_TILE
+        }
+    }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t qi = i * G + g;
+            const v16 inv = vsplat(l[qi]);
+            for (int64_t c = 0; c < DV; c++) vstore(w->row + c * LANES, vload(acc + qi * D + c * LANES) / inv);
+            store_row(dt, out, ((row0[i]) * H + kvh * G + g) * D, w->row, D);
+        }
+}
+
 void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, const void *keys,
                   const void *values, int64_t head_stride, int64_t B, int64_t nseg, const int64_t *seg,
                   const int32_t *tables, void *out, int nthreads) {
     const int64_t G = H / KV;
-    int64_t nblocks = 0;
-    for (int64_t i = 0; i < nseg; i++) nblocks += (seg[SEG * i + 1] + QB - 1) / QB;
-    int64_t *work = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)(nblocks > 0 ? nblocks : 1));
-    {
-        int64_t w = 0;
-        for (int64_t i = 0; i < nseg; i++)
-            for (int64_t r = 0; r < seg[SEG * i + 1]; r += QB) {
-                work[2 * w] = i;
-                work[2 * w + 1] = r;
-                w++;
-            }
+    /* work: (segment, first row) items, or (-1 - first, count) for a group of one-row decode
+     * segments (order[first ...], sorted by block table, consecutive ones sharing a first block) */
+    int64_t nitems = 0, ndec = 0;
+    for (int64_t i = 0; i < nseg; i++) {
+        if (seg[SEG * i + 4] && seg[SEG * i + 1] == 1) ndec++;
+        else nitems += (seg[SEG * i + 1] + QB - 1) / QB;
     }
-    const int64_t nwork = nblocks * KV;
+    int64_t *work = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)(nitems + ndec + 1));
+    int64_t *order = (int64_t *)malloc(sizeof(int64_t) * (size_t)(ndec + 1));
+    int64_t w_n = 0;
+    {
+        int64_t nd = 0;
+        for (int64_t i = 0; i < nseg; i++) {
+            if (seg[SEG * i + 4] && seg[SEG * i + 1] == 1) {
+                int64_t at = nd++; /* insertion sort by block table: a step has tens of decode rows */
+                while (at > 0 && table_order(seg, tables, B, order[at - 1], i) > 0) {
+                    order[at] = order[at - 1];
+                    at--;
+                }
+                order[at] = i;
+                continue;
+            }
+            for (int64_t r = 0; r < seg[SEG * i + 1]; r += QB) {
+                work[2 * w_n] = i;
+                work[2 * w_n + 1] = r;
+                w_n++;
+            }
+        }
+        for (int64_t a = 0; a < nd;) {
+            int64_t b = a + 1;
+            const int32_t first = tables[seg[SEG * order[a] + 3]];
+            while (b < nd && b - a < DG && tables[seg[SEG * order[b] + 3]] == first) b++;
+            work[2 * w_n] = -1 - a;
+            work[2 * w_n + 1] = b - a;
+            w_n++;
+            a = b;
+        }
+    }
+    const int64_t nwork = w_n * KV;
     #pragma omp parallel num_threads(threads_or(nthreads))
     {
         const int64_t Q = QB * G;
@@ -774,6 +930,11 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
         #pragma omp for schedule(dynamic, 1)
         for (int64_t wi = 0; wi < nwork; wi++) {
             const int64_t item = wi / KV, kvh = wi % KV;
+            if (work[2 * item] < 0) {
+                decode_group(dt, H, G, D, q, keys, values, head_stride, B, seg, tables, order - 1 - work[2 * item],
+                             work[2 * item + 1], kvh, out, &w);
+                continue;
+            }
             const int64_t *sg = seg + SEG * work[2 * item];
             const int64_t r_in = work[2 * item + 1];
             const int64_t nr = sg[1] - r_in < QB ? sg[1] - r_in : QB;
@@ -796,4 +957,5 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
         free(w.raw);
     }
     free(work);
+    free(order);
 }
