@@ -774,6 +774,14 @@ static void decode_item(int dt, int64_t H, int64_t G, int64_t D, const float *q,
  * never a bit. */
 #define DG 4
 
+/* bf16 pools on AVX512-BF16: decode rows take the prompt rows' arithmetic (VDPBF16PS; the
+ * float32 decode path would spend its time widening the pool's bf16 keys and values). */
+#if defined(__AVX512BF16__)
+#define BF16_DECODE_AS_PROMPT(dt, D) ((dt) == DT_BF16 && (D) % 32 == 0)
+#else
+#define BF16_DECODE_AS_PROMPT(dt, D) 0
+#endif
+
 /* Positions [t0, t0 + n) lie in the same pool blocks for tables a and b. */
 static inline int same_blocks(const int32_t *a, const int32_t *b, int64_t B, int64_t t0, int64_t n) {
     for (int64_t blk = t0 / B; blk <= (t0 + n - 1) / B; blk++)
@@ -868,6 +876,70 @@ static void decode_group(int dt, int64_t H, int64_t G, int64_t D, const float *q
         }
 }
 
+#if defined(__AVX512BF16__)
+/* decode_group on bf16 pools with AVX512-BF16: the prompt path's arithmetic (prompt_tile_bf16)
+ * for every decode row there, grouped or not (pc_attention sends multi-row decode segments to
+ * prompt_item), with the same tile sharing as decode_group. */
+static void decode_group_bf16(int64_t H, int64_t G, int64_t D, const float *q, const void *keys, const void *values,
+                              int64_t head_stride, int64_t B, const int64_t *seg, const int32_t *tables,
+                              const int64_t *members, int64_t n, int64_t kvh, void *out, attn_scratch *w) {
+    const int64_t DV = D / LANES, half = D / 2;
+    __m512i *kt2 = (__m512i *)w->ktv, *v2 = (__m512i *)w->vt;
+    int64_t pos[DG], row0[DG], last = 0;
+    const int32_t *tab[DG];
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *sg = seg + SEG * members[i];
+        row0[i] = sg[0];
+        pos[i] = sg[2];
+        tab[i] = tables + sg[3];
+        if (pos[i] > last) last = pos[i];
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t c = 0; c < DV; c++) {
+                const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(q + (row0[i] * H + kvh * G + g) * D + c * LANES));
+                memcpy(w->qh + (i * G + g) * half + c * (LANES / 2), &h, sizeof h);
+            }
+    }
+    for (int64_t i = 0; i < n * G; i++) {
+        w->m[i] = -INFINITY;
+        w->lv[i] = vsplat(0.0f);
+    }
+    memset(w->acc, 0, sizeof(float) * (size_t)(n * G * D));
+    for (int64_t t0 = 0; t0 <= last; t0 += LANES) {
+        const int32_t *loaded = NULL;
+        int64_t loaded_nk = 0;
+        for (int64_t i = 0; i < n; i++) {
+            if (t0 > pos[i]) continue;
+            const int64_t nv = pos[i] - t0 + 1 < LANES ? pos[i] - t0 + 1 : LANES;
+            if (loaded == NULL || nv > loaded_nk || !same_blocks(tab[i], loaded, B, t0, nv)) {
+                int64_t at = i, nk = nv;
+                for (int64_t j = i + 1; j < n; j++) {
+                    if (t0 > pos[j]) continue;
+                    const int64_t nvj = pos[j] - t0 + 1 < LANES ? pos[j] - t0 + 1 : LANES;
+                    if (nvj > nk && same_blocks(tab[i], tab[j], B, t0, nv)) {
+                        at = j;
+                        nk = nvj;
+                    }
+                }
+                tile_bf16((const uint16_t *)keys, (const uint16_t *)values, 0, kvh, head_stride, tab[at], B, D, t0, nk,
+                          kt2, v2, w->raw);
+                if (t0 + LANES <= pos[at])
+                    prefetch_tile(DT_BF16, keys, values, kvh, head_stride, tab[at], B, D, t0 + LANES,
+                                  pos[at] - t0 - LANES + 1 < LANES ? pos[at] - t0 - LANES + 1 : LANES);
+                loaded = tab[at];
+                loaded_nk = nk;
+            }
+            const int64_t qi = i * G;
+            prompt_tile_bf16_any(D, G, w->qh + qi * half, kt2, v2, nv, w->m + qi, w->lv + qi, w->acc + qi * D);
+        }
+    }
+    for (int64_t i = 0; i < n * G; i++) {
+        const v16 inv = vsplat(vhsum(w->lv[i]));
+        for (int64_t c = 0; c < DV; c++) vstore(w->row + c * LANES, vload(w->acc + i * D + c * LANES) / inv);
+        store_row(DT_BF16, out, (row0[i / G] * H + kvh * G + i % G) * D, w->row, D);
+    }
+}
+#endif
+
 void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, const void *keys,
                   const void *values, int64_t head_stride, int64_t B, int64_t nseg, const int64_t *seg,
                   const int32_t *tables, void *out, int nthreads) {
@@ -931,6 +1003,13 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
         for (int64_t wi = 0; wi < nwork; wi++) {
             const int64_t item = wi / KV, kvh = wi % KV;
             if (work[2 * item] < 0) {
+#if defined(__AVX512BF16__)
+                if (dt == DT_BF16 && D % 32 == 0) {
+                    decode_group_bf16(H, G, D, q, keys, values, head_stride, B, seg, tables,
+                                      order - 1 - work[2 * item], work[2 * item + 1], kvh, out, &w);
+                    continue;
+                }
+#endif
                 decode_group(dt, H, G, D, q, keys, values, head_stride, B, seg, tables, order - 1 - work[2 * item],
                              work[2 * item + 1], kvh, out, &w);
                 continue;
@@ -938,7 +1017,7 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
             const int64_t *sg = seg + SEG * work[2 * item];
             const int64_t r_in = work[2 * item + 1];
             const int64_t nr = sg[1] - r_in < QB ? sg[1] - r_in : QB;
-            if (sg[4])
+            if (sg[4] && !BF16_DECODE_AS_PROMPT(dt, D))
                 decode_item(dt, H, G, D, q, keys, values, head_stride, B, sg, tables + sg[3], r_in, nr, kvh, out, &w);
             else
                 prompt_item(dt, H, G, D, q, keys, values, head_stride, B, sg, tables + sg[3], r_in, nr, kvh, out, &w);
