@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from prefixcache.cache.stats import Usage
 from prefixcache.engine.model import ModelNotFoundError
 from prefixcache.engine.prompts import EmptyPromptError, PromptTooLongError
 from prefixcache.engine.serving.sampling import InvalidRequestError, SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from prefixcache.engine.serving.guided import Grammar
 
 __all__ = [
     "ChoiceDelta",
@@ -16,6 +20,7 @@ __all__ = [
     "EmptyPromptError",
     "EngineClosedError",
     "GenerationResult",
+    "GenerationSpec",
     "InvalidRequestError",
     "ModelNotFoundError",
     "PromptDone",
@@ -36,6 +41,63 @@ class QueueFullError(RuntimeError):
 
 class EngineClosedError(RuntimeError):
     """The engine was closed; create a new one."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationSpec:
+    """One generation as a caller asks the engine for it: the arguments of
+    ``Engine.stream_choices`` / ``generate_choices`` but ``cancel`` (a signal, not a request
+    field). The defaults are the engine's.
+
+    The prompt is exactly one of ``messages`` (chat messages the engine renders), ``prompt``
+    (prompt text, special-token strings included) and ``prompt_token_ids``. ``stop``: stop
+    strings; ``tenant`` and ``salt``: the cache namespace; ``ttl_s``: the TTL of the blocks this
+    request writes; ``ttl_plan``: ``(token_end, ttl_s)`` breakpoints; ``grammar``: a compiled
+    structured-output grammar. The engine validates every field (ValueError subclasses).
+    """
+
+    messages: Sequence[dict[str, Any]] | None = None
+    prompt: str | None = None
+    prompt_token_ids: Sequence[int] | None = None
+    max_tokens: int = 256
+    n: int = 1
+    logprobs: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] | None = None
+    tenant: str = "default"
+    salt: bytes = b""
+    ttl_s: float | None = None
+    ttl_plan: list[tuple[int, float]] | None = None
+    grammar: Grammar | None = field(default=None, repr=False)
+
+    def with_prompt_ids(self, ids: Sequence[int]) -> GenerationSpec:
+        """The same request with its prompt given as the token ids it renders to (tokenized
+        once by the caller, not again by the engine)."""
+        return replace(self, messages=None, prompt=None, prompt_token_ids=ids)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``Engine.stream_choices`` for this request (add ``cancel``)."""
+        return {
+            "messages": self.messages,
+            "prompt": self.prompt,
+            "prompt_token_ids": self.prompt_token_ids,
+            "n": self.n,
+            "logprobs": self.logprobs,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+            "tenant": self.tenant,
+            "salt": self.salt,
+            "ttl_s": self.ttl_s,
+            "ttl_plan": self.ttl_plan,
+            "grammar": self.grammar,
+        }
 
 
 @dataclass(slots=True)

@@ -25,6 +25,7 @@ from prefixcache.engine.serving.detok import TokenText
 from prefixcache.engine.types import (
     ChoiceDelta,
     Completion,
+    GenerationSpec,
     PromptDone,
     PromptTooLongError,
     QueueFullError,
@@ -209,16 +210,17 @@ class EngineBridge:
 
     # ------------------------------------------------------------------ generation
     async def generate(
-        self, kwargs: dict[str, Any], disconnected: Callable[[], Awaitable[bool]] | None = None
+        self, spec: GenerationSpec, disconnected: Callable[[], Awaitable[bool]] | None = None
     ) -> Finished:
         """One whole generation in a worker thread, under admission. With ``disconnected`` (the
         request's ``is_disconnected``), a client that goes away cancels the generation."""
-        await note_prompt_blocks(self, kwargs)  # (a router asked for the prompt's block hashes)
-        release = self.admission.enter(str(kwargs.get("tenant", "default")))
+        await note_prompt_blocks(self, spec)  # (a router asked for the prompt's block hashes)
+        release = self.admission.enter(spec.tenant)
         cancel = threading.Event()
+        kwargs = spec.engine_kwargs()
         watcher: asyncio.Task[None] | None = None
         if disconnected is not None:
-            kwargs = {**kwargs, "cancel": cancel}
+            kwargs["cancel"] = cancel
             watcher = asyncio.create_task(_watch(disconnected, cancel))
         try:
             result = await anyio.to_thread.run_sync(lambda: self.engine.generate_choices(**kwargs))
@@ -236,7 +238,7 @@ class EngineBridge:
         return normalize(result)
 
     async def stream_choices(
-        self, kwargs: dict[str, Any], disconnected: Callable[[], Awaitable[bool]] | None = None
+        self, spec: GenerationSpec, disconnected: Callable[[], Awaitable[bool]] | None = None
     ) -> AsyncIterator[PromptDone | ChoiceDelta | Finished]:
         """One :class:`PromptDone` (the prompt is prefilled: its cache usage is final), the
         choices' :class:`ChoiceDelta` items, then one :class:`Finished`. Admission is taken
@@ -248,8 +250,8 @@ class EngineBridge:
         a client that leaves while its request waits in the queue cancels it there, before any
         forward pass, and this raises the 499 :class:`APIError`. From the first item on the
         response is streaming and the HTTP layer sees a disconnect (it stops the consumer)."""
-        await note_prompt_blocks(self, kwargs)
-        release = self.admission.enter(str(kwargs.get("tenant", "default")))
+        await note_prompt_blocks(self, spec)
+        release = self.admission.enter(spec.tenant)
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         cancel = threading.Event()
@@ -260,7 +262,7 @@ class EngineBridge:
 
         # The engine's worker checks it at every step: a disconnect stops the generation at
         # once, even while this thread waits for the next delta.
-        kwargs = {**kwargs, "cancel": cancel}
+        kwargs = {**spec.engine_kwargs(), "cancel": cancel}
 
         def drive() -> None:
             gen: Iterator[Any] | None = None

@@ -15,19 +15,20 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from prefixcache.engine.types import ChoiceDelta, PromptDone
+from prefixcache.engine.types import ChoiceDelta, GenerationSpec, PromptDone
 from prefixcache.server.anthropic.prompt import anthropic_tool_config, plan_for, to_messages
 from prefixcache.server.anthropic.schemas import CountTokensRequest, MessagesRequest, _Prompt
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Finished, Usage
 from prefixcache.server.errors import APIError, anthropic_error_body
 from prefixcache.server.limits import CheckedRoute
-from prefixcache.server.openai.routes import SSE_HEADERS, _items, _start_stream, prompt_kwargs
+from prefixcache.server.openai.routes import SSE_HEADERS, _items, _start_stream, with_prompt
 from prefixcache.server.openai.structured import compile_grammar, forced_tool_grammar
 from prefixcache.server.ops.cache_reasons import prefixcache_field
 from prefixcache.server.ops.diagnostics import compare, fingerprint
@@ -172,25 +173,24 @@ async def create_message(
     state = get_state(request)
     state.check_model(body.model)
     config, rendered, plan = await _prompt(state, body)
-    kwargs: dict[str, Any] = {
-        **prompt_kwargs(rendered, body.stop_sequences),
-        "max_tokens": body.max_tokens,
-        "temperature": 1.0 if body.temperature is None else body.temperature,
-        "top_p": 1.0 if body.top_p is None else body.top_p,
-        "top_k": body.top_k or 0,
-        "tenant": tenant.name,
-        "salt": tenant.salt,
-    }
-    if plan:
-        kwargs["ttl_plan"] = plan
+    sampling = GenerationSpec(
+        max_tokens=body.max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        tenant=tenant.name,
+        salt=tenant.salt,
+        ttl_plan=plan or None,
+    )
+    spec = with_prompt(sampling, rendered, body.stop_sequences)
     grammar = await compile_grammar(state.bridge, forced_tool_grammar(config))  # tool_choice: a tool
     if grammar is not None:
-        kwargs["grammar"] = grammar
+        spec = replace(spec, grammar=grammar)
     longest = max((t for _, t in plan), default=None)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     text = rendered.trace_text()
     if not body.stream:
-        fin = await state.bridge.generate(kwargs, request.is_disconnected)
+        fin = await state.bridge.generate(spec, request.is_disconnected)
         state.record(request, tenant, fin, text, ttl_s=longest)
         reply = parse_reply(fin.text, rendered, config)
         reason, seq = stop_reason(fin, called=bool(reply.calls))
@@ -210,7 +210,7 @@ async def create_message(
         )
     # The first item is the engine's PromptDone (the prompt is prefilled): message_start carries
     # its usage; message_delta the cumulative usage at the end (the SDKs overwrite with it).
-    agen, first = await _start_stream(state, kwargs, request)
+    agen, first = await _start_stream(state, spec, request)
 
     async def events() -> AsyncIterator[str]:
         blocks = _ContentBlocks()

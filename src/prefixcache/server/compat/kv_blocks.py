@@ -22,6 +22,7 @@ import contextvars
 import logging
 from typing import Any
 
+from prefixcache.engine.types import GenerationSpec
 from prefixcache.kvevents.publisher import KVEventPublisher
 from prefixcache.kvevents.wire import HashFormat, external_hash, hash_as_int
 
@@ -69,22 +70,22 @@ def blocks_header(prompt_tokens: int, block_size: int, keys: list[bytes]) -> str
     return f"{prompt_tokens} {block_size} {hashes}"
 
 
-async def note_prompt_blocks(bridge: Any, kwargs: dict[str, Any]) -> None:
+async def note_prompt_blocks(bridge: Any, spec: GenerationSpec) -> None:
     """Fill the current request's slot (if it asked) with its prompt's block hashes: the same
-    ids and namespace the engine will use (``kwargs`` are the engine's). A no-op otherwise."""
+    ids and namespace the engine will use for ``spec``. A no-op otherwise."""
     slot = _slot.get()
     cache = bridge.cache
     if slot is None or "value" in slot or cache is None:
         return
 
     def compute() -> str:
-        if kwargs.get("prompt_token_ids") is not None:
-            ids = [int(t) for t in kwargs["prompt_token_ids"]]
-        elif kwargs.get("prompt") is not None:
-            ids = bridge.tokenize(str(kwargs["prompt"]))
+        if spec.prompt_token_ids is not None:
+            ids = [int(t) for t in spec.prompt_token_ids]
+        elif spec.prompt is not None:
+            ids = bridge.tokenize(spec.prompt)
         else:
-            ids = bridge.render_ids(list(kwargs.get("messages") or []))
-        ns = bridge.namespace(str(kwargs.get("tenant", "default")), kwargs.get("salt", b""))
+            ids = bridge.render_ids(list(spec.messages or []))
+        ns = bridge.namespace(spec.tenant, spec.salt)
         limit = MAX_BLOCKS * cache.block_size
         return blocks_header(len(ids), cache.block_size, cache.block_keys(ids[:limit], ns))
 

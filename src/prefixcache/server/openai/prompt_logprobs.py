@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from prefixcache.engine.serving.detok import TokenText
+from prefixcache.engine.types import GenerationSpec
 from prefixcache.server.openai.logprobs import FLOOR, completion_logprobs
 
 #: vLLM's bound on ``prompt_logprobs`` (and OpenAI's on ``top_logprobs``).
@@ -71,9 +72,9 @@ def trim_top(entries: Sequence[Any], k: int) -> list[Any]:
     return [e if e is None or len(e.top) <= k else replace(e, top=e.top[:k]) for e in entries]
 
 
-async def prompt_entries(bridge: Any, source: dict[str, Any], top: int) -> tuple[list[int], list[Any]]:
-    """The prompt's token ids (as the generation will prefill them) and their logprobs."""
+async def prompt_entries(bridge: Any, spec: GenerationSpec, top: int) -> tuple[list[int], list[Any]]:
+    """The token ids of ``spec``'s prompt (as the generation will prefill them) and their logprobs."""
     engine = bridge.engine
-    ids = await bridge.run(lambda: list(engine.prompt_ids(**source)))
+    ids = await bridge.run(lambda: list(engine.prompt_ids(spec.messages, spec.prompt, spec.prompt_token_ids)))
     entries = await bridge.run(lambda: engine.prompt_logprobs(prompt_token_ids=ids, top=top))
     return ids, entries

@@ -25,12 +25,13 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from prefixcache.engine.types import ChoiceDelta, PromptDone
+from prefixcache.engine.types import ChoiceDelta, GenerationSpec, PromptDone
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Finished, Usage
 from prefixcache.server.errors import APIError, bad_request
@@ -41,9 +42,9 @@ from prefixcache.server.openai.routes import (
     SSE_HEADERS,
     _items,
     _start_stream,
-    generation_kwargs,
-    prompt_kwargs,
+    generation_spec,
     render_prompt,
+    with_prompt,
 )
 from prefixcache.server.openai.schemas_responses import ResponsesRequest
 from prefixcache.server.openai.structured import compile_grammar, forced_tool_grammar, responses_grammar
@@ -192,7 +193,7 @@ class ResponseShell:
         self,
         body: ResponsesRequest,
         model: str,
-        kwargs: dict[str, Any],
+        spec: GenerationSpec,
         parallel: bool,
         decode: Callable[[list[int]], str],
     ) -> None:
@@ -217,11 +218,11 @@ class ResponseShell:
             "prompt_cache_retention": body.prompt_cache_retention,
             "reasoning": {"effort": None, "summary": None},
             "store": False,
-            "temperature": kwargs["temperature"],
+            "temperature": spec.temperature,
             "text": {"format": _format_echo(body.text)},
             "tool_choice": _tool_choice_echo(body),
             "tools": [t.model_dump() for t in body.tools or []],
-            "top_p": kwargs["top_p"],
+            "top_p": spec.top_p,
             "truncation": "disabled",
             "usage": None,
             "user": body.user,
@@ -272,11 +273,10 @@ async def create_response(
     refuse_unsupported(body)
     config = responses_tool_config(body)
     rendered = await render_prompt(state, config, responses_conversation(body.instructions, body.input))
-    kwargs = {
-        **generation_kwargs(body, tenant),
-        **prompt_kwargs(rendered, None),
-        "max_tokens": body.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS,
-    }
+    spec = replace(
+        with_prompt(generation_spec(body, tenant), rendered, None),
+        max_tokens=body.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS,
+    )
     ask = responses_grammar(body.text)
     if ask is not None and config.parses_calls:
         raise bad_request(
@@ -285,16 +285,16 @@ async def create_response(
         )
     grammar = await compile_grammar(state.bridge, ask or forced_tool_grammar(config))
     if grammar is not None:
-        kwargs["grammar"] = grammar
-    shell = ResponseShell(body, state.model_name, kwargs, config.parallel, state.bridge.decode)
+        spec = replace(spec, grammar=grammar)
+    shell = ResponseShell(body, state.model_name, spec, config.parallel, state.bridge.decode)
     text = rendered.trace_text()
     if not body.stream:
-        fin = await state.bridge.generate(kwargs, request.is_disconnected)
-        state.record(request, tenant, fin, text, kwargs.get("ttl_s"), body.prompt_cache_key)
+        fin = await state.bridge.generate(spec, request.is_disconnected)
+        state.record(request, tenant, fin, text, spec.ttl_s, body.prompt_cache_key)
         reply = parse_reply(fin.text, rendered, config)
         incomplete = fin.finish_reason == "length" and not reply.calls
         return JSONResponse(shell.done(fin, output_items(reply, incomplete), bool(reply.calls)))
-    agen, first = await _start_stream(state, kwargs, request)
+    agen, first = await _start_stream(state, spec, request)
     events = ResponseEvents(shell)
 
     async def stream() -> AsyncIterator[str]:
@@ -314,7 +314,7 @@ async def create_response(
                 for event in events.calls(item):
                     yield event
             else:
-                state.record(request, tenant, item, text, kwargs.get("ttl_s"), body.prompt_cache_key)
+                state.record(request, tenant, item, text, spec.ttl_s, body.prompt_cache_key)
                 for event in events.finish(item):
                     yield event
 

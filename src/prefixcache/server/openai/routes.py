@@ -21,13 +21,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from prefixcache.cache.config import TTL_CLASSES
-from prefixcache.engine.types import ChoiceDelta, PromptDone
+from prefixcache.engine.types import ChoiceDelta, GenerationSpec, PromptDone
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Usage, translate_error
 from prefixcache.server.errors import APIError, bad_request, openai_error_body
@@ -79,26 +80,26 @@ def openai_usage(u: Usage) -> dict[str, Any]:
     }
 
 
-def generation_kwargs(req: _CachedGeneration, tenant: Tenant) -> dict[str, Any]:
-    """Engine keyword arguments of every OpenAI route: temperature, top_p, the caller's tenant
-    and salt, and the TTL class of ``prompt_cache_retention``."""
+def generation_spec(req: _CachedGeneration, tenant: Tenant) -> GenerationSpec:
+    """What every OpenAI route asks of the engine: temperature, top_p, the caller's tenant and
+    salt, and the TTL class of ``prompt_cache_retention`` (no prompt yet)."""
     if req.temperature is not None and req.temperature > 0 and req.top_p is not None and req.top_p <= 0:
         raise bad_request("top_p must be in (0, 1].", param="top_p")
-    kw: dict[str, Any] = {
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "tenant": tenant.name,
-        "salt": tenant.salt,
-    }
-    if req.prompt_cache_retention is not None:
-        kw["ttl_s"] = TTL_CLASSES[req.prompt_cache_retention]
-    return kw
+    retention = req.prompt_cache_retention
+    return GenerationSpec(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        tenant=tenant.name,
+        salt=tenant.salt,
+        ttl_s=TTL_CLASSES[retention] if retention is not None else None,
+    )
 
 
-def sampling_kwargs(req: _Sampling, tenant: Tenant) -> dict[str, Any]:
-    """Engine keyword arguments common to the chat and completions routes."""
-    sampling = {"top_k": req.top_k or 0, "seed": req.seed, "stop": req.stop_list() or None}
-    return {**generation_kwargs(req, tenant), **sampling}
+def sampling_spec(req: _Sampling, tenant: Tenant) -> GenerationSpec:
+    """:func:`generation_spec` with the sampling fields of the chat and completions routes."""
+    return replace(
+        generation_spec(req, tenant), top_k=req.top_k or 0, seed=req.seed, stop=req.stop_list() or None
+    )
 
 
 def choices_count(state: ServerState, req: _Sampling) -> int:
@@ -121,10 +122,13 @@ async def render_prompt(
     return await state.bridge.run(lambda: renderer.render(conversation))
 
 
-def prompt_kwargs(rendered: RenderedPrompt, stop: list[str] | None) -> dict[str, Any]:
-    """``messages=`` / ``prompt=`` and the stop strings (the request's and the tools')."""
-    stops = [*(stop or []), *rendered.stop]
-    return {**rendered.engine_input(), "stop": stops or None}
+def with_prompt(spec: GenerationSpec, rendered: RenderedPrompt, stop: list[str] | None) -> GenerationSpec:
+    """``spec`` with the rendered prompt (``messages`` or ``prompt``) and the stop strings (the
+    request's and the tools')."""
+    stops = [*(stop or []), *rendered.stop] or None
+    if rendered.text is not None:
+        return replace(spec, prompt=rendered.text + rendered.assistant_prefix, stop=stops)
+    return replace(spec, messages=rendered.messages, stop=stops)
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -132,13 +136,13 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 async def _start_stream(
-    state: ServerState, kwargs: dict[str, Any], request: Request
+    state: ServerState, spec: GenerationSpec, request: Request
 ) -> tuple[AsyncIterator[Any], list[Any]]:
     """Open the engine stream (the bridge's :meth:`~EngineBridge.stream_choices` items:
     PromptDone, ChoiceDelta, Finished) and pull its first item, so a bad request or a full queue
     is still answered with a 4xx before the 200 and the first byte go out. A client that leaves
     while the request waits for the engine cancels it before its prefill (499)."""
-    agen = state.bridge.stream_choices(kwargs, request.is_disconnected)
+    agen = state.bridge.stream_choices(spec, request.is_disconnected)
     first: list[Any] = []
     try:
         first.append(await agen.__anext__())
@@ -186,14 +190,8 @@ async def chat_completions(
     top = (body.top_logprobs or 0) if body.logprobs else None
     rendered = await render_prompt(state, config, chat_conversation(body.messages))
     max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-    sampling = sampling_kwargs(body, tenant)
-    kwargs = {
-        **sampling,
-        **prompt_kwargs(rendered, sampling["stop"]),
-        "max_tokens": max_tokens,
-        "n": n,
-        "logprobs": top,
-    }
+    sampling = sampling_spec(body, tenant)
+    spec = replace(with_prompt(sampling, rendered, sampling.stop), max_tokens=max_tokens, n=n, logprobs=top)
     ask = requested_grammar(body)
     if ask is not None and config.parses_calls:
         raise bad_request(
@@ -202,23 +200,22 @@ async def chat_completions(
         )
     grammar = await compile_grammar(state.bridge, ask or forced_tool_grammar(config))
     if grammar is not None:
-        kwargs["grammar"] = grammar
+        spec = replace(spec, grammar=grammar)
     vllm_part: list[Any] | None = None
     if body.prompt_logprobs is not None:  # vLLM's extension: the prompt's rows, recomputed
         if body.stream:
             raise bad_request(
                 "'prompt_logprobs' is not supported with 'stream': drop one of them.", param="prompt_logprobs"
             )
-        source = {k: v for k, v in kwargs.items() if k in ("prompt", "messages")}
-        _, entries = await prompt_entries(state.bridge, source, body.prompt_logprobs)
+        _, entries = await prompt_entries(state.bridge, spec, body.prompt_logprobs)
         vllm_part = vllm_prompt_logprobs(entries, state.bridge.token_text)
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     text = rendered.trace_text()
     tokens = state.bridge.token_text
     if not body.stream:
-        fin = await state.bridge.generate(kwargs, request.is_disconnected)
-        state.record(request, tenant, fin, text, kwargs.get("ttl_s"), body.prompt_cache_key)
+        fin = await state.bridge.generate(spec, request.is_disconnected)
+        state.record(request, tenant, fin, text, spec.ttl_s, body.prompt_cache_key)
         choices = []
         for c in fin.choices:  # the calls are parsed from each choice's own text
             reply = parse_reply(c.text, rendered, config)
@@ -243,7 +240,7 @@ async def chat_completions(
                 **prefixcache_field(fin.usage, state.bridge.decode),
             }
         )
-    agen, first = await _start_stream(state, kwargs, request)
+    agen, first = await _start_stream(state, spec, request)
     include_usage = body.include_usage
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> dict[str, Any]:
@@ -282,7 +279,7 @@ async def chat_completions(
                 for delta in openai_call_deltas(item):
                     yield _sse(chunk(item.index, delta, None))
                 continue
-            state.record(request, tenant, item, text, kwargs.get("ttl_s"), body.prompt_cache_key)
+            state.record(request, tenant, item, text, spec.ttl_s, body.prompt_cache_key)
             if include_usage:
                 final = chunk(0, {}, None)
                 final["choices"] = []
@@ -312,15 +309,16 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("'prompt' is empty: send at least one character.", param="prompt")
-        kwargs: dict[str, Any] = {"prompt": prompt}
+        source = GenerationSpec(prompt=prompt)
         text: dict[str, Any] = {"prompt": prompt}
     else:
-        kwargs = {"prompt_token_ids": list(prompt)}
+        ids_in = [int(t) for t in prompt]  # (the schema's third form: ints)
+        source = GenerationSpec(prompt_token_ids=ids_in)
         text = {}
-        _check_vocabulary(state, kwargs["prompt_token_ids"])  # before any decode (echo) sees them
+        _check_vocabulary(state, ids_in)  # before any decode (echo) sees them
     echo = ""
     if body.echo:
-        ids = list(kwargs.get("prompt_token_ids") or [])
+        ids = list(source.prompt_token_ids or [])
         echo = prompt if isinstance(prompt, str) else await state.bridge.run(lambda: state.bridge.decode(ids))
     tokens = state.bridge.token_text
     # The prompt's own logprobs (echo + logprobs, or vLLM's prompt_logprobs): its rows recomputed
@@ -332,7 +330,6 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
             raise bad_request(
                 "'prompt_logprobs' is not supported with 'stream': drop one of them.", param="prompt_logprobs"
             )
-        source = {k: v for k, v in kwargs.items() if k in ("prompt", "prompt_token_ids")}
         prompt_ids, entries = await prompt_entries(
             state.bridge, source, max(body.logprobs or 0, body.prompt_logprobs or 0)
         )
@@ -340,12 +337,17 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
             prompt_part = echo_logprobs(prompt_ids, trim_top(entries, body.logprobs), tokens)
         if body.prompt_logprobs is not None:
             vllm_part = vllm_prompt_logprobs(trim_top(entries, body.prompt_logprobs), tokens)
-    kwargs.update(
-        max_tokens=body.max_tokens or 16, n=n, logprobs=body.logprobs, **sampling_kwargs(body, tenant)
+    spec = replace(
+        sampling_spec(body, tenant),
+        prompt=source.prompt,
+        prompt_token_ids=source.prompt_token_ids,
+        max_tokens=body.max_tokens or 16,
+        n=n,
+        logprobs=body.logprobs,
     )
     grammar = await compile_grammar(state.bridge, requested_grammar(body))
     if grammar is not None:
-        kwargs["grammar"] = grammar
+        spec = replace(spec, grammar=grammar)
     rid = f"cmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
 
@@ -362,8 +364,8 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
         return choice
 
     if not body.stream:
-        fin = await state.bridge.generate(kwargs, request.is_disconnected)
-        state.record(request, tenant, fin, text, kwargs.get("ttl_s"), body.prompt_cache_key)
+        fin = await state.bridge.generate(spec, request.is_disconnected)
+        state.record(request, tenant, fin, text, spec.ttl_s, body.prompt_cache_key)
         return JSONResponse(
             {
                 "id": rid,
@@ -386,7 +388,7 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
                 **prefixcache_field(fin.usage, state.bridge.decode),
             }
         )
-    agen, first = await _start_stream(state, kwargs, request)
+    agen, first = await _start_stream(state, spec, request)
     include_usage = body.include_usage
 
     def chunk(index: int, text_delta: str, finish: str | None, lp: Any = None) -> dict[str, Any]:
@@ -418,7 +420,7 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
                 if item.finish_reason:
                     yield _sse(chunk(item.index, "", item.finish_reason))
                 continue
-            state.record(request, tenant, item, text, kwargs.get("ttl_s"), body.prompt_cache_key)
+            state.record(request, tenant, item, text, spec.ttl_s, body.prompt_cache_key)
             if include_usage:
                 final = chunk(0, "", None)
                 final["choices"] = []

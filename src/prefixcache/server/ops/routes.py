@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from prefixcache.cache.pins import TenantPinBudgetExceeded
 from prefixcache.cache.store import PinBudgetExceeded
+from prefixcache.engine.types import GenerationSpec
 from prefixcache.server.auth import Tenant
 from prefixcache.server.errors import APIError, bad_request
 from prefixcache.server.limits import CheckedRoute
@@ -202,13 +203,9 @@ async def cache_pin(body: PinRequest, request: Request, tenant: Tenant = Depends
         )
     # Prefill (one token generated) so that every full block of the prefix is cached, then pin.
     fin = await bridge.generate(
-        {
-            "prompt_token_ids": ids,
-            "max_tokens": 1,
-            "temperature": 0.0,
-            "tenant": tenant.name,
-            "salt": tenant.salt,
-        }
+        GenerationSpec(
+            prompt_token_ids=ids, max_tokens=1, temperature=0.0, tenant=tenant.name, salt=tenant.salt
+        )
     )
     state.record(request, tenant, fin, None)
     try:
