@@ -346,7 +346,7 @@ class EngineBridge:
         return list(self.engine.tokenize(text))
 
     def prompt_ids(self, rendered: RenderedPrompt) -> list[int]:
-        """The token ids ``rendered.engine_input()`` makes the engine prefill."""
+        """The token ids the engine prefills for ``rendered`` (``generation.with_prompt``'s spec)."""
         if rendered.text is not None:
             return self.tokenize(rendered.text + rendered.assistant_prefix)
         return self.render_ids(rendered.messages or [])

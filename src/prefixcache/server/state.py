@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Header, Request
 
 from prefixcache.server.auth import Authenticator, Tenant
-from prefixcache.server.bridge import EngineBridge, Finished
+from prefixcache.server.bridge import EngineBridge
 from prefixcache.server.caller_text import CallerText
 from prefixcache.server.errors import APIError
 from prefixcache.server.ops.busting import BustingWatch
@@ -20,8 +20,6 @@ from prefixcache.server.ops.snapshots import SnapshotReader
 from prefixcache.server.ops.tracelog import TraceLog
 
 log = logging.getLogger(__name__)
-
-ENDPOINT_HEADER = "x-prefixcache-endpoint"
 
 
 @dataclass(slots=True)
@@ -47,49 +45,6 @@ class ServerState:
                 "(see GET /v1/models).",
                 param="model",
                 code="model_not_found",
-            )
-
-    def record(
-        self,
-        request: Request,
-        tenant: Tenant,
-        fin: Finished,
-        text: dict[str, Any] | None,
-        ttl_s: float | None = None,
-        cache_key: str | None = None,
-    ) -> None:
-        """Count a finished generation in the metrics and the trace log (``cache_key``: the
-        request's ``prompt_cache_key``, kept for routing analysis). Call it before the answer
-        is rendered: it also withholds the miss reason's text of another caller's prompt."""
-        if self.caller_text is not None:
-            self.caller_text.note(tenant, fin.prompt_token_ids, fin.usage)
-        self.metrics.observe(fin.usage, fin.ttft_s, fin.outcome)
-        u = fin.usage
-        self.dashboard.note(
-            tenant.name,
-            tenant.salt,
-            fin.prompt_token_ids,
-            u.prompt_tokens,
-            u.cached_tokens,
-            u.cache_write_tokens,
-            fin.ttft_s,
-            fin.outcome,
-            credential=tenant.credential,
-        )
-        if request.url.path.startswith("/v1/cache/"):
-            return  # a pin's prefill: cache maintenance, not an endpoint's traffic (no trace line)
-        endpoint = (request.headers.get(ENDPOINT_HEADER) or request.url.path)[:200]
-        if self.busting is not None:
-            self.busting.submit(tenant.name, endpoint, fin.prompt_token_ids)
-        if self.trace is not None:
-            self.trace.record(
-                tenant=tenant.name,
-                endpoint=endpoint,
-                result=fin,
-                text=text,
-                ttl_s=ttl_s,
-                cache_key=cache_key,
-                salt=tenant.salt,
             )
 
 

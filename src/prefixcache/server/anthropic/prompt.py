@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prefixcache.cache.config import TTL_CLASSES
-from prefixcache.server.anthropic.schemas import ANTHROPIC_TTLS, MAX_BREAKPOINTS, CacheControl, _Prompt
+from prefixcache.server.anthropic.schemas import ANTHROPIC_TTLS, MAX_BREAKPOINTS, CacheControl, PromptFields
 from prefixcache.server.errors import bad_request
 from prefixcache.server.tools.prompt import (
     CallLedger,
@@ -59,7 +59,7 @@ def _ttl(cc: CacheControl) -> float:
     return TTL_CLASSES[ttl]
 
 
-def anthropic_tool_config(req: _Prompt) -> ToolConfig:
+def anthropic_tool_config(req: PromptFields) -> ToolConfig:
     """The request's tools (client tools only; 400 naming ``tools[i].type`` for server tools)."""
     tools: list[FunctionTool] = []
     for i, t in enumerate(req.tools or []):
@@ -105,7 +105,7 @@ class _Conversation:
         return (*self.turns[:-1], last)
 
 
-def to_messages(req: _Prompt) -> tuple[list[Message], list[Breakpoint]]:
+def to_messages(req: PromptFields) -> tuple[list[Message], list[Breakpoint]]:
     """The conversation (system first, text blocks joined, tool_use blocks as the assistant
     turn's calls, tool_result blocks as tool turns) and the breakpoints."""
     conv = _Conversation()

@@ -12,7 +12,6 @@ repeats them with the final ``output_tokens``.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -23,12 +22,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from prefixcache.engine.types import ChoiceDelta, GenerationSpec, PromptDone
 from prefixcache.server.anthropic.prompt import anthropic_tool_config, plan_for, to_messages
-from prefixcache.server.anthropic.schemas import CountTokensRequest, MessagesRequest, _Prompt
+from prefixcache.server.anthropic.schemas import CountTokensRequest, MessagesRequest, PromptFields
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Finished, Usage
 from prefixcache.server.errors import APIError, anthropic_error_body
+from prefixcache.server.generation import SSE_HEADERS, Generation, sse_event, with_prompt
 from prefixcache.server.limits import CheckedRoute
-from prefixcache.server.openai.routes import SSE_HEADERS, _items, _start_stream, with_prompt
 from prefixcache.server.openai.structured import compile_grammar, forced_tool_grammar
 from prefixcache.server.ops.cache_reasons import prefixcache_field
 from prefixcache.server.ops.diagnostics import compare, fingerprint
@@ -98,10 +97,6 @@ def stop_reason(fin: Finished, *, called: bool = False) -> tuple[str, str | None
     return "end_turn", None
 
 
-def _event(name: str, data: dict[str, Any]) -> str:
-    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
-
-
 class _ContentBlocks:
     """The content blocks of a streamed message: a text block (opened on demand), then one
     ``tool_use`` block per call (start, one ``input_json_delta``, stop)."""
@@ -115,10 +110,10 @@ class _ContentBlocks:
         self.text_open = True
         start = {"type": "text", "text": ""}
         event = {"type": "content_block_start", "index": self.index, "content_block": start}
-        return _event("content_block_start", event)
+        return sse_event("content_block_start", event)
 
     def close(self) -> str:
-        event = _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        event = sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
         self.index += 1
         self.text_open = False
         return event
@@ -128,14 +123,14 @@ class _ContentBlocks:
         for call_id, call in found.calls:
             start = anthropic_tool_use(call_id, call, with_input=False)
             events.append(
-                _event(
+                sse_event(
                     "content_block_start",
                     {"type": "content_block_start", "index": self.index, "content_block": start},
                 )
             )
             delta = {"type": "input_json_delta", "partial_json": call.arguments}
             events.append(
-                _event(
+                sse_event(
                     "content_block_delta",
                     {"type": "content_block_delta", "index": self.index, "delta": delta},
                 )
@@ -146,7 +141,7 @@ class _ContentBlocks:
 
 
 async def _prompt(
-    state: ServerState, body: _Prompt
+    state: ServerState, body: PromptFields
 ) -> tuple[ToolConfig, RenderedPrompt, list[tuple[int, float]]]:
     """The request's tools, its rendered prompt and the TTL plan of its breakpoints."""
     config = anthropic_tool_config(body)
@@ -186,12 +181,10 @@ async def create_message(
     grammar = await compile_grammar(state.bridge, forced_tool_grammar(config))  # tool_choice: a tool
     if grammar is not None:
         spec = replace(spec, grammar=grammar)
-    longest = max((t for _, t in plan), default=None)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
-    text = rendered.trace_text()
+    gen = Generation(request, tenant, spec, rendered.trace_text())  # traced: the plan's longest TTL
     if not body.stream:
-        fin = await state.bridge.generate(spec, request.is_disconnected)
-        state.record(request, tenant, fin, text, ttl_s=longest)
+        fin = await gen.run()
         reply = parse_reply(fin.text, rendered, config)
         reason, seq = stop_reason(fin, called=bool(reply.calls))
         return JSONResponse(
@@ -210,13 +203,13 @@ async def create_message(
         )
     # The first item is the engine's PromptDone (the prompt is prefilled): message_start carries
     # its usage; message_delta the cumulative usage at the end (the SDKs overwrite with it).
-    agen, first = await _start_stream(state, spec, request)
+    items = await gen.open_stream()
 
     async def events() -> AsyncIterator[str]:
         blocks = _ContentBlocks()
-        async for item in split_stream(_items(agen, first), rendered, config, "toolu_"):
+        async for item in split_stream(items, rendered, config, "toolu_"):
             if isinstance(item, APIError):
-                yield _event("error", anthropic_error_body(item))
+                yield sse_event("error", anthropic_error_body(item))
                 return
             if isinstance(item, PromptDone):
                 message = {
@@ -231,10 +224,10 @@ async def create_message(
                     **prefixcache_field(item.usage, state.bridge.decode),
                     **diagnostics_field(state, body, tenant, rid, item.usage),
                 }
-                yield _event("message_start", {"type": "message_start", "message": message})
+                yield sse_event("message_start", {"type": "message_start", "message": message})
                 if not config.parses_calls:  # the hosted order: the text block opens before the ping
                     yield blocks.open_text()
-                yield _event("ping", {"type": "ping"})
+                yield sse_event("ping", {"type": "ping"})
                 continue
             if isinstance(item, ChoiceDelta):  # the one choice: text (calls are taken out)
                 if item.text:
@@ -242,13 +235,12 @@ async def create_message(
                         yield blocks.open_text()
                     delta = {"type": "text_delta", "text": item.text}
                     event = {"type": "content_block_delta", "index": blocks.index, "delta": delta}
-                    yield _event("content_block_delta", event)
+                    yield sse_event("content_block_delta", event)
                 continue
             if isinstance(item, CallsFound):
                 for frame in blocks.tool_uses(item):
                     yield frame
                 continue
-            state.record(request, tenant, item, text, ttl_s=longest)
             reason, seq = stop_reason(item, called=blocks.called)
             if not blocks.called:
                 if not blocks.text_open:
@@ -256,7 +248,7 @@ async def create_message(
                 yield blocks.close()
             usage = anthropic_usage(item.usage, plan, state.bridge.block_size)
             usage.pop("cache_creation")
-            yield _event(
+            yield sse_event(
                 "message_delta",
                 {
                     "type": "message_delta",
@@ -264,7 +256,7 @@ async def create_message(
                     "usage": usage,
                 },
             )
-            yield _event("message_stop", {"type": "message_stop"})
+            yield sse_event("message_stop", {"type": "message_stop"})
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 

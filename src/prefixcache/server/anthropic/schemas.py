@@ -92,7 +92,7 @@ class Message(BaseModel):
         return list(self.content)
 
 
-class _Prompt(BaseModel):
+class PromptFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: StrictStr
     messages: Annotated[list[Message], Field(min_length=1)]
@@ -119,7 +119,7 @@ class DiagnosticsParam(BaseModel):
     previous_message_id: Annotated[StrictStr, Field(max_length=200)] | None = None
 
 
-class MessagesRequest(_Prompt):
+class MessagesRequest(PromptFields):
     """POST /v1/messages."""
 
     max_tokens: Annotated[StrictInt, Field(ge=1, le=1_000_000)]
@@ -134,5 +134,5 @@ class MessagesRequest(_Prompt):
     )
 
 
-class CountTokensRequest(_Prompt):
+class CountTokensRequest(PromptFields):
     """POST /v1/messages/count_tokens."""

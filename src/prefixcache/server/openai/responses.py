@@ -21,7 +21,6 @@ fields of :func:`refuse_unsupported` answer a 400 that names the field.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -35,17 +34,10 @@ from prefixcache.engine.types import ChoiceDelta, GenerationSpec, PromptDone
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Finished, Usage
 from prefixcache.server.errors import APIError, bad_request
+from prefixcache.server.generation import SSE_HEADERS, Generation, sse_event, with_prompt
 from prefixcache.server.limits import CheckedRoute
 from prefixcache.server.openai.prompt import responses_conversation, responses_tool_config
-from prefixcache.server.openai.routes import (
-    DEFAULT_CHAT_MAX_TOKENS,
-    SSE_HEADERS,
-    _items,
-    _start_stream,
-    generation_spec,
-    render_prompt,
-    with_prompt,
-)
+from prefixcache.server.openai.routes import DEFAULT_CHAT_MAX_TOKENS, generation_spec, render_prompt
 from prefixcache.server.openai.schemas_responses import ResponsesRequest
 from prefixcache.server.openai.structured import compile_grammar, forced_tool_grammar, responses_grammar
 from prefixcache.server.ops.cache_reasons import prefixcache_field
@@ -287,20 +279,19 @@ async def create_response(
     if grammar is not None:
         spec = replace(spec, grammar=grammar)
     shell = ResponseShell(body, state.model_name, spec, config.parallel, state.bridge.decode)
-    text = rendered.trace_text()
+    gen = Generation(request, tenant, spec, rendered.trace_text(), body.prompt_cache_key)
     if not body.stream:
-        fin = await state.bridge.generate(spec, request.is_disconnected)
-        state.record(request, tenant, fin, text, spec.ttl_s, body.prompt_cache_key)
+        fin = await gen.run()
         reply = parse_reply(fin.text, rendered, config)
         incomplete = fin.finish_reason == "length" and not reply.calls
         return JSONResponse(shell.done(fin, output_items(reply, incomplete), bool(reply.calls)))
-    agen, first = await _start_stream(state, spec, request)
+    items = await gen.open_stream()
     events = ResponseEvents(shell)
 
     async def stream() -> AsyncIterator[str]:
         yield events.emit("response.created", response=shell.pending())
         yield events.emit("response.in_progress", response=shell.pending())
-        async for item in split_stream(_items(agen, first), rendered, config, "call_"):
+        async for item in split_stream(items, rendered, config, "call_"):
             if isinstance(item, APIError):
                 yield events.emit("error", code=item.code, message=item.message, param=item.param)
                 return
@@ -313,8 +304,7 @@ async def create_response(
             elif isinstance(item, CallsFound):
                 for event in events.calls(item):
                     yield event
-            else:
-                state.record(request, tenant, item, text, spec.ttl_s, body.prompt_cache_key)
+            else:  # the Finished (recorded as it passed)
                 for event in events.finish(item):
                     yield event
 
@@ -336,7 +326,7 @@ class ResponseEvents:
     def emit(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+        return sse_event(kind, data)
 
     def text(self, delta: str) -> list[str]:
         events = [] if self.message_id is not None else self._open_message()

@@ -16,8 +16,6 @@ With ``tools`` each chat choice's reply is parsed for its own calls (``tool_outp
 
 from __future__ import annotations
 
-import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,8 +28,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prefixcache.cache.config import TTL_CLASSES
 from prefixcache.engine.types import ChoiceDelta, GenerationSpec, PromptDone
 from prefixcache.server.auth import Tenant
-from prefixcache.server.bridge import Usage, translate_error
+from prefixcache.server.bridge import Usage
 from prefixcache.server.errors import APIError, bad_request, openai_error_body
+from prefixcache.server.generation import SSE_DONE, SSE_HEADERS, Generation, sse_data, with_prompt
 from prefixcache.server.limits import CheckedRoute
 from prefixcache.server.openai.logprobs import chat_logprobs, completion_logprobs
 from prefixcache.server.openai.prompt import chat_conversation, chat_tool_config
@@ -43,10 +42,10 @@ from prefixcache.server.openai.prompt_logprobs import (
     vllm_prompt_logprobs,
 )
 from prefixcache.server.openai.schemas import (
+    CachedGeneration,
     ChatCompletionRequest,
     CompletionRequest,
-    _CachedGeneration,
-    _Sampling,
+    Sampling,
 )
 from prefixcache.server.openai.structured import compile_grammar, forced_tool_grammar, requested_grammar
 from prefixcache.server.ops.cache_reasons import prefixcache_field
@@ -60,11 +59,9 @@ from prefixcache.server.tools.output import (
 )
 from prefixcache.server.tools.prompt import Message, RenderedPrompt, ToolConfig, has_tool_turns
 
-log = logging.getLogger(__name__)
 router = APIRouter(route_class=CheckedRoute)
 
 DEFAULT_CHAT_MAX_TOKENS = 256
-SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 def openai_usage(u: Usage) -> dict[str, Any]:
@@ -80,7 +77,7 @@ def openai_usage(u: Usage) -> dict[str, Any]:
     }
 
 
-def generation_spec(req: _CachedGeneration, tenant: Tenant) -> GenerationSpec:
+def generation_spec(req: CachedGeneration, tenant: Tenant) -> GenerationSpec:
     """What every OpenAI route asks of the engine: temperature, top_p, the caller's tenant and
     salt, and the TTL class of ``prompt_cache_retention`` (no prompt yet)."""
     if req.temperature is not None and req.temperature > 0 and req.top_p is not None and req.top_p <= 0:
@@ -95,14 +92,14 @@ def generation_spec(req: _CachedGeneration, tenant: Tenant) -> GenerationSpec:
     )
 
 
-def sampling_spec(req: _Sampling, tenant: Tenant) -> GenerationSpec:
+def sampling_spec(req: Sampling, tenant: Tenant) -> GenerationSpec:
     """:func:`generation_spec` with the sampling fields of the chat and completions routes."""
     return replace(
         generation_spec(req, tenant), top_k=req.top_k or 0, seed=req.seed, stop=req.stop_list() or None
     )
 
 
-def choices_count(state: ServerState, req: _Sampling) -> int:
+def choices_count(state: ServerState, req: Sampling) -> int:
     """The request's ``n``, or a 400 naming ``n`` above what this server decodes side by side."""
     n = req.n or 1
     if n > state.bridge.max_n:
@@ -120,54 +117,6 @@ async def render_prompt(
     if not config.tools and not has_tool_turns(conversation):
         return renderer.render(conversation)  # plain chat: flat messages, the engine renders them
     return await state.bridge.run(lambda: renderer.render(conversation))
-
-
-def with_prompt(spec: GenerationSpec, rendered: RenderedPrompt, stop: list[str] | None) -> GenerationSpec:
-    """``spec`` with the rendered prompt (``messages`` or ``prompt``) and the stop strings (the
-    request's and the tools')."""
-    stops = [*(stop or []), *rendered.stop] or None
-    if rendered.text is not None:
-        return replace(spec, prompt=rendered.text + rendered.assistant_prefix, stop=stops)
-    return replace(spec, messages=rendered.messages, stop=stops)
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
-
-
-async def _start_stream(
-    state: ServerState, spec: GenerationSpec, request: Request
-) -> tuple[AsyncIterator[Any], list[Any]]:
-    """Open the engine stream (the bridge's :meth:`~EngineBridge.stream_choices` items:
-    PromptDone, ChoiceDelta, Finished) and pull its first item, so a bad request or a full queue
-    is still answered with a 4xx before the 200 and the first byte go out. A client that leaves
-    while the request waits for the engine cancels it before its prefill (499)."""
-    agen = state.bridge.stream_choices(spec, request.is_disconnected)
-    first: list[Any] = []
-    try:
-        first.append(await agen.__anext__())
-    except StopAsyncIteration:
-        pass
-    except BaseException:
-        await agen.aclose()  # type: ignore[attr-defined]
-        raise
-    return agen, first
-
-
-async def _items(agen: AsyncIterator[Any], first: list[Any]) -> AsyncIterator[Any]:
-    """The stream's items; a failure after the 200 went out becomes a last :class:`APIError`
-    item, which the route sends as an error event (the status can no longer change)."""
-    for item in first:
-        yield item
-    try:
-        async for item in agen:
-            yield item
-    except Exception as exc:
-        api = translate_error(exc)
-        if api is None:
-            log.exception("a stream failed after it started")
-            api = APIError(500, f"The generation failed ({type(exc).__name__}); see the server log.")
-        yield api
 
 
 @router.post("/v1/chat/completions", summary="Chat completion (OpenAI shape)")
@@ -211,11 +160,10 @@ async def chat_completions(
         vllm_part = vllm_prompt_logprobs(entries, state.bridge.token_text)
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
-    text = rendered.trace_text()
     tokens = state.bridge.token_text
+    gen = Generation(request, tenant, spec, rendered.trace_text(), body.prompt_cache_key)
     if not body.stream:
-        fin = await state.bridge.generate(spec, request.is_disconnected)
-        state.record(request, tenant, fin, text, spec.ttl_s, body.prompt_cache_key)
+        fin = await gen.run()
         choices = []
         for c in fin.choices:  # the calls are parsed from each choice's own text
             reply = parse_reply(c.text, rendered, config)
@@ -240,7 +188,7 @@ async def chat_completions(
                 **prefixcache_field(fin.usage, state.bridge.decode),
             }
         )
-    agen, first = await _start_stream(state, spec, request)
+    items = await gen.open_stream()
     include_usage = body.include_usage
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> dict[str, Any]:
@@ -258,35 +206,34 @@ async def chat_completions(
 
     async def events() -> AsyncIterator[str]:
         for index in range(n):
-            yield _sse(chunk(index, {"role": "assistant", "content": ""}, None))
+            yield sse_data(chunk(index, {"role": "assistant", "content": ""}, None))
         called: set[int] = set()  # the choices that made tool calls
-        async for item in split_stream(_items(agen, first), rendered, config, "call_"):
+        async for item in split_stream(items, rendered, config, "call_"):
             if isinstance(item, APIError):
-                yield _sse(openai_error_body(item))
+                yield sse_data(openai_error_body(item))
                 return
             if isinstance(item, PromptDone):
                 continue
             if isinstance(item, ChoiceDelta):
                 if item.text or item.logprobs:
                     lp = chat_logprobs(item.logprobs, tokens) if top is not None else None
-                    yield _sse(chunk(item.index, {"content": item.text}, None, lp))
+                    yield sse_data(chunk(item.index, {"content": item.text}, None, lp))
                 if item.finish_reason:
                     finish = "tool_calls" if item.index in called else item.finish_reason
-                    yield _sse(chunk(item.index, {}, finish))
+                    yield sse_data(chunk(item.index, {}, finish))
                 continue
             if isinstance(item, CallsFound):
                 called.add(item.index)
                 for delta in openai_call_deltas(item):
-                    yield _sse(chunk(item.index, delta, None))
+                    yield sse_data(chunk(item.index, delta, None))
                 continue
-            state.record(request, tenant, item, text, spec.ttl_s, body.prompt_cache_key)
-            if include_usage:
+            if include_usage:  # the Finished (recorded as it passed)
                 final = chunk(0, {}, None)
                 final["choices"] = []
                 final["usage"] = openai_usage(item.usage)
                 final.update(prefixcache_field(item.usage, state.bridge.decode))
-                yield _sse(final)
-        yield "data: [DONE]\n\n"
+                yield sse_data(final)
+        yield SSE_DONE
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
@@ -363,9 +310,9 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
             choice["prompt_logprobs"] = vllm_part
         return choice
 
+    gen = Generation(request, tenant, spec, text, body.prompt_cache_key)
     if not body.stream:
-        fin = await state.bridge.generate(spec, request.is_disconnected)
-        state.record(request, tenant, fin, text, spec.ttl_s, body.prompt_cache_key)
+        fin = await gen.run()
         return JSONResponse(
             {
                 "id": rid,
@@ -388,7 +335,7 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
                 **prefixcache_field(fin.usage, state.bridge.decode),
             }
         )
-    agen, first = await _start_stream(state, spec, request)
+    items = await gen.open_stream()
     include_usage = body.include_usage
 
     def chunk(index: int, text_delta: str, finish: str | None, lp: Any = None) -> dict[str, Any]:
@@ -406,28 +353,27 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
 
     async def events() -> AsyncIterator[str]:
         for index in range(n if echo else 0):
-            yield _sse(chunk(index, echo, None, prompt_part))
-        async for item in _items(agen, first):
+            yield sse_data(chunk(index, echo, None, prompt_part))
+        async for item in items:
             if isinstance(item, APIError):
-                yield _sse(openai_error_body(item))
+                yield sse_data(openai_error_body(item))
                 return
             if isinstance(item, PromptDone):
                 continue
             if isinstance(item, ChoiceDelta):
                 if item.text or item.logprobs:
                     lp = logprobs(item.logprobs) if body.logprobs is not None else None
-                    yield _sse(chunk(item.index, item.text, None, lp))
+                    yield sse_data(chunk(item.index, item.text, None, lp))
                 if item.finish_reason:
-                    yield _sse(chunk(item.index, "", item.finish_reason))
+                    yield sse_data(chunk(item.index, "", item.finish_reason))
                 continue
-            state.record(request, tenant, item, text, spec.ttl_s, body.prompt_cache_key)
-            if include_usage:
+            if include_usage:  # the Finished (recorded as it passed)
                 final = chunk(0, "", None)
                 final["choices"] = []
                 final["usage"] = openai_usage(item.usage)
                 final.update(prefixcache_field(item.usage, state.bridge.decode))
-                yield _sse(final)
-        yield "data: [DONE]\n\n"
+                yield sse_data(final)
+        yield SSE_DONE
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 

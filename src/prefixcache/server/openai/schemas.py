@@ -62,7 +62,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool | None = None
 
 
-class _CachedGeneration(BaseModel):
+class CachedGeneration(BaseModel):
     """The fields every OpenAI generation route shares (chat, completions, responses)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -80,7 +80,7 @@ class _CachedGeneration(BaseModel):
     )
 
 
-class _Sampling(_CachedGeneration):
+class Sampling(CachedGeneration):
     top_k: Annotated[StrictInt, Field(ge=0)] | None = Field(
         None, description="Extension: sample from the k most likely tokens (0: off)."
     )
@@ -144,7 +144,7 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(Sampling):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -166,7 +166,7 @@ class ChatCompletionRequest(_Sampling):
     )
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(Sampling):
     """POST /v1/completions. ``prompt``: a string, a one-string list, or token ids."""
 
     prompt: (

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
-from prefixcache.server.openai.schemas import MaxTokens, _CachedGeneration
+from prefixcache.server.openai.schemas import CachedGeneration, MaxTokens
 
 
 class ResponsesTool(BaseModel):
@@ -34,7 +34,7 @@ class ResponsesNamedToolChoice(BaseModel):
     name: StrictStr
 
 
-class ResponsesRequest(_CachedGeneration):
+class ResponsesRequest(CachedGeneration):
     """POST /v1/responses."""
 
     input: StrictStr | list[dict[str, Any]]

@@ -16,6 +16,7 @@ from prefixcache.cache.store import PinBudgetExceeded
 from prefixcache.engine.types import GenerationSpec
 from prefixcache.server.auth import Tenant
 from prefixcache.server.errors import APIError, bad_request
+from prefixcache.server.generation import record
 from prefixcache.server.limits import CheckedRoute
 from prefixcache.server.openai.prompt import chat_conversation, chat_tool_config
 from prefixcache.server.openai.schemas import ChatCompletionRequest, ChatMessage, ChatTool
@@ -162,7 +163,7 @@ def _prefix_kwargs(body: PinRequest) -> dict[str, Any]:
     return {"prompt_token_ids": list(body.prompt_token_ids or [])}
 
 
-async def _prefix_ids(request: Request, body: PinRequest) -> list[int]:
+async def prefix_ids(request: Request, body: PinRequest) -> list[int]:
     bridge = get_state(request).bridge
     kw = _prefix_kwargs(body)
     if body.tools is not None:
@@ -192,7 +193,7 @@ async def cache_pin(body: PinRequest, request: Request, tenant: Tenant = Depends
     state = get_state(request)
     bridge = state.bridge
     ns = bridge.namespace(tenant.name, tenant.salt)
-    ids = await _prefix_ids(request, body)
+    ids = await prefix_ids(request, body)
     if len(ids) < bridge.block_size:  # not one full block: there would be nothing to pin
         raise APIError(
             400,
@@ -207,7 +208,7 @@ async def cache_pin(body: PinRequest, request: Request, tenant: Tenant = Depends
             prompt_token_ids=ids, max_tokens=1, temperature=0.0, tenant=tenant.name, salt=tenant.salt
         )
     )
-    state.record(request, tenant, fin, None)
+    record(state, request, tenant, fin, None)
     try:
         pinned = await bridge.run(lambda: bridge.enabled_cache.pin(ids, ns))
     except TenantPinBudgetExceeded as e:
@@ -227,7 +228,7 @@ async def cache_pin(body: PinRequest, request: Request, tenant: Tenant = Depends
 async def cache_unpin(body: PinRequest, request: Request, tenant: Tenant = Depends(get_tenant)) -> Any:
     bridge = get_state(request).bridge
     ns = bridge.namespace(tenant.name, tenant.salt)
-    ids = await _prefix_ids(request, body)
+    ids = await prefix_ids(request, body)
     unpinned = await bridge.run(lambda: bridge.enabled_cache.unpin(ids, ns))
     return {"unpinned_tokens": unpinned}
 

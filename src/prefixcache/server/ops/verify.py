@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 from prefixcache.server.auth import Tenant
 from prefixcache.server.errors import APIError
 from prefixcache.server.limits import CheckedRoute
-from prefixcache.server.ops.routes import PinRequest, _prefix_ids
+from prefixcache.server.ops.routes import PinRequest, prefix_ids
 from prefixcache.server.state import get_state, get_tenant
 
 router = APIRouter(route_class=CheckedRoute)
@@ -94,7 +94,7 @@ async def verify_prompt(body: PinRequest, request: Request, tenant: Tenant = Dep
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         ids = await bridge.run(lambda: bridge.render_ids(messages))
     else:
-        ids = await _prefix_ids(request, body)
+        ids = await prefix_ids(request, body)
     engine = bridge.engine
     result = await bridge.run(
         lambda: engine.verify(prompt_token_ids=ids, tenant=tenant.name, salt=tenant.salt)

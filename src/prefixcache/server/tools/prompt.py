@@ -211,12 +211,6 @@ class RenderedPrompt:
     syntax: CallSyntax = CallSyntax.TAGGED
     stop: tuple[str, ...] = ()
 
-    def engine_input(self) -> dict[str, Any]:
-        """``messages=`` or ``prompt=`` for ``Engine.stream``: the same token ids either way."""
-        if self.text is not None:
-            return {"prompt": self.text + self.assistant_prefix}
-        return {"messages": self.messages}
-
     def trace_text(self) -> dict[str, Any]:
         """The ``--trace-text`` record: the flat messages, or the prompt text."""
         if self.text is not None:
