@@ -214,7 +214,7 @@ class EngineBridge:
     ) -> Finished:
         """One whole generation in a worker thread, under admission. With ``disconnected`` (the
         request's ``is_disconnected``), a client that goes away cancels the generation."""
-        await note_prompt_blocks(self, spec)  # (a router asked for the prompt's block hashes)
+        spec = await note_prompt_blocks(self, spec)  # (a router asked for the prompt's block hashes)
         release = self.admission.enter(spec.tenant)
         cancel = threading.Event()
         kwargs = spec.engine_kwargs()
@@ -250,7 +250,7 @@ class EngineBridge:
         a client that leaves while its request waits in the queue cancels it there, before any
         forward pass, and this raises the 499 :class:`APIError`. From the first item on the
         response is streaming and the HTTP layer sees a disconnect (it stops the consumer)."""
-        await note_prompt_blocks(self, spec)
+        spec = await note_prompt_blocks(self, spec)
         release = self.admission.enter(spec.tenant)
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()

@@ -142,23 +142,24 @@ class _ContentBlocks:
 
 async def _prompt(
     state: ServerState, body: PromptFields
-) -> tuple[ToolConfig, RenderedPrompt, list[tuple[int, float]]]:
-    """The request's tools, its rendered prompt and the TTL plan of its breakpoints."""
+) -> tuple[ToolConfig, RenderedPrompt, list[tuple[int, float]], list[int] | None]:
+    """The request's tools, its rendered prompt, the TTL plan of its breakpoints and, when the
+    plan needed them, the prompt's token ids (else None)."""
     config = anthropic_tool_config(body)
     conversation, breakpoints = to_messages(body)
     renderer = state.bridge.renderer(config)
     if not breakpoints and not config.tools and not has_tool_turns(conversation):
-        return config, renderer.render(conversation), []  # plain chat: nothing to render here
+        return config, renderer.render(conversation), [], None  # plain chat: nothing to render here
 
-    def build() -> tuple[RenderedPrompt, list[tuple[int, float]]]:
+    def build() -> tuple[RenderedPrompt, list[tuple[int, float]], list[int] | None]:
         rendered = renderer.render(conversation)
         if not breakpoints:
-            return rendered, []
+            return rendered, [], None
         full = state.bridge.prompt_ids(rendered)
-        return rendered, plan_for(conversation, breakpoints, full, renderer, state.bridge.tokenize)
+        return rendered, plan_for(conversation, breakpoints, full, renderer, state.bridge.tokenize), full
 
-    rendered, plan = await state.bridge.run(build)
-    return config, rendered, plan
+    rendered, plan, ids = await state.bridge.run(build)
+    return config, rendered, plan, ids
 
 
 @router.post("/v1/messages", summary="Create a message (Anthropic shape)")
@@ -167,7 +168,7 @@ async def create_message(
 ) -> Any:
     state = get_state(request)
     state.check_model(body.model)
-    config, rendered, plan = await _prompt(state, body)
+    config, rendered, plan, ids = await _prompt(state, body)
     sampling = GenerationSpec(
         max_tokens=body.max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -178,6 +179,8 @@ async def create_message(
         ttl_plan=plan or None,
     )
     spec = with_prompt(sampling, rendered, body.stop_sequences)
+    if ids is not None:  # tokenized for the plan: not again (router's block hashes, engine)
+        spec = spec.with_prompt_ids(ids)
     grammar = await compile_grammar(state.bridge, forced_tool_grammar(config))  # tool_choice: a tool
     if grammar is not None:
         spec = replace(spec, grammar=grammar)
@@ -267,6 +270,10 @@ async def count_tokens(
 ) -> Any:
     state = get_state(request)
     state.check_model(body.model)
-    _, rendered, _ = await _prompt(state, body)
-    n = await state.bridge.run(lambda: len(state.bridge.prompt_ids(rendered)))
+    _, rendered, _, ids = await _prompt(state, body)
+    n = (
+        len(ids)
+        if ids is not None
+        else await state.bridge.run(lambda: len(state.bridge.prompt_ids(rendered)))
+    )
     return JSONResponse({"input_tokens": n})

@@ -70,15 +70,19 @@ def blocks_header(prompt_tokens: int, block_size: int, keys: list[bytes]) -> str
     return f"{prompt_tokens} {block_size} {hashes}"
 
 
-async def note_prompt_blocks(bridge: Any, spec: GenerationSpec) -> None:
+async def note_prompt_blocks(bridge: Any, spec: GenerationSpec) -> GenerationSpec:
     """Fill the current request's slot (if it asked) with its prompt's block hashes: the same
-    ids and namespace the engine will use for ``spec``. A no-op otherwise."""
+    ids and namespace the engine will use for ``spec``. Returns the spec to run: with the
+    prompt's token ids when they were tokenized here (so the engine does not tokenize the
+    prompt a second time); ``spec`` itself when it carries its ids or nothing was asked."""
     slot = _slot.get()
     cache = bridge.cache
     if slot is None or "value" in slot or cache is None:
-        return
+        return spec
+    if (spec.messages is None) + (spec.prompt is None) + (spec.prompt_token_ids is None) != 2:
+        return spec  # not exactly one prompt: the engine refuses it
 
-    def compute() -> str:
+    def compute() -> tuple[str, list[int]]:
         if spec.prompt_token_ids is not None:
             ids = [int(t) for t in spec.prompt_token_ids]
         elif spec.prompt is not None:
@@ -87,12 +91,14 @@ async def note_prompt_blocks(bridge: Any, spec: GenerationSpec) -> None:
             ids = bridge.render_ids(list(spec.messages or []))
         ns = bridge.namespace(spec.tenant, spec.salt)
         limit = MAX_BLOCKS * cache.block_size
-        return blocks_header(len(ids), cache.block_size, cache.block_keys(ids[:limit], ns))
+        return blocks_header(len(ids), cache.block_size, cache.block_keys(ids[:limit], ns)), ids
 
     try:
-        slot["value"] = await bridge.run(compute)
+        slot["value"], ids = await bridge.run(compute)
     except Exception:  # the engine reports a bad prompt itself; the header is only a hint
         log.debug("no block hashes for this prompt", exc_info=True)
+        return spec
+    return spec if spec.prompt_token_ids is not None else spec.with_prompt_ids(ids)
 
 
 def enable_kv_events(app: Any, publisher: KVEventPublisher) -> None:

@@ -156,8 +156,9 @@ async def chat_completions(
             raise bad_request(
                 "'prompt_logprobs' is not supported with 'stream': drop one of them.", param="prompt_logprobs"
             )
-        _, entries = await prompt_entries(state.bridge, spec, body.prompt_logprobs)
+        ids, entries = await prompt_entries(state.bridge, spec, body.prompt_logprobs)
         vllm_part = vllm_prompt_logprobs(entries, state.bridge.token_text)
+        spec = spec.with_prompt_ids(ids)  # tokenized once, here
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     tokens = state.bridge.token_text
@@ -284,6 +285,7 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
             prompt_part = echo_logprobs(prompt_ids, trim_top(entries, body.logprobs), tokens)
         if body.prompt_logprobs is not None:
             vllm_part = vllm_prompt_logprobs(trim_top(entries, body.prompt_logprobs), tokens)
+        source = source.with_prompt_ids(prompt_ids)  # tokenized once, here
     spec = replace(
         sampling_spec(body, tenant),
         prompt=source.prompt,
