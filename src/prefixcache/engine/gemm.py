@@ -58,10 +58,13 @@ PREFILL_PIECE = 128
 BF16_DECODE_PIECE = 32
 #: float32 decode rows: padded to exactly this many (invariant on AVX2 and AVX512 machines).
 F32_DECODE_PIECE = 16
-#: Dtypes whose prefill rows the own GEMM computes faster than torch's 128-row pieces (measured
-#: with ``benchmarks/gemm_own.py`` on AVX512-BF16 without AMX). With AMX the own GEMM's tile path
-#: computes bfloat16 prefill rows too (``own_gemm``).
+#: Dtypes whose prefill rows the own GEMM computes at least as fast as torch's 128-row pieces
+#: (measured with ``benchmarks/gemm_own.py``). bfloat16 only on the ISAs with a bf16 dot product
+#: (``BF16_PREFILL_ISAS``): on the 2-core AMD EPYC with AVX512-BF16, 2026-12-04, 128 and 512 rows
+#: at 1.01x and 1.02x torch's time (equal), which lets those steps run the compiled layer loop;
+#: with AMX the tile path is faster still. Elsewhere bf16 is emulated and torch keeps prefill.
 OWN_PREFILL = {"float32": True, "bfloat16": False}
+BF16_PREFILL_ISAS = ("avx512bf16", "amx")
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +222,7 @@ def own_gemm(dtype: torch.dtype, kernels: str | None = None) -> tuple[str, bool,
     if isa is None:
         return "", False, 0
     name = "bfloat16" if dtype == torch.bfloat16 else "float32"
-    prefill = OWN_PREFILL[name] or isa == "amx"
+    prefill = OWN_PREFILL[name] or (name == "bfloat16" and isa in BF16_PREFILL_ISAS)
     return isa, prefill, matmul.version()
 
 
