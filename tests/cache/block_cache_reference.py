@@ -1,5 +1,6 @@
 """Reference model for the differential tests: the PrefixCache of prefixcache 0.1.0 over the
-block-per-object store in ``block_store_reference.py`` (verbatim apart from this line and its imports).
+block-per-object store in ``block_store_reference.py`` (verbatim apart from this line, its imports,
+the Match's ``held`` and ``depth``, once ``_held`` and ``_depth``, and ``_lookup`` reading ``store.get``).
 
 PrefixCache: the request-facing API over the block store.
 
@@ -63,8 +64,8 @@ class Match:
     written: list[Block] = field(default_factory=list)
     skipped_blocks: int = 0
     released: bool = False
-    _held: Block | None = field(default=None, repr=False)  # the deepest block, referenced
-    _depth: int = 0  # blocks of the prompt covered by _held's chain
+    held: Block | None = field(default=None, repr=False)  # the deepest block, referenced
+    depth: int = 0  # blocks of the prompt covered by held's chain
 
     @property
     def cached_tokens(self) -> int:
@@ -175,7 +176,7 @@ class PrefixCache:
             m = Match(namespace=ns, prompt_tokens=n, keys=keys, blocks=hits, ttls=ttls, packed=packed, block_size=B)
             if hits:
                 self._hold(m, hits, ttls)
-                m._depth = len(hits)
+                m.depth = len(hits)
             if not hits:
                 m.outcome = Outcome.MISS
             elif usable == max_blocks:
@@ -196,7 +197,7 @@ class PrefixCache:
         """
         store = self.store
         step = 4 * self.block_size
-        found = list(map(store._blocks.get, keys[:max_blocks]))
+        found = list(map(store.get, keys[:max_blocks]))
         if None in found:
             del found[found.index(None) :]
         if not found:
@@ -226,9 +227,9 @@ class PrefixCache:
         store = self.store
         tail = chain[-1]
         store.acquire(tail)
-        if m._held is not None:
-            store.release(m._held)
-        m._held = tail
+        if m.held is not None:
+            store.release(m.held)
+        m.held = tail
         # A block keeps the longest TTL it was asked for; ttls never grow along a chain.
         if max(ttls[: len(chain)]) > min([b.ttl_s for b in chain]):  # rare: a longer class asked
             for block, ttl in zip(chain, ttls, strict=False):
@@ -254,7 +255,7 @@ class PrefixCache:
         ns = m.namespace
         keys = m.keys if upto_tokens is None else m.keys[: max(upto_tokens, 0) // B]
         with self._lock:
-            start = m._depth
+            start = m.depth
             parent: BlockHash | None = keys[start - 1] if start else None
             written: list[Block] = []
             chain: list[Block] = []
@@ -283,7 +284,7 @@ class PrefixCache:
                 parent = keys[i - 1]
             if chain:
                 self._hold(m, chain, m.ttls[start : start + len(chain)])
-                m._depth = start + len(chain)
+                m.depth = start + len(chain)
             m.written.extend(written)
             tokens_written = len(written) * B
             self._totals.written_tokens += tokens_written
@@ -300,9 +301,9 @@ class PrefixCache:
             if m.released:
                 return
             m.released = True
-            if m._held is not None:
-                self.store.release(m._held)
-                m._held = None
+            if m.held is not None:
+                self.store.release(m.held)
+                m.held = None
 
     # ------------------------------------------------------------------ keep-warm and admin
     def pin(self, tokens: Sequence[int], ns: Namespace) -> int:

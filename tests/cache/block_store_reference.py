@@ -1,6 +1,7 @@
 """Reference model for the differential tests: the block-per-object BlockStore that the run-based
 store in ``prefixcache.cache.store`` replaced (prefixcache 0.1.0, kept verbatim apart from this
-line, its imports and one fix both stores share: a leaf queued out of expiry order is also kept
+line, its imports, ``lru_order`` and ``expiry_order`` (the queues' order, read by the differential
+test) and one fix both stores share: a leaf queued out of expiry order is also kept
 in its class's *late* heap, so a sweep removes it when it is due; before, it waited behind
 later-expiring leaves and lookups served it past its TTL). ``test_runs_match_reference.py`` replays random operation sequences through
 both and requires identical hits, writes, evictions (which blocks, in which order, for which
@@ -132,6 +133,14 @@ class BlockStore:
 
     def get(self, key: BlockHash) -> Block | None:
         return self._blocks.get(key)
+
+    def lru_order(self) -> list[BlockHash]:
+        """The evictable leaves' keys, least recently used first."""
+        return list(self._lru)
+
+    def expiry_order(self) -> dict[float, list[BlockHash]]:
+        """Per TTL class, the evictable leaves' keys in their expiry queue's order."""
+        return {ttl: list(queue) for ttl, queue in self._expiry.items()}
 
     def lookup(self, key: BlockHash, tokens: bytes, parent: BlockHash | None) -> Block | None:
         """The live block stored under ``key`` if it holds exactly ``tokens`` after ``parent``.

@@ -89,7 +89,7 @@ class CacheMachine(RuleBasedStateMachine):
         store = self.cache.store
         assert store.bytes <= store.capacity_bytes
         assert store.pinned_bytes <= store.pinned_capacity_bytes
-        held_blocks = sum(m._held is not None for m, _ in self.held)
+        held_blocks = sum(m.held_run is not None for m, _ in self.held)
         assert sum(b.ref_count for b in store) == held_blocks
 
     def teardown(self) -> None:

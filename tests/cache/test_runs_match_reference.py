@@ -185,9 +185,10 @@ class Differential(RuleBasedStateMachine):
             else:
                 assert v == w
         assert set(state_new) == set(state_ref)
-        assert [r.keys[-1] for r in ns._lru] == list(rs._lru)
-        for ttl, queue in rs._expiry.items():
-            assert [r.keys[-1] for r in ns._expiry.get(ttl, {})] == list(queue)
+        assert ns.lru_order() == rs.lru_order()
+        expiry_new = ns.expiry_order()
+        for ttl, queue in rs.expiry_order().items():
+            assert expiry_new.get(ttl, []) == queue
         assert (ns.bytes, ns.pinned_bytes, ns.pinned_blocks) == (rs.bytes, rs.pinned_bytes, rs.pinned_blocks)
 
     def teardown(self) -> None:

@@ -2,23 +2,28 @@
 (its view of the cache from ``match`` to ``release``) and a :class:`CommitResult`.
 
 A Match's underscored fields are the cache's bookkeeping: PrefixCache sets them under its lock,
-and nothing else should.
+and nothing else should (:attr:`Match.held_run` and :attr:`Match.depth` read them). A Match reads
+the cache's blocks through :class:`BlockSource`, so this module does not know the manager.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prefixcache.cache.blocks import Block, Run
 from prefixcache.cache.keys import BlockHash, Namespace
 from prefixcache.cache.reasons import CacheReason
 from prefixcache.cache.stats import Outcome, RequestUsage
 
-if TYPE_CHECKING:
-    from prefixcache.cache.manager import PrefixCache
+__all__ = ["BlockSource", "CommitResult", "Match"]
 
-__all__ = ["CommitResult", "Match"]
+
+class BlockSource(Protocol):
+    """What a :class:`Match` reads its blocks through (the cache that made it)."""
+
+    def snapshots(self, keys: Sequence[BlockHash], *, missing_ok: bool = False) -> list[Block]: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -37,9 +42,20 @@ class Match:
     written_keys: list[BlockHash] = field(default_factory=list)  # blocks this request stored
     skipped_blocks: int = 0
     released: bool = False
-    _cache: PrefixCache | None = field(default=None, repr=False)
+    _cache: BlockSource | None = field(default=None, repr=False)
     _held: Run | None = field(default=None, repr=False)  # the run whose tail (our deepest block) we hold
     _depth: int = 0  # blocks of the prompt covered by _held's chain
+
+    @property
+    def held_run(self) -> Run | None:
+        """The run whose tail (the deepest block of the prompt this request holds) is referenced
+        for it: None before a hit or a write, and after release."""
+        return self._held
+
+    @property
+    def depth(self) -> int:
+        """Blocks of the prompt covered by the chain held (:attr:`held_run`'s)."""
+        return self._depth
 
     @property
     def cached_tokens(self) -> int:

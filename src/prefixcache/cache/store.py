@@ -225,6 +225,14 @@ class BlockStore(BudgetedTree):
         segments = self.chain(list(keys), 0, len(keys))
         return [run.block(offset + n) for run, offset, count in segments for n in range(count)]
 
+    def lru_order(self) -> list[BlockHash]:
+        """The evictable leaves' keys (each leaf run's tail), least recently used first (O(n))."""
+        return [run.keys[-1] for run in self._lru]
+
+    def expiry_order(self) -> dict[float, list[BlockHash]]:
+        """Per TTL class, the evictable leaves' keys in their expiry queue's order (O(n))."""
+        return {ttl: [run.keys[-1] for run in queue] for ttl, queue in self._expiry.items()}
+
     # ------------------------------------------------------------------ uses and references
     def touch(self, run: Run, ttl_s: float | None = None, now: float | None = None) -> None:
         """A use of ``run``'s tail at ``now`` (default: the clock's): refresh the TTL (to the
