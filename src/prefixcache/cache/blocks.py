@@ -1,7 +1,10 @@
-"""The cache's data types below the manager: :class:`Block` snapshots and :class:`Run` records.
+"""The cache's data types below the manager: :class:`Block` snapshots, :class:`Run` records and
+the :class:`Chain` a request writes.
 
 A :class:`Run` is the unit the store keeps (see :mod:`~prefixcache.cache.runs`); a :class:`Block`
-is what callers see of one block of a run, built on demand and never updated.
+is what callers see of one block of a run, built on demand and never updated. A :class:`Chain`
+names what every write of a prompt's blocks passes down (keys, tokens, namespace, tenant, TTLs),
+field by field, so that no call can swap two of them.
 """
 
 from __future__ import annotations
@@ -119,6 +122,21 @@ class Run:
             n_children=self.n_children if is_tail else 1,
             evicted_reason=reason,
         )
+
+
+@dataclass(slots=True, kw_only=True, eq=False)
+class Chain:
+    """One prompt's chain of blocks as the store and the tiers write it: block ``j`` has the key
+    ``keys[j]``, holds the tokens ``packed[j*step:(j+1)*step]`` and is stored (or refreshed) with
+    the TTL class ``ttls[j]``, for the namespace root ``namespace`` and ``tenant``. Built once per
+    request and never changed (not frozen: a simulator builds millions)."""
+
+    keys: list[BlockHash]
+    packed: bytes
+    step: int  # bytes of packed tokens per block (4 x block size)
+    namespace: bytes
+    tenant: str
+    ttls: list[float]
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from prefixcache.cache.blocks import Block, Run
+from prefixcache.cache.blocks import Block, Chain, Run
 from prefixcache.cache.clock import Clock
 from prefixcache.cache.keys import BlockHash
 from prefixcache.cache.leaves import LeafQueues
@@ -88,24 +88,19 @@ class BudgetedTree(RunTree):
     # ------------------------------------------------------------------ what enters
     def insert_chain(
         self,
-        keys: list[BlockHash],
-        packed: bytes,
-        step: int,
+        chain: Chain,
         first: int,
         stop: int,
         parent_run: Run | None,
         payload_fn: PayloadFn | None,
         *,
-        namespace: bytes,
-        tenant: str,
-        ttls: list[float],
         uniform_nbytes: int | None = None,
         hold: bool = False,
     ) -> tuple[int, bool, Run | None]:
-        """Insert new blocks ``first..stop-1`` of the chain ``keys``: block ``j`` holds
-        ``packed[j*step:(j+1)*step]``, TTL class ``ttls[j]`` and the payload ``payload_fn(j)``
-        (called only for blocks stored), each the child of the previous, the first a child of
-        block ``first - 1``. Stops before a key that is already stored, or for lack of room.
+        """Insert new blocks ``first..stop-1`` of ``chain``: block ``j`` holds its tokens, TTL
+        class and the payload ``payload_fn(j)`` (called only for blocks stored), each the child of
+        the previous, the first a child of block ``first - 1``. Stops before a key that is already
+        stored, or for lack of room.
 
         Returns (blocks inserted, whether it stopped for lack of room, the run holding the last
         one). Evictions happen block by block exactly as one insert each would make them; the
@@ -121,6 +116,7 @@ class BudgetedTree(RunTree):
         """
         if payload_fn is None and uniform_nbytes is None:
             raise ValueError("insert_chain without payload_fn needs uniform_nbytes")
+        keys = chain.keys
         if not first:
             parent_run = None
         elif parent_run is None or not parent_run.keys or parent_run.keys[-1] != keys[first - 1]:
@@ -131,40 +127,22 @@ class BudgetedTree(RunTree):
         depth = 0 if parent_run is None else parent_run.depth + len(parent_run.keys)
         if depth != first:
             raise ValueError(f"keys[{first}] follows a block at depth {depth - 1}: the chain is not rooted")
-        return self._insert(
-            keys,
-            packed,
-            step,
-            first,
-            stop,
-            parent_run,
-            payload_fn,
-            namespace,
-            tenant,
-            ttls,
-            uniform_nbytes,
-            hold,
-            self.clock(),
-        )
+        return self._insert(chain, first, stop, parent_run, payload_fn, uniform_nbytes, hold, self.clock())
 
     def _insert(
         self,
-        keys: list[BlockHash],
-        packed: bytes,
-        step: int,
+        chain: Chain,
         first: int,
         stop: int,
         parent_run: Run | None,
         payload_fn: PayloadFn | None,
-        namespace: bytes,
-        tenant: str,
-        ttls: list[float],
         uniform_nbytes: int | None,
         hold: bool,
         now: float,
     ) -> tuple[int, bool, Run | None]:
         """:meth:`insert_chain` once ``parent_run`` is known to be the run whose tail is block
-        ``first - 1`` (None at 0) and ``keys[first]`` is not stored; ``now``: the insert's time."""
+        ``first - 1`` (None at 0) and block ``first`` is not stored; ``now``: the insert's time."""
+        keys, ttls, tenant = chain.keys, chain.ttls, chain.tenant
         cap = self.capacity_bytes
         payloads: list[Any] | None = None
         no_room = False
@@ -198,9 +176,7 @@ class BudgetedTree(RunTree):
             unit = sizes[0] if sizes.count(sizes[0]) == at - first else 0  # 0: sizes differ
         if ttls[at - 1] < self.min_ttl_s:  # (the chain's shortest TTL is its last: TTLs fall along it)
             self.min_ttl_s = float(ttls[at - 1])
-        last = self._add_runs(
-            keys, packed, step, first, at, parent_run, payloads, sizes, unit, namespace, tenant, ttls, now
-        )
+        last = self._add_runs(chain, first, at, parent_run, payloads, sizes, unit, now)
         if self._listeners:
             for run, _, _ in self.chain(keys, first, at):
                 for offset in range(len(run.keys)):

@@ -16,8 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from prefixcache.cache.blocks import Run
-from prefixcache.cache.keys import BlockHash, Namespace
+from prefixcache.cache.blocks import Chain, Run
 from prefixcache.cache.store import BlockStore
 from prefixcache.cache.tiers.stack import TierStack
 
@@ -32,29 +31,25 @@ def prefetch(
     lock: threading.RLock,
     store: BlockStore,
     stack: TierStack,
-    ns: Namespace,
-    keys: list[BlockHash],
-    packed: bytes,
+    chain: Chain,
     *,
-    block_size: int,
     align: int,
-    ttls: list[float],
     adopt: Callable[[Any], Any] | None,
 ) -> int:
-    """Bring the blocks of this prompt (its ``keys`` and ``packed`` tokens, prepared as
-    ``match`` prepares them) that memory lacks and the tiers hold into memory, reading the tiers
-    without holding ``lock``. Returns blocks inserted. A later ``match`` finds them as if computed
-    (unless evicted meanwhile: then it misses, never serves wrong)."""
+    """Bring the blocks of this prompt (its ``chain``, prepared as ``match`` prepares it; a hit
+    ends on a multiple of ``align`` tokens) that memory lacks and the tiers hold into memory,
+    reading the tiers without holding ``lock``. Returns blocks inserted. A later ``match`` finds
+    them as if computed (unless evicted meanwhile: then it misses, never serves wrong)."""
     if not stack.tiers:
         return 0
-    step = 4 * block_size
+    keys, packed, block_size = chain.keys, chain.packed, chain.step >> 2
     max_blocks = (max((len(packed) >> 2) - 1, 0) // align) * align // block_size
     with lock:
         store.sweep()  # (as match does first: an expired block is not memory's)
         found, _ = store.lookup(keys, packed, max_blocks)
     if found >= max_blocks:
         return 0
-    got, unavailable = stack.read(keys, packed, step, found, max_blocks, ns.root)  # (no lock: I/O)
+    got, unavailable = stack.read(chain, found, max_blocks)  # (no lock: I/O)
     with lock:
         stack.unavailable = unavailable
         if not got:
@@ -64,7 +59,7 @@ def prefetch(
         now, _ = store.lookup(keys, packed, max_blocks)
         if not found <= now < found + len(got):
             return 0
-        return stack.insert(keys, packed, step, now, got[now - found :], ns.root, ns.tenant, ttls, adopt)
+        return stack.insert(chain, now, got[now - found :], adopt)
 
 
 def remove_in_slices(

@@ -27,7 +27,7 @@ from prefixcache.cache.pins import PinnedPrefixes
 from prefixcache.cache.reasons import CacheReason, classify, continuation_of
 from prefixcache.cache.request import CommitResult, Match
 from prefixcache.cache.stats import CacheStats, Outcome, TenantCounters, summed
-from prefixcache.cache.store import Block, BlockStore, PayloadFn, Run, Segment
+from prefixcache.cache.store import Block, BlockStore, Chain, PayloadFn, Run, Segment
 from prefixcache.cache.tiers.base import Tier
 from prefixcache.cache.tiers.codec import BlockLayout
 from prefixcache.cache.tiers.stack import TierStack
@@ -123,17 +123,17 @@ class PrefixCache:
         simulator replaying millions of requests hashes each shared prefix once. With ``packed``
         given, ``tokens`` may be None.
         """
-        align, keys, packed, ttls = self._prepare(tokens, ns, align_tokens, ttl_s, ttl_plan, keys, packed)
-        prompt_tokens = len(packed) >> 2
+        align, chain = self._prepare(tokens, ns, align_tokens, ttl_s, ttl_plan, keys, packed)
+        prompt_tokens = len(chain.packed) >> 2
         with self.lock:
-            usable, outcome, held, _, walk = self._begin(ns, keys, packed, prompt_tokens, align, ttls)
-            reason = self._explain(ns, keys, packed, align, usable, walk) if self.explain else None
+            usable, outcome, held, _, walk = self._begin(chain, prompt_tokens, align)
+            reason = self._explain(chain, align, usable, walk) if self.explain else None
             return Match(
                 namespace=ns,
                 prompt_tokens=prompt_tokens,
-                keys=keys,
-                ttls=ttls,
-                packed=packed,
+                keys=chain.keys,
+                ttls=chain.ttls,
+                packed=chain.packed,
                 block_size=self.block_size,
                 outcome=Outcome(outcome),
                 cached_blocks=usable,
@@ -158,11 +158,8 @@ class PrefixCache:
         and insert them (arguments: :meth:`match`'s). See :func:`~prefixcache.cache.isolation.prefetch`."""
         if not self._tier_stack.tiers:
             return 0
-        align, keys, packed, ttls = self._prepare(tokens, ns, align_tokens, ttl_s, ttl_plan, keys, packed)
-        parts = (self.lock, self.store, self._tier_stack)
-        return prefetch(
-            *parts, ns, keys, packed, block_size=self.block_size, align=align, ttls=ttls, adopt=self.adopt
-        )
+        align, chain = self._prepare(tokens, ns, align_tokens, ttl_s, ttl_plan, keys, packed)
+        return prefetch(self.lock, self.store, self._tier_stack, chain, align=align, adopt=self.adopt)
 
     def cached_prefix(self, keys: list[BlockHash], packed: bytes) -> int:
         """Blocks of this prompt that a request would find cached now (live, verified), without
@@ -190,29 +187,22 @@ class PrefixCache:
         if m.released:
             raise RuntimeError("commit after release: the match no longer holds its prefix")
         block_size = self.block_size
-        keys = m.keys
+        keys, ns = m.keys, m.namespace
         stop = len(keys) if upto_tokens is None else min(len(keys), max(upto_tokens, 0) // block_size)
+        chain = Chain(
+            keys=keys, packed=m.packed, step=4 * block_size, namespace=ns.root, tenant=ns.tenant, ttls=m.ttls
+        )
         with self.lock:
             start = m._depth
             reached, ranges, short, m._held = self.store.write_chain(
-                keys,
-                m.packed,
-                4 * block_size,
-                start,
-                stop,
-                m._held,
-                payload_fn,
-                m.namespace.root,
-                m.namespace.tenant,
-                m.ttls,
-                uniform_nbytes,
+                chain, start, stop, m._held, payload_fn, uniform_nbytes
             )
             for first, count in ranges:
                 m.written_keys.extend(keys[first : first + count])
             if short:
                 m.skipped_blocks = stop - reached
             m._depth = reached
-            written = self._written(self._tenants[m.namespace.tenant], keys, reached, ranges)
+            written = self._written(self._tenants[ns.tenant], keys, reached, ranges)
         return CommitResult(written, written * block_size, m.skipped_blocks)
 
     def replay(
@@ -235,13 +225,14 @@ class PrefixCache:
         if align % block_size or len(keys) != len(packed) // (4 * block_size):
             self._prepare(None, ns, align_tokens, ttl_s, None, keys, packed)  # raises what match raises
         ttls = self.policy.block_ttls(len(keys), block_size, ttl_s)
+        chain = Chain(
+            keys=keys, packed=packed, step=4 * block_size, namespace=ns.root, tenant=ns.tenant, ttls=ttls
+        )
         stop = len(keys) if upto_tokens is None else min(len(keys), max(upto_tokens, 0) // block_size)
         store = self.store
         with self.lock:
-            usable, _, held, counters, _ = self._begin(ns, keys, packed, len(packed) >> 2, align, ttls)
-            reached, ranges, _, held = store.write_chain(
-                keys, packed, 4 * block_size, usable, stop, held, None, ns.root, ns.tenant, ttls, nbytes
-            )
+            usable, _, held, counters, _ = self._begin(chain, len(packed) >> 2, align)
+            reached, ranges, _, held = store.write_chain(chain, usable, stop, held, None, nbytes)
             written = self._written(counters, keys, reached, ranges) if ranges else 0
             if held is not None:
                 store.release(held)
@@ -267,9 +258,10 @@ class PrefixCache:
         ttl_plan: TtlPlan | None,
         keys: list[BlockHash] | None,
         packed: bytes | None,
-    ) -> tuple[int, list[BlockHash], bytes, list[float]]:
+    ) -> tuple[int, Chain]:
         """Check a request and complete what the caller did not compute: (alignment in tokens,
-        keys, packed tokens, the TTL asked for each full block). Raises ValueError."""
+        the prompt's chain: keys, packed tokens, the TTL asked for each full block). Raises
+        ValueError."""
         block_size = self.block_size
         align = align_tokens or block_size
         if align % block_size:
@@ -283,22 +275,21 @@ class PrefixCache:
             keys = block_keys(None, ns, block_size, self.hasher, packed=packed)
         elif len(keys) != full_blocks:
             raise ValueError(f"keys has {len(keys)} entries; the prompt has {full_blocks} full blocks")
-        return align, keys, packed, self.policy.block_ttls(len(keys), block_size, ttl_s, ttl_plan)
+        ttls = self.policy.block_ttls(len(keys), block_size, ttl_s, ttl_plan)
+        step = 4 * block_size
+        return align, Chain(
+            keys=keys, packed=packed, step=step, namespace=ns.root, tenant=ns.tenant, ttls=ttls
+        )
 
     def _begin(
-        self,
-        ns: Namespace,
-        keys: list[BlockHash],
-        packed: bytes,
-        prompt_tokens: int,
-        align: int,
-        ttls: list[float],
+        self, chain: Chain, prompt_tokens: int, align: int
     ) -> tuple[int, str, Run | None, TenantCounters, Walk]:
         """Match's work, under the lock: expire what is due, find the usable cached prefix (the
         tiers continue it), hold and refresh its deepest block, count the request. Returns
         (usable blocks, the outcome's value, the run held or None, the tenant's counters, the
         walk: blocks found, the segments of memory's walk, blocks the request may read)."""
         block_size = self.block_size
+        keys, packed = chain.keys, chain.packed
         # Cap: at least one token is computed (there must be logits to sample from), and a hit
         # ends on an alignment boundary (the prefill chunk schedule makes that exact).
         max_blocks = (max(prompt_tokens - 1, 0) // align) * align // block_size
@@ -307,35 +298,32 @@ class PrefixCache:
         found, segments = store.lookup(keys, packed, max_blocks)
         promoted = 0
         if found < max_blocks and self.tiers and self.promote_in_match:
-            promoted = self._tier_stack.promote(
-                keys, packed, 4 * block_size, found, max_blocks, ns.root, ns.tenant, ttls, self.adopt
-            )
+            promoted = self._tier_stack.promote(chain, found, max_blocks, self.adopt)
             found += promoted
         usable = (found * block_size // align) * align // block_size
         held = None
         outcome = "miss"
         if usable:
             if promoted:
-                held = store.hold_chain(keys, 0, usable, ttls)  # (the store walks the chain)
+                held = store.hold_chain(chain, 0, usable)  # (the store walks the chain)
             else:
                 run, first, _ = segments[-1]  # the hit's deepest block is most often in the last segment
                 if usable - 1 - run.depth < first:
                     run = run_of(segments, usable - 1)
-                held = store.hold_chain(keys, 0, usable, ttls, run)
+                held = store.hold_chain(chain, 0, usable, run)
             outcome = "hit" if usable == max_blocks else "partial"
-        counters = self._tenants.get(ns.tenant)
+        counters = self._tenants.get(chain.tenant)
         if counters is None:
-            counters = self._tenants[ns.tenant] = TenantCounters()
+            counters = self._tenants[chain.tenant] = TenantCounters()
         counters.count(prompt_tokens, usable * block_size, outcome)
         return usable, outcome, held, counters, (found, segments, max_blocks)
 
-    def _explain(
-        self, ns: Namespace, keys: list[BlockHash], packed: bytes, align: int, usable: int, walk: Walk
-    ) -> CacheReason:
+    def _explain(self, chain: Chain, align: int, usable: int, walk: Walk) -> CacheReason:
         """Why the read :meth:`_begin` did (``walk``) ended where it did (see
         :mod:`~prefixcache.cache.reasons`); then remember the prompt among the namespace's recent
         ones. Caller holds the lock."""
         found, segments, max_blocks = walk
+        keys, packed = chain.keys, chain.packed
         reason = classify(
             keys=keys,
             packed=packed,
@@ -344,7 +332,7 @@ class PrefixCache:
             found=found,
             usable=usable,
             max_blocks=max_blocks,
-            namespace=ns.root,
+            namespace=chain.namespace,
             now=self.clock(),
             continuation=continuation_of(segments, found),
             ghosts=self.ghosts,
@@ -352,7 +340,7 @@ class PrefixCache:
             tier_unavailable=bool(self.tiers) and self._tier_stack.unavailable,
         )
         if self.recent is not None and keys:
-            self.recent.add(ns.root, keys[-1], packed)
+            self.recent.add(chain.namespace, keys[-1], packed)
         return reason
 
     def _written(

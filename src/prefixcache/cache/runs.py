@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prefixcache.cache.blocks import Block, Run, Segment, StoreCounters
+from prefixcache.cache.blocks import Block, Chain, Run, Segment, StoreCounters
 from prefixcache.cache.keys import BlockHash
 
 
@@ -233,24 +233,21 @@ class RunTree:
     # ------------------------------------------------------------------ structure changes
     def _add_runs(
         self,
-        keys: list[BlockHash],
-        packed: bytes,
-        step: int,
+        chain: Chain,
         first: int,
         stop: int,
         up: Run | None,
         payloads: list[Any] | None,
         sizes: list[int],
         unit: int,
-        namespace: bytes,
-        tenant: str,
-        ttls: list[float],
         now: float,
     ) -> Run:
-        """New runs for blocks ``first..stop-1`` of ``keys`` (none stored), the first a child of
-        ``up``'s tail: one run per TTL class they span. Returns the last. ``payloads`` (None:
-        every payload is None) and ``sizes`` hold blocks ``first..stop-1``; the runs may keep
-        them. Does not touch ``up``'s child count (the caller attaches)."""
+        """New runs for blocks ``first..stop-1`` of ``chain`` (none stored), the first a child of
+        ``up``'s tail: one run per TTL class they span, last used ``now``. Returns the last.
+        ``payloads`` (None: every payload is None) and ``sizes`` hold blocks ``first..stop-1``;
+        the runs may keep them. Does not touch ``up``'s child count (the caller attaches)."""
+        keys, packed, step, ttls = chain.keys, chain.packed, chain.step, chain.ttls
+        namespace, tenant = chain.namespace, chain.tenant
         parent = keys[first - 1] if first else None
         index = self._index
         if ttls[stop - 1] == ttls[first]:  # one TTL class, the usual case: one run

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prefixcache.cache.blocks import Block, Run, Segment, StoreCounters
+from prefixcache.cache.blocks import Block, Chain, Run, Segment, StoreCounters
 from prefixcache.cache.budget import BudgetedTree, Listener, PayloadFn
 from prefixcache.cache.clock import Clock, monotonic
 from prefixcache.cache.config import DEFAULTS
@@ -32,6 +32,7 @@ from prefixcache.cache.keys import BlockHash
 __all__ = [
     "Block",
     "BlockStore",
+    "Chain",
     "CacheFullError",
     "Listener",
     "PayloadFn",
@@ -79,19 +80,14 @@ class BlockStore(BudgetedTree):
 
     def write_chain(
         self,
-        keys: list[BlockHash],
-        packed: bytes,
-        step: int,
+        chain: Chain,
         start: int,
         stop: int,
         held: Run | None,
         payload_fn: PayloadFn | None,
-        namespace: bytes,
-        tenant: str,
-        ttls: list[float],
         uniform_nbytes: int | None = None,
     ) -> tuple[int, list[tuple[int, int]], bool, Run | None]:
-        """Store the blocks ``start..stop-1`` of the chain ``keys`` not stored yet, then hold the
+        """Store the blocks ``start..stop-1`` of ``chain`` not stored yet, then hold the
         deepest block reached instead of ``held`` (the caller's run holding block ``start - 1``,
         None when ``start`` is 0), as :meth:`hold_chain` does.
 
@@ -101,6 +97,7 @@ class BlockStore(BudgetedTree):
         Returns (the block reached, the (first, count) ranges inserted, whether it stopped for
         lack of room, the run now held: ``held`` when no block was reached).
         """
+        keys, packed = chain.keys, chain.packed
         index = self._index
         now = self.clock()  # (one instant for the inserts and the hold)
         last = held  # the run holding block ``at - 1`` (None at 0)
@@ -123,19 +120,7 @@ class BlockStore(BudgetedTree):
                 if at < parent_run.depth + len(parent_run.keys):  # a new branch off the middle of a run
                     parent_run = last = self.split(parent_run, at - 1 - parent_run.depth)
             inserted, no_room, run = self._insert(
-                keys,
-                packed,
-                step,
-                at,
-                stop,
-                parent_run,
-                payload_fn,
-                namespace,
-                tenant,
-                ttls,
-                uniform_nbytes,
-                True,
-                now,
+                chain, at, stop, parent_run, payload_fn, uniform_nbytes, True, now
             )
             if inserted:
                 ranges.append((at, inserted))
@@ -145,23 +130,22 @@ class BlockStore(BudgetedTree):
                 short = True
                 break
         if at > start:
-            held = self.hold_chain(keys, start, at, ttls, last, held, now)
+            held = self.hold_chain(chain, start, at, last, held, now)
         return at, ranges, short, held
 
     def hold_chain(
         self,
-        keys: list[BlockHash],
+        chain: Chain,
         start: int,
         stop: int,
-        ttls: list[float],
         run: Run | None = None,
         previous: Run | None = None,
         now: float | None = None,
     ) -> Run:
-        """Take a reference on block ``stop - 1`` of the stored chain ``keys`` and refresh it,
-        dropping the reference on ``previous`` (the caller's, or None); raise the blocks of
-        ``keys[start:stop]`` to the TTLs asked (``ttls``, indexed from block 0: a block keeps the
-        longest TTL it was asked for). Returns the run whose tail that block now is: the caller
+        """Take a reference on block ``stop - 1`` of the stored ``chain`` and refresh it,
+        dropping the reference on ``previous`` (the caller's, or None); raise its blocks
+        ``start..stop-1`` to the TTLs asked (``chain.ttls``: a block keeps the longest TTL it was
+        asked for). Returns the run whose tail that block now is: the caller
         must :meth:`release` it. ``run``: the run holding the block when the caller knows it
         (else the chain is walked from its root). ``now``: the time of the use (default: the
         clock's).
@@ -172,7 +156,7 @@ class BlockStore(BudgetedTree):
         if now is None:
             now = self.clock()
         if run is None:
-            run = self.locate(keys, stop - 1)[0]
+            run = self.locate(chain.keys, stop - 1)[0]
         tail = run if stop == run.depth + len(run.keys) else self.split(run, stop - 1 - run.depth)
         if tail in self._lru:  # (acquire, inlined: this is every request's path)
             self._leaves.leave(tail)
@@ -181,20 +165,22 @@ class BlockStore(BudgetedTree):
             self.release(previous, now)
         # ttls[start] is the longest asked (asked TTLs never grow along a chain); no block can be
         # below it when no run was ever stored with a shorter class (the usual single-TTL case).
+        ttls = chain.ttls
         if ttls[start] > self.min_ttl_s:
-            self._raise_ttls(keys, start, stop, ttls, tail)
+            self._raise_ttls(chain, start, stop, tail)
         if ttls[stop - 1] > tail.ttl_s:
             self.touch(tail, ttls[stop - 1], now)
         else:  # (touch, inlined: a held block is in no queue, and its class stays)
             tail.last_used = now
         return tail
 
-    def _raise_ttls(self, keys: list[BlockHash], start: int, stop: int, ttls: list[float], tail: Run) -> None:
-        """Raise every block of ``keys[start:stop]`` stored with a shorter TTL than asked, each
+    def _raise_ttls(self, chain: Chain, start: int, stop: int, tail: Run) -> None:
+        """Raise every block ``start..stop-1`` of ``chain`` stored with a shorter TTL than asked, each
         group of equal asked TTL as a run of its own. None of these blocks is queued (all have a
         child but the tail, which is held), so the order of the raises does not matter."""
+        ttls = chain.ttls
         longest = ttls[start]
-        segments = self.chain(keys, start, stop)
+        segments = self.chain(chain.keys, start, stop)
         if longest <= tail.ttl_s and all(longest <= run.ttl_s for run, _, _ in segments):
             return
         # Deepest run first: a split moves a run's head to a new run and leaves the runs before

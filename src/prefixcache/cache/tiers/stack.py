@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from prefixcache.cache.blocks import Block
+from prefixcache.cache.blocks import Block, Chain
 from prefixcache.cache.keys import BlockHash
 from prefixcache.cache.store import BlockStore
 from prefixcache.cache.tiers.base import Tier
@@ -42,33 +42,21 @@ class TierStack:
             self.store.add_listener(self._demote)
         self.tiers.append(tier)
 
-    def promote(
-        self,
-        keys: list[BlockHash],
-        packed: bytes,
-        step: int,
-        start: int,
-        stop: int,
-        namespace: bytes,
-        tenant: str,
-        ttls: list[float],
-        adopt: Callable[[Any], Any] | None,
-    ) -> int:
-        """Bring blocks ``start..stop-1`` of the chain ``keys`` up from the tiers into the store, as
+    def promote(self, chain: Chain, start: int, stop: int, adopt: Callable[[Any], Any] | None) -> int:
+        """Bring blocks ``start..stop-1`` of ``chain`` up from the tiers into the store, as
         far as the tiers hold them in a row (block ``start - 1`` must be stored). Each is queued as
         a leaf. ``adopt`` turns a tier's payload into the engine's own kind (None keeps it).
         Returns how many came up; sets :attr:`unavailable`."""
-        got, unavailable = self.read(keys, packed, step, start, stop, namespace)
+        got, unavailable = self.read(chain, start, stop)
         self.unavailable = unavailable
-        return self.insert(keys, packed, step, start, got, namespace, tenant, ttls, adopt)
+        return self.insert(chain, start, got, adopt)
 
-    def read(
-        self, keys: list[BlockHash], packed: bytes, step: int, start: int, stop: int, namespace: bytes
-    ) -> tuple[list[tuple[Any, int]], bool]:
+    def read(self, chain: Chain, start: int, stop: int) -> tuple[list[tuple[Any, int]], bool]:
         """The tier I/O of :meth:`promote`, touching no store (call it without the cache's lock):
-        the (payload, nbytes) of blocks ``start..`` of the chain ``keys``, as far as the tiers hold
+        the (payload, nbytes) of blocks ``start..`` of ``chain``, as far as the tiers hold
         them in a row (each tier continues where the one above stopped), each verified by its
         tier as :meth:`promote` does; and whether a tier failed or was skipped by its breaker."""
+        keys, packed, step, namespace = chain.keys, chain.packed, chain.step, chain.namespace
         out: list[tuple[Any, int]] = []
         unavailable = False
         for tier in list(self.tiers):
@@ -85,16 +73,7 @@ class TierStack:
         return out, unavailable
 
     def insert(
-        self,
-        keys: list[BlockHash],
-        packed: bytes,
-        step: int,
-        start: int,
-        got: list[tuple[Any, int]],
-        namespace: bytes,
-        tenant: str,
-        ttls: list[float],
-        adopt: Callable[[Any], Any] | None,
+        self, chain: Chain, start: int, got: list[tuple[Any, int]], adopt: Callable[[Any], Any] | None
     ) -> int:
         """Insert blocks ``start..`` read by :meth:`read` into the store (block ``start - 1``
         must be stored), each queued as a leaf, stopping at the first the store refuses.
@@ -104,16 +83,7 @@ class TierStack:
             if adopt is not None:
                 payload = adopt(payload)
             inserted, _, _ = self.store.insert_chain(
-                keys,
-                packed,
-                step,
-                at,
-                at + 1,
-                None,
-                _constant_payload(payload, nbytes),
-                namespace=namespace,
-                tenant=tenant,
-                ttls=ttls,
+                chain, at, at + 1, None, _constant_payload(payload, nbytes)
             )
             if not inserted:
                 break
