@@ -8,7 +8,9 @@
 The manager maps a prompt to block keys and hides the store behind typed results; it knows
 nothing of tensors (payloads are opaque) or of HTTP. All public methods are thread-safe: one lock
 covers the store and the tiers' bookkeeping. It reaches the store through the store's public
-methods and the tiers through a :class:`~prefixcache.cache.tiers.stack.TierStack`.
+methods, the tiers through a :class:`~prefixcache.cache.tiers.stack.TierStack`; a
+:class:`~prefixcache.cache.reasons.Explainer` tells why each read ended where it did, and
+:func:`~prefixcache.cache.stats.cache_stats` makes the stats snapshot.
 """
 
 from __future__ import annotations
@@ -20,22 +22,18 @@ from typing import Any
 from prefixcache.cache.blocks import run_of
 from prefixcache.cache.clock import Clock, monotonic
 from prefixcache.cache.config import DEFAULTS, TtlPlan, TtlPolicy
-from prefixcache.cache.ghosts import GhostRecord, RecentPrompts
 from prefixcache.cache.isolation import prefetch, remove_in_slices
 from prefixcache.cache.keys import BlockHash, Hasher, Namespace, block_keys, pack_tokens, sha256_hasher
 from prefixcache.cache.pins import PinnedPrefixes
-from prefixcache.cache.reasons import CacheReason, classify, continuation_of
+from prefixcache.cache.reasons import Explainer, Walk
 from prefixcache.cache.request import CommitResult, Match
-from prefixcache.cache.stats import CacheStats, Outcome, TenantCounters, summed
-from prefixcache.cache.store import Block, BlockStore, Chain, PayloadFn, Run, Segment
+from prefixcache.cache.stats import CacheStats, Outcome, TenantCounters, cache_stats
+from prefixcache.cache.store import Block, BlockStore, Chain, PayloadFn, Run
 from prefixcache.cache.tiers.base import Tier
 from prefixcache.cache.tiers.codec import BlockLayout
 from prefixcache.cache.tiers.stack import TierStack
 
 __all__ = ["CommitResult", "Match", "PayloadFn", "PrefixCache", "Tier"]
-
-#: What a match's walk found: (blocks found, memory's segments, blocks the request may read).
-Walk = tuple[int, list[Segment], int]
 
 
 class PrefixCache:
@@ -71,11 +69,9 @@ class PrefixCache:
         self.reasons_bytes = reasons_bytes
         self.explain = explain
         # Half the reasons' budget remembers removed blocks, half the tenants' recent prompts.
-        self.ghosts: GhostRecord | None = None
-        self.recent: RecentPrompts | None = None
-        if reasons_bytes:
-            self.ghosts = GhostRecord(reasons_bytes // 2, self.clock)
-            self.recent = RecentPrompts(reasons_bytes - reasons_bytes // 2)
+        self._explainer = Explainer(reasons_bytes, self.clock, block_size)
+        self.ghosts, self.recent = self._explainer.ghosts, self._explainer.recent  # (None: no budget)
+        if self.ghosts is not None:
             self.store.add_removal_listener(self.ghosts.on_removal)
         self._tier_stack = TierStack(self.store)
         self.tiers: list[Tier] = self._tier_stack.tiers  # in lookup order; add with add_tier
@@ -127,7 +123,12 @@ class PrefixCache:
         prompt_tokens = len(chain.packed) >> 2
         with self.lock:
             usable, outcome, held, _, walk = self._begin(chain, prompt_tokens, align)
-            reason = self._explain(chain, align, usable, walk) if self.explain else None
+            reason = None
+            if self.explain:
+                unavailable = bool(self.tiers) and self._tier_stack.unavailable
+                reason = self._explainer.explain(
+                    chain, align, usable, walk, now=self.clock(), tier_unavailable=unavailable
+                )
             return Match(
                 namespace=ns,
                 prompt_tokens=prompt_tokens,
@@ -318,31 +319,6 @@ class PrefixCache:
         counters.count(prompt_tokens, usable * block_size, outcome)
         return usable, outcome, held, counters, (found, segments, max_blocks)
 
-    def _explain(self, chain: Chain, align: int, usable: int, walk: Walk) -> CacheReason:
-        """Why the read :meth:`_begin` did (``walk``) ended where it did (see
-        :mod:`~prefixcache.cache.reasons`); then remember the prompt among the namespace's recent
-        ones. Caller holds the lock."""
-        found, segments, max_blocks = walk
-        keys, packed = chain.keys, chain.packed
-        reason = classify(
-            keys=keys,
-            packed=packed,
-            block_size=self.block_size,
-            align=align,
-            found=found,
-            usable=usable,
-            max_blocks=max_blocks,
-            namespace=chain.namespace,
-            now=self.clock(),
-            continuation=continuation_of(segments, found),
-            ghosts=self.ghosts,
-            recent=self.recent,
-            tier_unavailable=bool(self.tiers) and self._tier_stack.unavailable,
-        )
-        if self.recent is not None and keys:
-            self.recent.add(chain.namespace, keys[-1], packed)
-        return reason
-
     def _written(
         self, counters: TenantCounters, keys: list[BlockHash], reached: int, ranges: list[tuple[int, int]]
     ) -> int:
@@ -458,35 +434,9 @@ class PrefixCache:
             return self.store.snapshots(keys, missing_ok=missing_ok)
 
     def stats(self, tenant: str | None = None) -> CacheStats:
+        """Traffic counters (one tenant's, or every tenant's summed) and what is held for them."""
         with self.lock:
-            counters = (
-                summed(self._tenants.values())
-                if tenant is None
-                else self._tenants.get(tenant, TenantCounters())
-            )
-            store = self.store
-            evictions = dict(store.counters.evictions)
-            if tenant is None:
-                blocks, held_bytes = len(store), store.bytes + store.pinned_bytes
-            else:
-                blocks, held_bytes = store.tenant_blocks.get(tenant, 0), store.tenant_bytes.get(tenant, 0)
-            return CacheStats(
-                requests=counters.requests,
-                queried_tokens=counters.queried_tokens,
-                hit_tokens=counters.hit_tokens,
-                written_tokens=counters.written_tokens,
-                blocks=blocks,
-                bytes=held_bytes,
-                pinned_blocks=store.pinned_blocks,
-                pinned_bytes=store.pinned_bytes,
-                capacity_bytes=store.capacity_bytes,
-                evictions=evictions,
-                expirations=evictions.get("ttl", 0),
-                collisions=store.counters.collisions,
-                hits_by_outcome=dict(counters.outcomes),
-                tier_hits=self._tier_stack.promoted_blocks,
-                tenant=tenant,
-            )
+            return cache_stats(self._tenants, self.store, self._tier_stack.promoted_blocks, tenant)
 
     def check_integrity(self) -> None:
         """Assert every invariant of the store and of the pinned prefixes (O(n): tests)."""

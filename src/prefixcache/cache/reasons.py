@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from prefixcache.cache.blocks import Segment
+from prefixcache.cache.blocks import Chain, Segment
+from prefixcache.cache.clock import Clock
 from prefixcache.cache.ghosts import GhostRecord, RecentPrompts
 from prefixcache.cache.keys import BlockHash, unpack_tokens
 
@@ -34,7 +35,9 @@ __all__ = [
     "CONTEXT_TOKENS",
     "CacheReason",
     "Continuation",
+    "Explainer",
     "Reason",
+    "Walk",
     "classify",
     "continuation_of",
     "missed_tokens",
@@ -102,6 +105,9 @@ class CacheReason:
     cached_span: tuple[int, ...] = field(default=(), repr=False)
     cached_hidden: bool = False
 
+
+#: What a match's walk found: (blocks found, memory's segments, blocks the request may read).
+Walk = tuple[int, list[Segment], int]
 
 #: The live run a walk stopped inside: (its packed tokens from block ``n`` on, its blocks from ``n`` on).
 Continuation = tuple[bytes, int]
@@ -202,6 +208,48 @@ def classify(
         cached_after=tuple(unpack_tokens(shown)),
         cached_span=tuple(unpack_tokens(best_other[: blocks * step])),
     )
+
+
+class Explainer:
+    """What a cache keeps to explain its misses, and the explaining: within ``nbytes``, half for
+    the ghost record of removed blocks (:attr:`ghosts`), half for each namespace's recent prompts
+    (:attr:`recent`); 0 keeps neither (a miss is then told apart only as ``diverged`` inside a
+    live run, ``new_prefix`` or the rest). ``clock``: the ghost record's. Not thread-safe: the
+    cache calls it under its lock (and feeds ``ghosts.on_removal`` the store's removals)."""
+
+    def __init__(self, nbytes: int, clock: Clock, block_size: int) -> None:
+        self.block_size = block_size
+        self.ghosts: GhostRecord | None = None
+        self.recent: RecentPrompts | None = None
+        if nbytes:
+            self.ghosts = GhostRecord(nbytes // 2, clock)
+            self.recent = RecentPrompts(nbytes - nbytes // 2)
+
+    def explain(
+        self, chain: Chain, align: int, usable: int, walk: Walk, *, now: float, tier_unavailable: bool
+    ) -> CacheReason:
+        """Why a read of ``chain`` that found ``walk`` and read ``usable`` blocks ended there
+        (:func:`classify`); then remember the prompt among its namespace's recent ones."""
+        found, segments, max_blocks = walk
+        keys, packed = chain.keys, chain.packed
+        reason = classify(
+            keys=keys,
+            packed=packed,
+            block_size=self.block_size,
+            align=align,
+            found=found,
+            usable=usable,
+            max_blocks=max_blocks,
+            namespace=chain.namespace,
+            now=now,
+            continuation=continuation_of(segments, found),
+            ghosts=self.ghosts,
+            recent=self.recent,
+            tier_unavailable=tier_unavailable,
+        )
+        if self.recent is not None and keys:
+            self.recent.add(chain.namespace, keys[-1], packed)
+        return reason
 
 
 def _first_difference(ours: bytes, other: bytes) -> int | None:

@@ -1,11 +1,13 @@
-"""Counters in tokens and bytes, and the per-request usage record."""
+"""Counters in tokens and bytes, the per-request usage record, and the cache's stats snapshot."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from typing import Protocol
 
+from prefixcache.cache.blocks import StoreCounters
 from prefixcache.cache.reasons import CacheReason
 
 
@@ -105,3 +107,54 @@ def summed(tenants: Iterable[TenantCounters]) -> TenantCounters:
         for outcome, requests in counters.outcomes.items():
             totals.outcomes[outcome] += requests
     return totals
+
+
+class Holdings(Protocol):
+    """What :func:`cache_stats` reads of the store (:class:`~prefixcache.cache.store.BlockStore`)."""
+
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def pinned_bytes(self) -> int: ...
+    @property
+    def pinned_blocks(self) -> int: ...
+    @property
+    def capacity_bytes(self) -> int: ...
+    @property
+    def tenant_blocks(self) -> dict[str, int]: ...
+    @property
+    def tenant_bytes(self) -> dict[str, int]: ...
+    @property
+    def counters(self) -> StoreCounters: ...
+    def __len__(self) -> int: ...
+
+
+def cache_stats(
+    tenants: Mapping[str, TenantCounters], store: Holdings, tier_hits: int, tenant: str | None = None
+) -> CacheStats:
+    """The snapshot of a cache: one tenant's traffic (None: every tenant's, summed) and what the
+    store holds for it, with the store's evictions and collisions and the blocks promoted from
+    the tiers (``tier_hits``). The caller holds the cache's lock."""
+    counters = summed(tenants.values()) if tenant is None else tenants.get(tenant, TenantCounters())
+    evictions = dict(store.counters.evictions)
+    if tenant is None:
+        blocks, held_bytes = len(store), store.bytes + store.pinned_bytes
+    else:
+        blocks, held_bytes = store.tenant_blocks.get(tenant, 0), store.tenant_bytes.get(tenant, 0)
+    return CacheStats(
+        requests=counters.requests,
+        queried_tokens=counters.queried_tokens,
+        hit_tokens=counters.hit_tokens,
+        written_tokens=counters.written_tokens,
+        blocks=blocks,
+        bytes=held_bytes,
+        pinned_blocks=store.pinned_blocks,
+        pinned_bytes=store.pinned_bytes,
+        capacity_bytes=store.capacity_bytes,
+        evictions=evictions,
+        expirations=evictions.get("ttl", 0),
+        collisions=store.counters.collisions,
+        hits_by_outcome=dict(counters.outcomes),
+        tier_hits=tier_hits,
+        tenant=tenant,
+    )
