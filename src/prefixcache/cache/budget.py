@@ -1,4 +1,4 @@
-"""BudgetedTree: the run tree under byte budgets. What enters is charged; what leaves goes here.
+"""BudgetedTree: a run tree under byte budgets. What enters is charged; what leaves goes here.
 
 Only *leaves* (blocks with no cached child) are ever evicted or expired, so a chain is trimmed from
 its tail and never orphaned in the middle, and an ancestor's freshness is the freshest of its
@@ -7,13 +7,16 @@ expiry, which is always ``last_used + ttl_s``). The evictable leaves wait in
 :class:`~prefixcache.cache.leaves.LeafQueues` (LRU and per-TTL expiry order), so eviction and
 expiry cost what they remove, not what is held.
 
-* :meth:`BudgetedTree.insert_chain` charges new blocks, making room first (``_make_room``: LRU
-  leaves, block by block as one insert each would evict them).
+* :meth:`BudgetedTree.insert_chain` charges new blocks, making room first (:meth:`make_room`:
+  LRU leaves, block by block as one insert each would evict them).
 * :meth:`BudgetedTree.sweep` removes the leaves whose TTL has passed; ``remove_where`` flushes.
-* ``_drop`` is the one way blocks leave: it uncharges them, cuts them from the tree, tells the
-  listeners, and hands back a parent that became an evictable leaf.
+* :meth:`BudgetedTree.drop` is the one way blocks leave: it uncharges them, cuts them from the
+  tree, tells the listeners, and hands back a parent that became an evictable leaf.
 
-:class:`~prefixcache.cache.store.BlockStore` extends this with references, TTL classes and pins.
+It holds the :class:`~prefixcache.cache.runs.RunTree` and the
+:class:`~prefixcache.cache.leaves.LeafQueues` it is given, and reaches them through their public
+names; :class:`~prefixcache.cache.store.BlockStore` holds all three and adds references, TTL
+classes and pins.
 """
 
 from __future__ import annotations
@@ -39,22 +42,22 @@ RemovalListener = Callable[[list[BlockHash], bytes, str, float], None]
 PayloadFn = Callable[[int], tuple[Any, int]]
 
 
-class BudgetedTree(RunTree):
-    """A :class:`RunTree` under a byte budget, with a separate budget for pinned blocks (the
-    store above moves bytes between the two). Not thread-safe."""
+class BudgetedTree:
+    """``tree`` under a byte budget, with a separate budget for pinned blocks (the store above
+    moves bytes between the two, :meth:`to_pinned` and :meth:`from_pinned`); its evictable leaves
+    wait in ``leaves``. Not thread-safe."""
 
-    def __init__(self, capacity_bytes: int, pinned_capacity_bytes: int, clock: Clock) -> None:
+    def __init__(
+        self, tree: RunTree, leaves: LeafQueues, capacity_bytes: int, pinned_capacity_bytes: int, clock: Clock
+    ) -> None:
         if capacity_bytes < 0 or pinned_capacity_bytes < 0:
             raise ValueError("capacity_bytes and pinned_capacity_bytes must be >= 0")
-        super().__init__()
+        self.tree = tree
+        self.leaves = leaves
         self.capacity_bytes = int(capacity_bytes)
         self.pinned_capacity_bytes = int(pinned_capacity_bytes)
-        self.clock = clock  # read on every use (a test may swap it)
-        self._leaves = LeafQueues()
-        # The queues themselves, for membership tests on the hot path and for the differential
-        # test (tests/cache/test_runs_match_reference.py); only LeafQueues reorders them.
-        self._lru = self._leaves.lru
-        self._expiry = self._leaves.expiry
+        self.clock = clock  # read on every use (a test may swap it: through the store)
+        self._lru = leaves.lru  # (for membership tests on the hot path; only LeafQueues reorders it)
         self._listeners: list[Listener] = []
         self._removal_listeners: list[RemovalListener] = []
         self.bytes = 0  # unpinned blocks
@@ -66,14 +69,13 @@ class BudgetedTree(RunTree):
         self.min_ttl_s = float("inf")
         #: Each tenant's share of ``capacity_bytes`` (see :mod:`~prefixcache.cache.shares`); None: one LRU.
         self.tenant_share: float | None = None
-        self._inserting: str | None = None  # the tenant whose insert is making room
 
     def set_tenant_share(self, share: float | None) -> None:
         """Over ``share`` (0 < share <= 1) of the capacity, a tenant's inserts evict its own leaves first."""
         if share is not None and not 0.0 < share <= 1.0:
             raise ValueError(f"the tenant capacity share must be in (0, 1]; got {share}")
         if share is not None:
-            self._leaves.track_tenants()
+            self.leaves.track_tenants()
         self.tenant_share = share
 
     def add_listener(self, fn: Listener) -> None:
@@ -121,15 +123,15 @@ class BudgetedTree(RunTree):
             parent_run = None
         elif parent_run is None or not parent_run.keys or parent_run.keys[-1] != keys[first - 1]:
             try:
-                parent_run = self.tail_at(keys, first - 1)
+                parent_run = self.tree.tail_at(keys, first - 1)
             except (KeyError, IndexError):
                 return 0, True, None  # the parent is not stored
         depth = 0 if parent_run is None else parent_run.depth + len(parent_run.keys)
         if depth != first:
             raise ValueError(f"keys[{first}] follows a block at depth {depth - 1}: the chain is not rooted")
-        return self._insert(chain, first, stop, parent_run, payload_fn, uniform_nbytes, hold, self.clock())
+        return self.insert(chain, first, stop, parent_run, payload_fn, uniform_nbytes, hold, self.clock())
 
-    def _insert(
+    def insert(
         self,
         chain: Chain,
         first: int,
@@ -146,7 +148,6 @@ class BudgetedTree(RunTree):
         cap = self.capacity_bytes
         payloads: list[Any] | None = None
         no_room = False
-        self._inserting = tenant
         at = first
         if uniform_nbytes is not None and uniform_nbytes <= cap:
             # None of them is stored: a block's key names its whole prefix, and block ``first``
@@ -156,7 +157,7 @@ class BudgetedTree(RunTree):
             if self.bytes + total > cap:
                 # If this fails, everything evictable is gone and the block-by-block insert below
                 # stops where it would have.
-                self._make_room(total, parent_run)
+                self.make_room(total, parent_run, tenant)
             if payload_fn is None and self.bytes + total <= cap:
                 # Room for all of them: no eviction can happen between them, so they go in at once.
                 if first == stop:
@@ -168,7 +169,7 @@ class BudgetedTree(RunTree):
                 at = stop
         if at == first:  # block by block: each block may need room, made before it goes in
             payloads, sizes, at, no_room = self._take_blocks(
-                keys, first, stop, parent_run, payload_fn, uniform_nbytes
+                keys, first, stop, parent_run, payload_fn, uniform_nbytes, tenant
             )
             if at == first:
                 return 0, no_room, None
@@ -176,9 +177,9 @@ class BudgetedTree(RunTree):
             unit = sizes[0] if sizes.count(sizes[0]) == at - first else 0  # 0: sizes differ
         if ttls[at - 1] < self.min_ttl_s:  # (the chain's shortest TTL is its last: TTLs fall along it)
             self.min_ttl_s = float(ttls[at - 1])
-        last = self._add_runs(chain, first, at, parent_run, payloads, sizes, unit, now)
+        last = self.tree.add_runs(chain, first, at, parent_run, payloads, sizes, unit, now)
         if self._listeners:
-            for run, _, _ in self.chain(keys, first, at):
+            for run, _, _ in self.tree.chain(keys, first, at):
                 for offset in range(len(run.keys)):
                     for fn in self._listeners:
                         fn("insert", run.block(offset))
@@ -187,7 +188,7 @@ class BudgetedTree(RunTree):
         tenant_bytes = self.tenant_bytes
         tenant_bytes[tenant] = tenant_bytes.get(tenant, 0) + total
         if not hold or (not no_room and at < stop):
-            self._leaves.enter(last)
+            self.leaves.enter(last)
         return at - first, no_room, last
 
     def _take_blocks(
@@ -198,12 +199,13 @@ class BudgetedTree(RunTree):
         parent_run: Run | None,
         payload_fn: PayloadFn | None,
         uniform_nbytes: int | None,
+        tenant: str,
     ) -> tuple[list[Any], list[int], int, bool]:
-        """The block-by-block part of an insert: make room for and charge each block from
-        ``first`` in turn, stopping before a stored key or for lack of room. Returns (payloads,
-        sizes, the block it stopped at, whether for lack of room). Until the chain is complete
-        its blocks are in no queue, so they cannot be victims."""
-        index = self._index
+        """The block-by-block part of ``tenant``'s insert: make room for and charge each block
+        from ``first`` in turn, stopping before a stored key or for lack of room. Returns
+        (payloads, sizes, the block it stopped at, whether for lack of room). Until the chain is
+        complete its blocks are in no queue, so they cannot be victims."""
+        index = self.tree.index
         cap = self.capacity_bytes
         payloads: list[Any] = []
         sizes: list[int] = []
@@ -212,9 +214,10 @@ class BudgetedTree(RunTree):
             payload, nbytes = payload_fn(at) if payload_fn is not None else (None, uniform_nbytes)
             nbytes = int(nbytes)  # type: ignore[arg-type]
             if nbytes > cap or (
-                self.bytes + nbytes > cap and not self._make_room(nbytes, parent_run if at == first else None)
+                self.bytes + nbytes > cap
+                and not self.make_room(nbytes, parent_run if at == first else None, tenant)
             ):
-                self.counters.rejected += 1
+                self.tree.counters.rejected += 1
                 return payloads, sizes, at, True
             if at == first:
                 self._attach(parent_run)  # now: later blocks' evictions must not take the parent
@@ -228,7 +231,7 @@ class BudgetedTree(RunTree):
         """``parent_run``'s tail gets a child: it is no longer a leaf."""
         if parent_run is not None:
             if parent_run.n_children == 0 and parent_run in self._lru:
-                self._leaves.leave(parent_run)
+                self.leaves.leave(parent_run)
             parent_run.n_children += 1
 
     # ------------------------------------------------------------------ what leaves
@@ -236,7 +239,7 @@ class BudgetedTree(RunTree):
         """Remove every unreferenced, unpinned block whose TTL has passed. Returns blocks removed.
         O(expired + TTL classes)."""
         now = self.clock()
-        leaves = self._leaves
+        leaves = self.leaves
         if now < leaves.earliest:  # nothing is due (every request sweeps: this is the usual case)
             return 0
         leaves.earliest = float("inf")  # (every class's last pop_due sets it again; so does enter)
@@ -256,7 +259,7 @@ class BudgetedTree(RunTree):
                     due = run.last_used + run.ttl_s
                     count = len(run.keys) if after is None or due <= after.last_used + after.ttl_s else 1
                     removed += count
-                    orphan = self._drop(run, count, "ttl", requeue=False)
+                    orphan = self.drop(run, count, "ttl", requeue=False)
                     if run.keys:  # part of the run is left: its new tail is queued
                         leaves.enter(run, ordered=True)
                         continue
@@ -269,7 +272,7 @@ class BudgetedTree(RunTree):
                         and leaves.none_before(ttl, orphan.last_used + orphan.ttl_s)
                     ):
                         removed += len(orphan.keys)
-                        orphan = self._drop(orphan, len(orphan.keys), "ttl", requeue=False)
+                        orphan = self.drop(orphan, len(orphan.keys), "ttl", requeue=False)
                     if orphan is not None:
                         leaves.enter(orphan, ordered=True)
         return removed
@@ -278,7 +281,7 @@ class BudgetedTree(RunTree):
         """Remove every unreferenced, unpinned block of the runs for which ``pred`` holds
         (``pred`` sees a run's ``namespace`` and ``tenant``), leaves first. Returns blocks removed."""
         victims = sorted(
-            (run for run in self.runs() if run.pin_count == 0 and pred(run)),
+            (run for run in self.tree.runs() if run.pin_count == 0 and pred(run)),
             key=lambda run: -(run.depth + len(run.keys)),
         )
         return self.remove_runs(victims, reason)
@@ -290,20 +293,22 @@ class BudgetedTree(RunTree):
         for run in victims:
             if run.n_children == 0 and run.ref_count == 0 and run.pin_count == 0 and run.keys:
                 if run in self._lru:
-                    self._leaves.leave(run)
+                    self.leaves.leave(run)
                 removed += len(run.keys)
-                self._drop(run, len(run.keys), reason, requeue=True)
+                self.drop(run, len(run.keys), reason, requeue=True)
         return removed
 
-    def _make_room(self, nbytes: int, protect: Run | None = None) -> bool:
+    def make_room(self, nbytes: int, protect: Run | None = None, tenant: str | None = None) -> bool:
         """Evict LRU leaves until ``nbytes`` more fit; False when nothing (but ``protect``) is left
         to evict. The victims, their order and where the rest is queued are those of evicting
         one leaf block at a time; a run's blocks go in one step where that changes nothing.
-        ``protect``: the parent of a block being inserted, which must survive its child's insert."""
+        ``protect``: the parent of a block being inserted, which must survive its child's insert.
+        ``tenant``: the tenant inserting, whose own leaves go first while it is over its share
+        (None: room comes from the LRU alone, as for bytes that are the tenant's already)."""
         cap = self.capacity_bytes
-        leaves = self._leaves
-        if self.tenant_share is not None and self._inserting is not None:
-            evict_own(self, self._inserting, nbytes, protect)
+        leaves = self.leaves
+        if self.tenant_share is not None and tenant is not None:
+            evict_own(self, tenant, nbytes, protect)
         while self.bytes + nbytes > cap:
             picked = leaves.victim(protect)
             if picked is None:
@@ -322,9 +327,9 @@ class BudgetedTree(RunTree):
                     if count > length:
                         count = length
                 else:
-                    count = self._blocks_to_free(victim, self.bytes + nbytes - cap)
+                    count = self.blocks_to_free(victim, self.bytes + nbytes - cap)
                 if count < length:  # part of the run is left: its new tail is queued as a leaf entering
-                    self._drop(victim, count, "capacity", requeue=False)  # (touches no queue)
+                    self.drop(victim, count, "capacity", requeue=False)  # (touches no queue)
                     if queued:
                         leaves.requeue_trimmed(victim, front, lead)
                     else:
@@ -332,7 +337,7 @@ class BudgetedTree(RunTree):
                     break
                 if queued:
                     leaves.leave(victim)
-                orphan = self._drop(victim, count, "capacity", requeue=False)
+                orphan = self.drop(victim, count, "capacity", requeue=False)
                 # The run is gone; its parent, if now an evictable leaf, is the next victim while
                 # room is needed and it is at least as old as the front.
                 if orphan is None:
@@ -350,7 +355,7 @@ class BudgetedTree(RunTree):
         return True
 
     @staticmethod
-    def _blocks_to_free(run: Run, need: int) -> int:
+    def blocks_to_free(run: Run, need: int) -> int:
         """How many of ``run``'s last blocks free at least ``need`` bytes (all of them at most)."""
         length = len(run.keys)
         count, freed, sizes = 0, 0, run.sizes
@@ -359,7 +364,7 @@ class BudgetedTree(RunTree):
             freed += sizes[-count]
         return count
 
-    def _drop(self, run: Run, count: int, reason: str, *, requeue: bool) -> Run | None:
+    def drop(self, run: Run, count: int, reason: str, *, requeue: bool) -> Run | None:
         """Remove the last ``count`` blocks of an unqueued, unpinned ``run`` (tail first), telling
         the listeners. When the run empties, its parent's tail, now possibly a leaf, inherits its
         freshness; an evictable leaf parent is queued (``requeue``) or returned for the caller to
@@ -376,9 +381,9 @@ class BudgetedTree(RunTree):
         self.bytes -= freed
         self.tenant_blocks[run.tenant] -= count
         self.tenant_bytes[run.tenant] -= freed
-        evictions = self.counters.evictions
+        evictions = self.tree.counters.evictions
         evictions[reason] = evictions.get(reason, 0) + count
-        parent = self._cut(run, count, freed)
+        parent = self.tree.cut(run, count, freed)
         if snapshots is not None:
             for block in snapshots:
                 for fn in self._listeners:
@@ -387,19 +392,33 @@ class BudgetedTree(RunTree):
         if parent is None or parent.n_children or parent.ref_count or parent.pin_count:
             return None  # (no parent, or not an evictable leaf)
         if requeue:
-            self._leaves.enter(parent, ordered=True)
+            self.leaves.enter(parent, ordered=True)
             return None
         return parent
 
+    # ------------------------------------------------------------------ the pinned budget
+    def to_pinned(self, run: Run) -> None:
+        """Move ``run``'s bytes from the main budget to the pinned one (the caller checked the
+        pinned budget's room and unqueued the run)."""
+        self.bytes -= run.nbytes
+        self.pinned_bytes += run.nbytes
+        self.pinned_blocks += len(run.keys)
+
+    def from_pinned(self, run: Run) -> None:
+        """Move ``run``'s bytes back from the pinned budget to the main one (the caller made room)."""
+        self.pinned_bytes -= run.nbytes
+        self.pinned_blocks -= len(run.keys)
+        self.bytes += run.nbytes
+
     # ------------------------------------------------------------------ checks
-    def _check_budget(self) -> None:
+    def check(self) -> None:
         """Assert the tree's invariants, the byte and tenant accounting and the leaf queues. O(n)."""
-        self._check_tree()
+        self.tree.check()
         held_bytes, pinned_bytes, pinned = 0, 0, 0
         tenant_blocks: dict[str, int] = {}
         tenant_bytes: dict[str, int] = {}
         is_leaf: dict[Run, bool] = {}
-        for run in self.runs():
+        for run in self.tree.runs():
             if run.pin_count:
                 pinned_bytes += run.nbytes
                 pinned += len(run.keys)
@@ -408,7 +427,7 @@ class BudgetedTree(RunTree):
             tenant_blocks[run.tenant] = tenant_blocks.get(run.tenant, 0) + len(run.keys)
             tenant_bytes[run.tenant] = tenant_bytes.get(run.tenant, 0) + run.nbytes
             is_leaf[run] = run.ref_count == 0 and run.pin_count == 0 and run.n_children == 0
-        self._leaves.check(is_leaf)
+        self.leaves.check(is_leaf)
         assert held_bytes == self.bytes, f"byte count drifted: {self.bytes} recorded, {held_bytes} held"
         assert pinned_bytes == self.pinned_bytes and pinned == self.pinned_blocks, "pinned count drifted"
         assert self.bytes <= self.capacity_bytes, "over the byte budget"

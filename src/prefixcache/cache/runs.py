@@ -16,9 +16,9 @@ key, and a key is a function of its parent key and its tokens, so equal tokens m
 
 :class:`RunTree` knows structure only (keys, tokens, payloads, sizes, depths, which run hangs off
 which, and the collisions its walks meet). It never reads the clock and never decides what to keep:
-:class:`~prefixcache.cache.budget.BudgetedTree` extends it with budgets and removal, and
-:class:`~prefixcache.cache.store.BlockStore` with references, TTLs and pins. Callers outside the
-store see :class:`~prefixcache.cache.blocks.Block` snapshots.
+:class:`~prefixcache.cache.budget.BudgetedTree` holds one and adds budgets and removal, and
+:class:`~prefixcache.cache.store.BlockStore` holds both and adds references, TTLs and pins. Callers
+outside the store see :class:`~prefixcache.cache.blocks.Block` snapshots.
 """
 
 from __future__ import annotations
@@ -33,14 +33,15 @@ from prefixcache.cache.keys import BlockHash
 class RunTree:
     """Runs indexed by their first key: lookups, walks, splits, adding and cutting runs.
 
-    Not thread-safe, and not used alone: the layers above call ``_add_runs`` and ``_cut``, which
-    change structure and the block count and nothing else (no bytes, queues or listeners).
+    Not thread-safe, and not used alone: the budget above calls :meth:`add_runs` and :meth:`cut`,
+    which change structure and the block count and nothing else (no bytes, queues or listeners).
     """
 
     def __init__(self) -> None:
-        # The first key of every run -> the run. Inner keys are not indexed: a walk enters a run
-        # at its first block and compares the rest by tokens (see match_run).
-        self._index: dict[BlockHash, Run] = {}
+        #: The first key of every run -> the run. Inner keys are not indexed: a walk enters a run
+        #: at its first block and compares the rest by tokens (see match_run). Read-only outside
+        #: the tree (the layers above test membership on their hot paths).
+        self.index: dict[BlockHash, Run] = {}
         self._runs: dict[Run, None] = {}  # every live run, in insertion order
         self._nblocks = 0
         self.counters = StoreCounters()
@@ -62,7 +63,7 @@ class RunTree:
     def _find(self, key: BlockHash) -> tuple[Run, int] | None:
         """The run and offset of the block stored under ``key``: O(1) for a run's first block,
         else a scan (for admin and tests; request paths walk chains instead)."""
-        run = self._index.get(key)
+        run = self.index.get(key)
         if run is not None and run.keys[0] == key:
             return run, 0
         for candidate in self._runs:
@@ -84,7 +85,7 @@ class RunTree:
         """The runs holding ``keys[start:stop]``, a stored chain whose block ``start`` begins a
         run (a root, or the child of a run's last block). Raises KeyError if it is not stored."""
         segments = []
-        index = self._index
+        index = self.index
         at = start
         while at < stop:
             run = index[keys[at]]
@@ -107,7 +108,7 @@ class RunTree:
         the keys holds other tokens, another parent or another depth (counted in
         ``counters.collisions``; the chain ends before it). Count 0 without a collision:
         ``keys[at]`` is not stored."""
-        run = self._index.get(keys[at])
+        run = self.index.get(keys[at])
         if run is None:
             return None, 0, False
         run_keys = run.keys
@@ -146,7 +147,7 @@ class RunTree:
         Tokens (and parents) are compared so that even a hash collision cannot serve another
         prompt's state. A run is compared in bulk (one bytes comparison, in C).
         """
-        index = self._index
+        index = self.index
         segments: list[Segment] = []
         at = 0
         parent: BlockHash | None = None
@@ -203,7 +204,7 @@ class RunTree:
         )
         head.pin_count = run.pin_count
         head.n_children = 1
-        index = self._index
+        index = self.index
         if index.get(head.keys[0]) is run:
             index[head.keys[0]] = head
         del run.keys[:cut]
@@ -231,7 +232,7 @@ class RunTree:
         return run
 
     # ------------------------------------------------------------------ structure changes
-    def _add_runs(
+    def add_runs(
         self,
         chain: Chain,
         first: int,
@@ -249,7 +250,7 @@ class RunTree:
         keys, packed, step, ttls = chain.keys, chain.packed, chain.step, chain.ttls
         namespace, tenant = chain.namespace, chain.tenant
         parent = keys[first - 1] if first else None
-        index = self._index
+        index = self.index
         if ttls[stop - 1] == ttls[first]:  # one TTL class, the usual case: one run
             run_keys = keys[first:stop]
             run = Run(
@@ -306,7 +307,7 @@ class RunTree:
             start = end
         return run
 
-    def _cut(self, run: Run, count: int, nbytes: int) -> Run | None:
+    def cut(self, run: Run, count: int, nbytes: int) -> Run | None:
         """Remove the last ``count`` blocks of ``run`` (``nbytes`` in all) from the tree; the
         caller has taken what it needs from them. When the run empties it is dropped (no keys)
         and its parent run, if any, loses a child and inherits the run's last use (a block that
@@ -321,8 +322,8 @@ class RunTree:
             del run.sizes[keep:]
             run.packed = run.packed[: keep * run.step]
             return None
-        if self._index.get(keys[0]) is run:
-            del self._index[keys[0]]
+        if self.index.get(keys[0]) is run:
+            del self.index[keys[0]]
         del self._runs[run]
         run.keys = []  # dropped
         parent = run.up
@@ -333,7 +334,7 @@ class RunTree:
         return parent
 
     # ------------------------------------------------------------------ checks
-    def _check_tree(self) -> None:
+    def check(self) -> None:
         """Assert the structural invariants (runs, index, depths, child counts). O(n)."""
         runs = self.runs()
         children: dict[int, int] = {}
@@ -359,11 +360,11 @@ class RunTree:
                 assert run.up is None and run.depth == 0, "a first block not at depth 0"
             if run.pin_count:
                 assert length == 1, "a pinned block shares its run"
-            indexed = self._index.get(run.keys[0])
+            indexed = self.index.get(run.keys[0])
             assert indexed is not None and indexed.keys[0] == run.keys[0], "a run's first key is not indexed"
         assert block_count == self._nblocks, "the block count drifted"
         assert all(
-            run in self._runs and run.keys and run.keys[0] == key for key, run in self._index.items()
+            run in self._runs and run.keys and run.keys[0] == key for key, run in self.index.items()
         ), "a stale index entry"
         for run in runs:
             assert run.n_children == children.get(id(run), 0), "child count is wrong"

@@ -21,41 +21,42 @@ from prefixcache.cache.leaves import LeafQueues
 
 
 class ShareHolder(Protocol):
-    """What :func:`evict_own` uses of the budgeted tree (:class:`~prefixcache.cache.budget.BudgetedTree`)."""
+    """What :func:`evict_own` uses of the budget (:class:`~prefixcache.cache.budget.BudgetedTree`):
+    its public names only."""
 
     tenant_share: float | None
     capacity_bytes: int
     bytes: int
     tenant_bytes: dict[str, int]
-    _leaves: LeafQueues
+    leaves: LeafQueues
 
-    def _blocks_to_free(self, run: Run, need: int) -> int: ...
-    def _drop(self, run: Run, count: int, reason: str, *, requeue: bool) -> Run | None: ...
+    def blocks_to_free(self, run: Run, need: int) -> int: ...
+    def drop(self, run: Run, count: int, reason: str, *, requeue: bool) -> Run | None: ...
 
 
-def evict_own(tree: ShareHolder, tenant: str, nbytes: int, protect: Run | None) -> None:
+def evict_own(budget: ShareHolder, tenant: str, nbytes: int, protect: Run | None) -> None:
     """Make room for ``nbytes`` of ``tenant`` out of its own leaves while it is over its share
-    (``tree.tenant_share``) and room is needed; stops when neither holds or it has
+    (``budget.tenant_share``) and room is needed; stops when neither holds or it has
     no evictable leaf left (``protect``, the parent of the block going in, stays)."""
-    share = tree.tenant_share
+    share = budget.tenant_share
     if share is None:
         return
-    cap = tree.capacity_bytes
+    cap = budget.capacity_bytes
     share_bytes = int(share * cap)
-    leaves = tree._leaves
-    tenant_bytes = tree.tenant_bytes
-    while tree.bytes + nbytes > cap:
+    leaves = budget.leaves
+    tenant_bytes = budget.tenant_bytes
+    while budget.bytes + nbytes > cap:
         over = tenant_bytes.get(tenant, 0) + nbytes - share_bytes
         if over <= 0:
             return
         victim = leaves.tenant_first(tenant, protect)
         if victim is None:
             return
-        need = min(tree.bytes + nbytes - cap, over)
-        count = tree._blocks_to_free(victim, need)
+        need = min(budget.bytes + nbytes - cap, over)
+        count = budget.blocks_to_free(victim, need)
         leaves.leave(victim)
         if count < len(victim.keys):
-            tree._drop(victim, count, "capacity", requeue=False)
+            budget.drop(victim, count, "capacity", requeue=False)
             leaves.enter(victim, ordered=True)  # its new tail is as old as the run was
         else:
-            tree._drop(victim, count, "capacity", requeue=True)  # an orphaned leaf parent is queued
+            budget.drop(victim, count, "capacity", requeue=True)  # an orphaned leaf parent is queued
