@@ -146,7 +146,7 @@ class BlockStore:
 
     def remove_where(self, pred: Callable[[Run], bool], reason: str = "flush") -> int:
         """Remove every unreferenced, unpinned block of the runs for which ``pred`` holds, leaves
-        first (:meth:`BudgetedTree.remove_where`). Returns blocks removed."""
+        first (:meth:`~prefixcache.cache.budget.BudgetedTree.remove_where`). Returns blocks removed."""
         return self._budget.remove_where(pred, reason)
 
     def remove_runs(self, victims: list[Run], reason: str) -> int:
@@ -185,8 +185,9 @@ class BlockStore:
 
     # ------------------------------------------------------------------ requests' chains
     def lookup(self, keys: list[BlockHash], packed: bytes, stop: int) -> tuple[int, list[Segment]]:
-        """How many leading ``keys[:stop]`` a request finds now: :meth:`walk`, less a deepest
-        block that is due but not swept yet. Touches nothing. The segments are the walk's."""
+        """How many leading ``keys[:stop]`` a request finds now: the tree's
+        :meth:`~prefixcache.cache.runs.RunTree.walk`, less a deepest block that is due but not
+        swept yet. Touches nothing. The segments are the walk's."""
         count, segments = self._tree.walk(keys, packed, stop)
         if count:
             # Only a leaf can be due (ancestors' freshness is their subtree's), so one check.
