@@ -196,7 +196,7 @@ class PrefixCache:
         with self.lock:
             start = m._depth
             reached, ranges, short, m._held = self.store.write_chain(
-                chain, start, stop, m._held, payload_fn, uniform_nbytes
+                chain, start, stop, m._held, payload_fn, uniform_nbytes=uniform_nbytes
             )
             for first, count in ranges:
                 m.written_keys.extend(keys[first : first + count])
@@ -233,7 +233,9 @@ class PrefixCache:
         store = self.store
         with self.lock:
             usable, _, held, counters, _ = self._begin(chain, len(packed) >> 2, align)
-            reached, ranges, _, held = store.write_chain(chain, usable, stop, held, None, nbytes)
+            reached, ranges, _, held = store.write_chain(
+                chain, usable, stop, held, None, uniform_nbytes=nbytes
+            )
             written = self._written(counters, keys, reached, ranges) if ranges else 0
             if held is not None:
                 store.release(held)
@@ -311,7 +313,7 @@ class PrefixCache:
                 run, first, _ = segments[-1]  # the hit's deepest block is most often in the last segment
                 if usable - 1 - run.depth < first:
                     run = run_of(segments, usable - 1)
-                held = store.hold_chain(chain, 0, usable, run)
+                held = store.hold_chain(chain, 0, usable, run=run)
             outcome = "hit" if usable == max_blocks else "partial"
         counters = self._tenants.get(chain.tenant)
         if counters is None:
