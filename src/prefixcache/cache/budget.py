@@ -129,10 +129,7 @@ class BudgetedTree:
         depth = 0 if parent_run is None else parent_run.depth + len(parent_run.keys)
         if depth != first:
             raise ValueError(f"keys[{first}] follows a block at depth {depth - 1}: the chain is not rooted")
-        now = self.clock()
-        return self.insert(
-            chain, first, stop, parent_run, payload_fn, uniform_nbytes=uniform_nbytes, hold=hold, now=now
-        )
+        return self.insert(chain, first, stop, parent_run, payload_fn, uniform_nbytes, hold, self.clock())
 
     def insert(
         self,
@@ -141,7 +138,6 @@ class BudgetedTree:
         stop: int,
         parent_run: Run | None,
         payload_fn: PayloadFn | None,
-        *,
         uniform_nbytes: int | None,
         hold: bool,
         now: float,

@@ -190,13 +190,13 @@ class PrefixCache:
         block_size = self.block_size
         keys, ns = m.keys, m.namespace
         stop = len(keys) if upto_tokens is None else min(len(keys), max(upto_tokens, 0) // block_size)
-        chain = Chain(
+        chain = Chain.of(
             keys=keys, packed=m.packed, step=4 * block_size, namespace=ns.root, tenant=ns.tenant, ttls=m.ttls
         )
         with self.lock:
             start = m._depth
             reached, ranges, short, m._held = self.store.write_chain(
-                chain, start, stop, m._held, payload_fn, uniform_nbytes=uniform_nbytes
+                chain, start, stop, m._held, payload_fn, uniform_nbytes
             )
             for first, count in ranges:
                 m.written_keys.extend(keys[first : first + count])
@@ -226,16 +226,14 @@ class PrefixCache:
         if align % block_size or len(keys) != len(packed) // (4 * block_size):
             self._prepare(None, ns, align_tokens, ttl_s, None, keys, packed)  # raises what match raises
         ttls = self.policy.block_ttls(len(keys), block_size, ttl_s)
-        chain = Chain(
+        chain = Chain.of(
             keys=keys, packed=packed, step=4 * block_size, namespace=ns.root, tenant=ns.tenant, ttls=ttls
         )
         stop = len(keys) if upto_tokens is None else min(len(keys), max(upto_tokens, 0) // block_size)
         store = self.store
         with self.lock:
             usable, _, held, counters, _ = self._begin(chain, len(packed) >> 2, align)
-            reached, ranges, _, held = store.write_chain(
-                chain, usable, stop, held, None, uniform_nbytes=nbytes
-            )
+            reached, ranges, _, held = store.write_chain(chain, usable, stop, held, None, nbytes)
             written = self._written(counters, keys, reached, ranges) if ranges else 0
             if held is not None:
                 store.release(held)
@@ -280,7 +278,7 @@ class PrefixCache:
             raise ValueError(f"keys has {len(keys)} entries; the prompt has {full_blocks} full blocks")
         ttls = self.policy.block_ttls(len(keys), block_size, ttl_s, ttl_plan)
         step = 4 * block_size
-        return align, Chain(
+        return align, Chain.of(
             keys=keys, packed=packed, step=step, namespace=ns.root, tenant=ns.tenant, ttls=ttls
         )
 
@@ -313,7 +311,7 @@ class PrefixCache:
                 run, first, _ = segments[-1]  # the hit's deepest block is most often in the last segment
                 if usable - 1 - run.depth < first:
                     run = run_of(segments, usable - 1)
-                held = store.hold_chain(chain, 0, usable, run=run)
+                held = store.hold_chain(chain, 0, usable, run)
             outcome = "hit" if usable == max_blocks else "partial"
         counters = self._tenants.get(chain.tenant)
         if counters is None:

@@ -204,7 +204,6 @@ class BlockStore:
         stop: int,
         held: Run | None,
         payload_fn: PayloadFn | None,
-        *,
         uniform_nbytes: int | None = None,
     ) -> tuple[int, list[tuple[int, int]], bool, Run | None]:
         """Store the blocks ``start..stop-1`` of ``chain`` not stored yet, then hold the
@@ -241,8 +240,9 @@ class BlockStore:
                 parent_run = last
                 if at < parent_run.depth + len(parent_run.keys):  # a new branch off the middle of a run
                     parent_run = last = self._tree.split(parent_run, at - 1 - parent_run.depth)
+            # (positional: a keyword call would leave the interpreter's fast path on every request)
             inserted, no_room, run = self._budget.insert(
-                chain, at, stop, parent_run, payload_fn, uniform_nbytes=uniform_nbytes, hold=True, now=now
+                chain, at, stop, parent_run, payload_fn, uniform_nbytes, True, now
             )
             if inserted:
                 ranges.append((at, inserted))
@@ -252,7 +252,7 @@ class BlockStore:
                 short = True
                 break
         if at > start:
-            held = self.hold_chain(chain, start, at, run=last, previous=held, now=now)
+            held = self.hold_chain(chain, start, at, last, previous=held, now=now)
         return at, ranges, short, held
 
     def hold_chain(
@@ -260,8 +260,8 @@ class BlockStore:
         chain: Chain,
         start: int,
         stop: int,
-        *,
         run: Run | None = None,
+        *,
         previous: Run | None = None,
         now: float | None = None,
     ) -> Run:
