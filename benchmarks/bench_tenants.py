@@ -121,11 +121,11 @@ def main() -> None:
             engine.cache.promote_in_match = s == "flood, reads under the lock"
             stop = threading.Event()
             a = None
+            reads = tier.reads  # A's tier reads over its whole flood, not only during B's request
             if s != "idle":
                 a = threading.Thread(target=flood, args=(engine, stop, counts[s]))
                 a.start()
                 time.sleep(0.3)  # A is flooding before B asks
-            reads = tier.reads
             samples[s].append(ttft(engine, questions[r % len(questions)], "tenant-b"))
             stop.set()
             if a is not None:
