@@ -453,6 +453,117 @@ static inline __attribute__((always_inline)) void prompt_tile(const int64_t D, c
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define PC_NATIVE_AVX2 1
+/* AVX2 without AVX512: GCC keeps 64-byte vector-extension values in memory there (no register
+ * holds one), so the prompt path's inner loops get a 16-lane type of two ymm registers, with
+ * each lane's IEEE operations exactly those of the v16 code above (vfma, vexp, vhmax, vhsum's
+ * tree): the same bits as the AVX512 build's prompt path. */
+typedef struct { __m256 lo, hi; } w16;
+static inline w16 wload(const float *p) { return (w16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void wstore(float *p, w16 v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+static inline w16 wsplat(float x) { const __m256 s = _mm256_set1_ps(x); return (w16){s, s}; }
+static inline w16 wfma(w16 a, w16 b, w16 c) {
+    return (w16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+static inline w16 wmul(w16 a, w16 b) { return (w16){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+static inline w16 wadd(w16 a, w16 b) { return (w16){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline w16 wsub(w16 a, w16 b) { return (w16){_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+static inline w16 wmax(w16 a, w16 b) { return (w16){_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+static inline w16 wmin(w16 a, w16 b) { return (w16){_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+
+/* vexp, operation for operation. */
+static inline w16 wexp(w16 x) {
+    const __m256 lim = _mm256_set1_ps(-87.33654f);
+    const __m256 zlo = _mm256_cmp_ps(x.lo, lim, _CMP_LT_OQ), zhi = _mm256_cmp_ps(x.hi, lim, _CMP_LT_OQ);
+    x = wmin(wmax(x, wsplat(-87.33654f)), wsplat(88.72283f));
+    const w16 k = wsub(wadd(wmul(x, wsplat(1.44269504088896341f)), wsplat(12582912.0f)), wsplat(12582912.0f));
+    w16 t = wfma(k, wsplat(-0.693359375f), x);
+    t = wfma(k, wsplat(2.12194440e-4f), t);
+    w16 p = wsplat(1.9875691500e-4f);
+    p = wfma(p, t, wsplat(1.3981999507e-3f));
+    p = wfma(p, t, wsplat(8.3334519073e-3f));
+    p = wfma(p, t, wsplat(4.1665795894e-2f));
+    p = wfma(p, t, wsplat(1.6666665459e-1f));
+    p = wfma(p, t, wsplat(5.0000001201e-1f));
+    p = wadd(wfma(p, wmul(t, t), t), wsplat(1.0f));
+    const __m256i b = _mm256_set1_epi32(126);
+    const __m256 elo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k.lo), b), 23));
+    const __m256 ehi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k.hi), b), 23));
+    const w16 r = wmul(wmul(p, (w16){elo, ehi}), wsplat(2.0f));
+    return (w16){_mm256_andnot_ps(zlo, r.lo), _mm256_andnot_ps(zhi, r.hi)};
+}
+
+static inline float whmax(w16 v) { /* exact in any order */
+    __m256 a = _mm256_max_ps(v.lo, v.hi);
+    __m128 b = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    b = _mm_max_ps(b, _mm_movehl_ps(b, b));
+    b = _mm_max_ss(b, _mm_shuffle_ps(b, b, 1));
+    return _mm_cvtss_f32(b);
+}
+
+/* nq prompt queries against one tile: ktT [D][16] (lane j: key j), vt [16][D]; prompt_tile's
+ * arithmetic. lv: nq rows of 16 floats. */
+static inline __attribute__((always_inline)) void prompt_tile_w(const int64_t D, const int64_t dv, const int64_t nq,
+                                                                const float *q, const float *ktT, const float *vt,
+                                                                const int64_t nv, float *m, float *lv, float *acc) {
+    w16 sc[nq];
+    for (int64_t g = 0; g < nq; g++) sc[g] = wsplat(0.0f);
+    for (int64_t d = 0; d < D; d++) {
+        const w16 kd = wload(ktT + d * LANES);
+        for (int64_t g = 0; g < nq; g++) sc[g] = wfma(wsplat(q[g * D + d]), kd, sc[g]);
+    }
+    const __m256i n8 = _mm256_set1_epi32((int)nv);
+    const __m256 vlo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n8, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    const __m256 vhi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n8, _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)));
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    float shift[LANES] = {0}, mts[nq], al[LANES];
+    for (int64_t g = 0; g < nq; g++) {
+        if (nv < LANES) sc[g] = (w16){_mm256_blendv_ps(ninf, sc[g].lo, vlo), _mm256_blendv_ps(ninf, sc[g].hi, vhi)};
+        const float mx = whmax(sc[g]);
+        mts[g] = mx > m[g] ? mx : m[g];
+        shift[g] = m[g] - mts[g];
+    }
+    wstore(al, wexp(wload(shift)));
+    float e[nq][LANES];
+    for (int64_t g = 0; g < nq; g++) {
+        const w16 eg = wexp(wsub(sc[g], wsplat(mts[g])));
+        wstore(lv + g * LANES, wadd(wmul(wload(lv + g * LANES), wsplat(al[g])), eg));
+        m[g] = mts[g];
+        wstore(e[g], eg);
+    }
+    for (int64_t g = 0; g < nq; g++) { /* one query's accumulators in registers at a time */
+        w16 ar[dv];
+        const w16 va = wsplat(al[g]);
+        for (int64_t c = 0; c < dv; c++) ar[c] = wmul(wload(acc + g * D + c * LANES), va);
+        for (int64_t j = 0; j < nv; j++) {
+            const w16 ej = wsplat(e[g][j]);
+            for (int64_t c = 0; c < dv; c++) ar[c] = wfma(ej, wload(vt + j * D + c * LANES), ar[c]);
+        }
+        for (int64_t c = 0; c < dv; c++) wstore(acc + g * D + c * LANES, ar[c]);
+    }
+}
+
+#define PQ_W 4 /* 16 ymm registers: four queries' scores and a key vector */
+static void prompt_tile_w_any(const int64_t D, const int64_t nq, const float *q, const float *ktT, const float *vt,
+                              const int64_t nv, float *m, float *lv, float *acc) {
+    for (int64_t i = 0; i < nq; i += PQ_W) {
+        const int64_t n = nq - i < PQ_W ? nq - i : PQ_W;
+#define PC_PW(nq_) prompt_tile_w(64, 4, nq_, q + i * D, ktT, vt, nv, m + i, lv + i * LANES, acc + i * D)
+        if (D == 64) {
+            switch (n) {
+            case 4: PC_PW(4); continue;
+            case 3: PC_PW(3); continue;
+            case 2: PC_PW(2); continue;
+            case 1: PC_PW(1); continue;
+            }
+        }
+#undef PC_PW
+        prompt_tile_w(D, D / LANES, n, q + i * D, ktT, vt, nv, m + i, lv + i * LANES, acc + i * D);
+    }
+}
+#endif
+
 /* Constant shapes keep the loops unrolled and the accumulators in registers. */
 static void prompt_tile_any(const int64_t D, const int64_t nq, const float *q, const v16 *kt, const float *vt,
                             const int64_t nv, float *m, v16 *lv, float *acc) {
@@ -665,6 +776,37 @@ static void prompt_item(int dt, int64_t H, int64_t G, int64_t D, const float *q,
         }
     } else
 #endif
+#if defined(PC_NATIVE_AVX2)
+    for (int64_t t0 = 0; t0 <= last; t0 += LANES) {
+        const int64_t nk = last - t0 + 1 < LANES ? last - t0 + 1 : LANES;
+        for (int64_t j = 0; j < nk; j++) {
+            const int64_t p = t0 + j;
+            const int64_t off = kvh * head_stride + ((int64_t)table[p / B] * B + p % B) * D;
+            load_row(dt, keys, off, w->kt + j * D, D);
+            load_row(dt, values, off, w->vt + j * D, D);
+        }
+        if (nk < LANES) memset(w->kt + nk * D, 0, sizeof(float) * (size_t)((LANES - nk) * D));
+        if (t0 + LANES <= last)
+            prefetch_tile(dt, keys, values, kvh, head_stride, table, B, D, t0 + LANES,
+                          last - t0 - LANES + 1 < LANES ? last - t0 - LANES + 1 : LANES);
+        float *ktT = (float *)w->ktv; /* [D][16] */
+        for (int64_t j = 0; j < LANES; j++)
+            for (int64_t d = 0; d < D; d++) ktT[d * LANES + j] = w->kt[j * D + d];
+        int64_t full = t0 + LANES - 1 - pos0;
+        if (full < 0) full = 0;
+        if (full * G < nq)
+            prompt_tile_w_any(D, nq - full * G, w->qbuf + full * G * D, ktT, w->vt, LANES, w->m + full * G,
+                              (float *)(w->lv + full * G), w->acc + full * G * D);
+        for (int64_t ri = 0; ri < nr && ri < full; ri++) {
+            const int64_t p = pos0 + ri;
+            if (t0 > p) continue;
+            const int64_t i = ri * G;
+            prompt_tile_w_any(D, G, w->qbuf + i * D, ktT, w->vt, p - t0 + 1, w->m + i, (float *)(w->lv + i),
+                              w->acc + i * D);
+        }
+    }
+    if (0)
+#endif
     for (int64_t t0 = 0; t0 <= last; t0 += LANES) {
         const int64_t nk = last - t0 + 1 < LANES ? last - t0 + 1 : LANES;
         for (int64_t j = 0; j < nk; j++) {
@@ -774,12 +916,21 @@ static void decode_item(int dt, int64_t H, int64_t G, int64_t D, const float *q,
  * never a bit. */
 #define DG 4
 
-/* bf16 pools on AVX512-BF16: decode rows take the prompt rows' arithmetic (VDPBF16PS; the
- * float32 decode path would spend its time widening the pool's bf16 keys and values). */
+/* Where decode rows take the prompt rows' arithmetic: bf16 pools on AVX512-BF16 (VDPBF16PS; the
+ * float32 decode path would spend its time widening the pool's bf16 keys and values), and every
+ * pool on AVX2 without AVX512, where only the prompt path has native 256-bit code (w16); there
+ * decode rows are not grouped either (decode_group is the v16 decode arithmetic). */
 #if defined(__AVX512BF16__)
-#define BF16_DECODE_AS_PROMPT(dt, D) ((dt) == DT_BF16 && (D) % 32 == 0)
+#define DECODE_AS_PROMPT(dt, D) ((dt) == DT_BF16 && (D) % 32 == 0)
+#elif defined(PC_NATIVE_AVX2)
+#define DECODE_AS_PROMPT(dt, D) 1 /* AVX2: every row on the native prompt path (no grouping) */
 #else
-#define BF16_DECODE_AS_PROMPT(dt, D) 0
+#define DECODE_AS_PROMPT(dt, D) 0
+#endif
+#if defined(PC_NATIVE_AVX2)
+#define GROUP_DECODE 0
+#else
+#define GROUP_DECODE 1
 #endif
 
 /* Positions [t0, t0 + n) lie in the same pool blocks for tables a and b. */
@@ -948,7 +1099,7 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
      * segments (order[first ...], sorted by block table, consecutive ones sharing a first block) */
     int64_t nitems = 0, ndec = 0;
     for (int64_t i = 0; i < nseg; i++) {
-        if (seg[SEG * i + 4] && seg[SEG * i + 1] == 1) ndec++;
+        if (GROUP_DECODE && seg[SEG * i + 4] && seg[SEG * i + 1] == 1) ndec++;
         else nitems += (seg[SEG * i + 1] + QB - 1) / QB;
     }
     int64_t *work = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)(nitems + ndec + 1));
@@ -957,7 +1108,7 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
     {
         int64_t nd = 0;
         for (int64_t i = 0; i < nseg; i++) {
-            if (seg[SEG * i + 4] && seg[SEG * i + 1] == 1) {
+            if (GROUP_DECODE && seg[SEG * i + 4] && seg[SEG * i + 1] == 1) {
                 int64_t at = nd++; /* insertion sort by block table: a step has tens of decode rows */
                 while (at > 0 && table_order(seg, tables, B, order[at - 1], i) > 0) {
                     order[at] = order[at - 1];
@@ -1017,7 +1168,7 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
             const int64_t *sg = seg + SEG * work[2 * item];
             const int64_t r_in = work[2 * item + 1];
             const int64_t nr = sg[1] - r_in < QB ? sg[1] - r_in : QB;
-            if (sg[4] && !BF16_DECODE_AS_PROMPT(dt, D))
+            if (sg[4] && !DECODE_AS_PROMPT(dt, D))
                 decode_item(dt, H, G, D, q, keys, values, head_stride, B, sg, tables + sg[3], r_in, nr, kvh, out, &w);
             else
                 prompt_item(dt, H, G, D, q, keys, values, head_stride, B, sg, tables + sg[3], r_in, nr, kvh, out, &w);
