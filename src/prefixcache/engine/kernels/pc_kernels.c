@@ -211,6 +211,70 @@ static float *falloc(int64_t n) { /* 64-byte aligned, n rounded up to whole vect
     return (float *)aligned_alloc(64, (size_t)((n + LANES - 1) / LANES * LANES) * sizeof(float));
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define PC_NATIVE_AVX2 1
+/* AVX2 without AVX512: GCC keeps 64-byte vector-extension values in memory there (no register
+ * holds one), so the prompt path's inner loops get a 16-lane type of two ymm registers, with
+ * each lane's IEEE operations exactly those of the v16 code above (vfma, vexp, vhmax, vhsum's
+ * tree): the same bits as the AVX512 build's prompt path. */
+typedef struct { __m256 lo, hi; } w16;
+static inline w16 wload(const float *p) { return (w16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void wstore(float *p, w16 v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+static inline w16 wsplat(float x) { const __m256 s = _mm256_set1_ps(x); return (w16){s, s}; }
+static inline w16 wfma(w16 a, w16 b, w16 c) {
+    return (w16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+static inline w16 wmul(w16 a, w16 b) { return (w16){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+static inline w16 wadd(w16 a, w16 b) { return (w16){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline w16 wsub(w16 a, w16 b) { return (w16){_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+static inline w16 wmax(w16 a, w16 b) { return (w16){_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+static inline w16 wmin(w16 a, w16 b) { return (w16){_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+
+/* vexp, operation for operation. */
+static inline w16 wexp(w16 x) {
+    const __m256 lim = _mm256_set1_ps(-87.33654f);
+    const __m256 zlo = _mm256_cmp_ps(x.lo, lim, _CMP_LT_OQ), zhi = _mm256_cmp_ps(x.hi, lim, _CMP_LT_OQ);
+    x = wmin(wmax(x, wsplat(-87.33654f)), wsplat(88.72283f));
+    const w16 k = wsub(wadd(wmul(x, wsplat(1.44269504088896341f)), wsplat(12582912.0f)), wsplat(12582912.0f));
+    w16 t = wfma(k, wsplat(-0.693359375f), x);
+    t = wfma(k, wsplat(2.12194440e-4f), t);
+    w16 p = wsplat(1.9875691500e-4f);
+    p = wfma(p, t, wsplat(1.3981999507e-3f));
+    p = wfma(p, t, wsplat(8.3334519073e-3f));
+    p = wfma(p, t, wsplat(4.1665795894e-2f));
+    p = wfma(p, t, wsplat(1.6666665459e-1f));
+    p = wfma(p, t, wsplat(5.0000001201e-1f));
+    p = wadd(wfma(p, wmul(t, t), t), wsplat(1.0f));
+    const __m256i b = _mm256_set1_epi32(126);
+    const __m256 elo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k.lo), b), 23));
+    const __m256 ehi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k.hi), b), 23));
+    const w16 r = wmul(wmul(p, (w16){elo, ehi}), wsplat(2.0f));
+    return (w16){_mm256_andnot_ps(zlo, r.lo), _mm256_andnot_ps(zhi, r.hi)};
+}
+
+static inline float whmax(w16 v) { /* exact in any order */
+    __m256 a = _mm256_max_ps(v.lo, v.hi);
+    __m128 b = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    b = _mm_max_ps(b, _mm_movehl_ps(b, b));
+    b = _mm_max_ss(b, _mm_shuffle_ps(b, b, 1));
+    return _mm_cvtss_f32(b);
+}
+
+/* vhsum's tree: lane l + lane l+8, then +4, +2, +1. */
+static inline float whsum(w16 v) {
+    const __m256 a = _mm256_add_ps(v.lo, v.hi);
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    b = _mm_add_ss(b, _mm_shuffle_ps(b, b, 1));
+    return _mm_cvtss_f32(b);
+}
+static inline w16 wdiv(w16 a, w16 b) { return (w16){_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+static inline w16 wneg(w16 a) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    return (w16){_mm256_xor_ps(a.lo, sign), _mm256_xor_ps(a.hi, sign)};
+}
+#endif
+
 /* ------------------------------------------------------------------ RMSNorm + residual */
 /* For each of `rows` rows of `hidden` values (dtype dt; hidden % 16 == 0):
  *   delta != NULL: x = round(x + delta)  (in place; the residual stream)
@@ -218,6 +282,27 @@ static float *falloc(int64_t n) { /* 64-byte aligned, n rounded up to whole vect
  * mean(x^2): 16 lanes (lane = i mod 16, fmaf chains in ascending i), then vhsum's tree. */
 void pc_rms_residual(int dt, int64_t rows, int64_t hidden, void *x, const void *delta, const void *w,
                      float eps, void *out, int nthreads) {
+#if defined(PC_NATIVE_AVX2)
+    if (dt == DT_F32) { /* the same operations as below, on two ymm registers a vector */
+        #pragma omp parallel for schedule(static) num_threads(threads_or(nthreads))
+        for (int64_t r = 0; r < rows; r++) {
+            float *xr = (float *)x + r * hidden, *o = (float *)out + r * hidden;
+            if (delta != NULL) {
+                const float *dr = (const float *)delta + r * hidden;
+                for (int64_t i = 0; i < hidden; i += LANES) wstore(xr + i, wadd(wload(xr + i), wload(dr + i)));
+            }
+            w16 part = wsplat(0.0f);
+            for (int64_t i = 0; i < hidden; i += LANES) part = wfma(wload(xr + i), wload(xr + i), part);
+            const w16 inv = wsplat(1.0f / sqrtf(whsum(part) / (float)hidden + eps));
+            for (int64_t i = 0; i < hidden; i += LANES) {
+                w16 y = wmul(wload(xr + i), inv);
+                if (w != NULL) y = wmul(wload((const float *)w + i), y);
+                wstore(o + i, y);
+            }
+        }
+        return;
+    }
+#endif
     #pragma omp parallel num_threads(threads_or(nthreads))
     {
         float *xr = falloc(hidden), *dr = falloc(hidden), *wr = falloc(hidden);
@@ -290,6 +375,20 @@ void pc_rope_kv(int dt, int64_t rows, int64_t H, int64_t KV, int64_t D, const vo
 /* gu: [rows, 2 I] (gate | up; I % 16 == 0), out: [rows, I] = round(silu(gate) * up),
  * silu(g) = g / (1 + exp(-g)). */
 void pc_swiglu(int dt, int64_t rows, int64_t I, const void *gu, void *out, int nthreads) {
+#if defined(PC_NATIVE_AVX2)
+    if (dt == DT_F32) {
+        #pragma omp parallel for schedule(static) num_threads(threads_or(nthreads))
+        for (int64_t r = 0; r < rows; r++) {
+            const float *g = (const float *)gu + r * 2 * I, *u = g + I;
+            float *o = (float *)out + r * I;
+            for (int64_t i = 0; i < I; i += LANES) {
+                const w16 xg = wload(g + i);
+                wstore(o + i, wmul(wdiv(xg, wadd(wexp(wneg(xg)), wsplat(1.0f))), wload(u + i)));
+            }
+        }
+        return;
+    }
+#endif
     #pragma omp parallel num_threads(threads_or(nthreads))
     {
         float *g = falloc(2 * I);
@@ -453,55 +552,7 @@ static inline __attribute__((always_inline)) void prompt_tile(const int64_t D, c
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define PC_NATIVE_AVX2 1
-/* AVX2 without AVX512: GCC keeps 64-byte vector-extension values in memory there (no register
- * holds one), so the prompt path's inner loops get a 16-lane type of two ymm registers, with
- * each lane's IEEE operations exactly those of the v16 code above (vfma, vexp, vhmax, vhsum's
- * tree): the same bits as the AVX512 build's prompt path. */
-typedef struct { __m256 lo, hi; } w16;
-static inline w16 wload(const float *p) { return (w16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-static inline void wstore(float *p, w16 v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
-static inline w16 wsplat(float x) { const __m256 s = _mm256_set1_ps(x); return (w16){s, s}; }
-static inline w16 wfma(w16 a, w16 b, w16 c) {
-    return (w16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
-}
-static inline w16 wmul(w16 a, w16 b) { return (w16){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-static inline w16 wadd(w16 a, w16 b) { return (w16){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
-static inline w16 wsub(w16 a, w16 b) { return (w16){_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
-static inline w16 wmax(w16 a, w16 b) { return (w16){_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
-static inline w16 wmin(w16 a, w16 b) { return (w16){_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
-
-/* vexp, operation for operation. */
-static inline w16 wexp(w16 x) {
-    const __m256 lim = _mm256_set1_ps(-87.33654f);
-    const __m256 zlo = _mm256_cmp_ps(x.lo, lim, _CMP_LT_OQ), zhi = _mm256_cmp_ps(x.hi, lim, _CMP_LT_OQ);
-    x = wmin(wmax(x, wsplat(-87.33654f)), wsplat(88.72283f));
-    const w16 k = wsub(wadd(wmul(x, wsplat(1.44269504088896341f)), wsplat(12582912.0f)), wsplat(12582912.0f));
-    w16 t = wfma(k, wsplat(-0.693359375f), x);
-    t = wfma(k, wsplat(2.12194440e-4f), t);
-    w16 p = wsplat(1.9875691500e-4f);
-    p = wfma(p, t, wsplat(1.3981999507e-3f));
-    p = wfma(p, t, wsplat(8.3334519073e-3f));
-    p = wfma(p, t, wsplat(4.1665795894e-2f));
-    p = wfma(p, t, wsplat(1.6666665459e-1f));
-    p = wfma(p, t, wsplat(5.0000001201e-1f));
-    p = wadd(wfma(p, wmul(t, t), t), wsplat(1.0f));
-    const __m256i b = _mm256_set1_epi32(126);
-    const __m256 elo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k.lo), b), 23));
-    const __m256 ehi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k.hi), b), 23));
-    const w16 r = wmul(wmul(p, (w16){elo, ehi}), wsplat(2.0f));
-    return (w16){_mm256_andnot_ps(zlo, r.lo), _mm256_andnot_ps(zhi, r.hi)};
-}
-
-static inline float whmax(w16 v) { /* exact in any order */
-    __m256 a = _mm256_max_ps(v.lo, v.hi);
-    __m128 b = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    b = _mm_max_ps(b, _mm_movehl_ps(b, b));
-    b = _mm_max_ss(b, _mm_shuffle_ps(b, b, 1));
-    return _mm_cvtss_f32(b);
-}
-
+#if defined(PC_NATIVE_AVX2)
 /* nq prompt queries against one tile: ktT [D][16] (lane j: key j), vt [16][D]; prompt_tile's
  * arithmetic. lv: nq rows of 16 floats. */
 static inline __attribute__((always_inline)) void prompt_tile_w(const int64_t D, const int64_t dv, const int64_t nq,
