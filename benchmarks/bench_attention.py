@@ -82,9 +82,8 @@ def main() -> None:
 
         t = timed(functools.partial(prompt, k.lib, pool, chunks, qs, args.threads), args.rounds, args.threads)
         macs = sum(n * (s + (n + 1) / 2) for s, n in chunks) * H * D * 2
-        print(
-            f"| {name} | prompt rows, cold 2,112 tokens in 512-token chunks | {t * 1e3:.1f} | {macs / t / 1e9:.1f} |"
-        )
+        what = "prompt rows, cold 2,112 tokens in 512-token chunks"
+        print(f"| {name} | {what} | {t * 1e3:.1f} | {macs / t / 1e9:.1f} |")
         ctx = 1100
         pool8 = Pool(dtype, 8 * (ctx // B + 1) + 8, seed=1)
         q8 = torch.randn(8, H, D) * D**-0.5 * 3
