@@ -641,9 +641,6 @@ static void prompt_tile_any(const int64_t D, const int64_t nq, const float *q, c
 static inline void prefetch_tile(int dt, const void *keys, const void *values, int64_t kvh, int64_t head_stride,
                                  const int32_t *table, int64_t B, int64_t D, int64_t t0, int64_t n) {
     const int64_t es = dt == DT_BF16 ? 2 : 4, bytes = D * es;
-#ifdef PC_AB_NO_PREFETCH
-    n = 0;
-#endif
     for (int64_t j = 0; j < n; j++) {
         const int64_t p = t0 + j;
         const int64_t off = (kvh * head_stride + ((int64_t)table[p / B] * B + p % B) * D) * es;
@@ -652,6 +649,30 @@ static inline void prefetch_tile(int dt, const void *keys, const void *values, i
             __builtin_prefetch((const char *)values + off + b, 0, 3);
         }
     }
+}
+
+/* The tile after the one at t0, as far as position `upto` (the last one a row of the item needs). */
+static inline void prefetch_next(int dt, const void *keys, const void *values, int64_t kvh, int64_t head_stride,
+                                 const int32_t *table, int64_t B, int64_t D, int64_t t0, int64_t upto) {
+    const int64_t next = t0 + LANES;
+    if (next <= upto)
+        prefetch_tile(dt, keys, values, kvh, head_stride, table, B, D, next,
+                      upto - next + 1 < LANES ? upto - next + 1 : LANES);
+}
+
+/* Keys and values of positions [t0, t0 + nk) of KV head kvh, float32, into kt / vt [16][D]
+ * (kt's rows past nk zeros), then the next tile asked for. */
+static inline void load_tile_f32(int dt, const void *keys, const void *values, int64_t kvh, int64_t head_stride,
+                                 const int32_t *table, int64_t B, int64_t D, int64_t t0, int64_t nk, int64_t upto,
+                                 float *kt, float *vt) {
+    for (int64_t j = 0; j < nk; j++) {
+        const int64_t p = t0 + j;
+        const int64_t off = kvh * head_stride + ((int64_t)table[p / B] * B + p % B) * D;
+        load_row(dt, keys, off, kt + j * D, D);
+        load_row(dt, values, off, vt + j * D, D);
+    }
+    if (nk < LANES) memset(kt + nk * D, 0, sizeof(float) * (size_t)((LANES - nk) * D));
+    prefetch_next(dt, keys, values, kvh, head_stride, table, B, D, t0, upto);
 }
 
 #if defined(__AVX512BF16__)
@@ -739,11 +760,10 @@ static void prompt_tile_bf16_any(const int64_t D, const int64_t nq, const uint32
 }
 
 /* One tile of bf16 keys and values in the layouts above (keys past `last` are zeros). */
-static void tile_bf16(const uint16_t *keys, const uint16_t *values, int64_t off0, int64_t kvh, int64_t head_stride,
+static void tile_bf16(const uint16_t *keys, const uint16_t *values, int64_t kvh, int64_t head_stride,
                       const int32_t *table, int64_t B, int64_t D, int64_t t0, int64_t nk, __m512i *kt2, __m512i *v2,
                       uint16_t *raw) {
     const int64_t dv = D / LANES;
-    (void)off0;
     for (int64_t j = 0; j < LANES; j++) { /* raw: [16][D] keys, then [16][D] values */
         if (j < nk) {
             const int64_t p = t0 + j;
@@ -806,11 +826,9 @@ static void prompt_item(int dt, int64_t H, int64_t G, int64_t D, const float *q,
         __m512i *kt2 = (__m512i *)w->ktv, *v2 = (__m512i *)w->vt;
         for (int64_t t0 = 0; t0 <= last; t0 += LANES) {
             const int64_t nk = last - t0 + 1 < LANES ? last - t0 + 1 : LANES;
-            tile_bf16((const uint16_t *)keys, (const uint16_t *)values, 0, kvh, head_stride, table, B, D, t0, nk, kt2,
+            tile_bf16((const uint16_t *)keys, (const uint16_t *)values, kvh, head_stride, table, B, D, t0, nk, kt2,
                       v2, w->raw);
-            if (t0 + LANES <= last)
-                prefetch_tile(dt, keys, values, kvh, head_stride, table, B, D, t0 + LANES,
-                              last - t0 - LANES + 1 < LANES ? last - t0 - LANES + 1 : LANES);
+            prefetch_next(dt, keys, values, kvh, head_stride, table, B, D, t0, last);
             int64_t full = t0 + LANES - 1 - pos0;
             if (full < 0) full = 0;
             for (int64_t i = full * G; i < nq; i += PQ) {
@@ -830,16 +848,7 @@ static void prompt_item(int dt, int64_t H, int64_t G, int64_t D, const float *q,
 #if defined(PC_NATIVE_AVX2)
     for (int64_t t0 = 0; t0 <= last; t0 += LANES) {
         const int64_t nk = last - t0 + 1 < LANES ? last - t0 + 1 : LANES;
-        for (int64_t j = 0; j < nk; j++) {
-            const int64_t p = t0 + j;
-            const int64_t off = kvh * head_stride + ((int64_t)table[p / B] * B + p % B) * D;
-            load_row(dt, keys, off, w->kt + j * D, D);
-            load_row(dt, values, off, w->vt + j * D, D);
-        }
-        if (nk < LANES) memset(w->kt + nk * D, 0, sizeof(float) * (size_t)((LANES - nk) * D));
-        if (t0 + LANES <= last)
-            prefetch_tile(dt, keys, values, kvh, head_stride, table, B, D, t0 + LANES,
-                          last - t0 - LANES + 1 < LANES ? last - t0 - LANES + 1 : LANES);
+        load_tile_f32(dt, keys, values, kvh, head_stride, table, B, D, t0, nk, last, w->kt, w->vt);
         float *ktT = (float *)w->ktv; /* [D][16] */
         for (int64_t j = 0; j < LANES; j++)
             for (int64_t d = 0; d < D; d++) ktT[d * LANES + j] = w->kt[j * D + d];
@@ -860,16 +869,7 @@ static void prompt_item(int dt, int64_t H, int64_t G, int64_t D, const float *q,
 #endif
     for (int64_t t0 = 0; t0 <= last; t0 += LANES) {
         const int64_t nk = last - t0 + 1 < LANES ? last - t0 + 1 : LANES;
-        for (int64_t j = 0; j < nk; j++) {
-            const int64_t p = t0 + j;
-            const int64_t off = kvh * head_stride + ((int64_t)table[p / B] * B + p % B) * D;
-            load_row(dt, keys, off, w->kt + j * D, D);
-            load_row(dt, values, off, w->vt + j * D, D);
-        }
-        if (nk < LANES) memset(w->kt + nk * D, 0, sizeof(float) * (size_t)((LANES - nk) * D));
-        if (t0 + LANES <= last)
-            prefetch_tile(dt, keys, values, kvh, head_stride, table, B, D, t0 + LANES,
-                          last - t0 - LANES + 1 < LANES ? last - t0 - LANES + 1 : LANES);
+        load_tile_f32(dt, keys, values, kvh, head_stride, table, B, D, t0, nk, last, w->kt, w->vt);
         for (int64_t c = 0; c < DV; c++) { /* ktv[d] lane j = key j, dimension d */
             v16 *r = w->ktv + c * LANES;
             for (int j = 0; j < LANES; j++) r[j] = vload(w->kt + j * D + c * LANES);
@@ -897,6 +897,22 @@ static void prompt_item(int dt, int64_t H, int64_t G, int64_t D, const float *q,
     }
 }
 
+/* One decode row's G queries against a tile (query_tile; constant shapes keep a row's vectors in
+ * registers, other shapes one query at a time). */
+static inline void decode_tile(int64_t DV, int64_t G, int64_t D, const float *qq, const float *kt, const float *vt,
+                               int64_t nv, float *m, float *l, float *acc, v16 *part) {
+#define PC_TILE(dv_, ng_) query_tile(dv_, ng_, qq, D, kt, vt, nv, m, l, acc, part)
+    if (DV == 4 && G == 3) PC_TILE(4, 3);
+    else if (DV == 4 && G == 2) PC_TILE(4, 2);
+    else if (DV == 4 && G == 4) PC_TILE(4, 4);
+    else if (DV == 8 && G == 2) PC_TILE(8, 2);
+    else if (DV == 8 && G == 4) PC_TILE(8, 4);
+    else if (DV == 1 && G == 2) PC_TILE(1, 2);
+    else
+        for (int64_t g = 0; g < G; g++) query_tile(DV, 1, qq + g * D, D, kt, vt, nv, m + g, l + g, acc + g * D, part);
+#undef PC_TILE
+}
+
 /* Rows [r_in, r_in + nr) of decode segment sg, KV head kvh. */
 static void decode_item(int dt, int64_t H, int64_t G, int64_t D, const float *q, const void *keys,
                         const void *values, int64_t head_stride, int64_t B, const int64_t *sg, const int32_t *table,
@@ -913,16 +929,7 @@ static void decode_item(int dt, int64_t H, int64_t G, int64_t D, const float *q,
         memcpy(qbuf + ri * G * D, q + ((row0 + ri) * H + kvh * G) * D, sizeof(float) * (size_t)(G * D));
     for (int64_t t0 = 0; t0 <= last; t0 += LANES) {
         const int64_t nk = last - t0 + 1 < LANES ? last - t0 + 1 : LANES;
-        for (int64_t j = 0; j < nk; j++) {
-            const int64_t p = t0 + j;
-            const int64_t off = kvh * head_stride + ((int64_t)table[p / B] * B + p % B) * D;
-            load_row(dt, keys, off, kt + j * D, D);
-            load_row(dt, values, off, vt + j * D, D);
-        }
-        if (nk < LANES) memset(kt + nk * D, 0, sizeof(float) * (size_t)((LANES - nk) * D));
-        if (t0 + LANES <= last)
-            prefetch_tile(dt, keys, values, kvh, head_stride, table, B, D, t0 + LANES,
-                          last - t0 - LANES + 1 < LANES ? last - t0 - LANES + 1 : LANES);
+        load_tile_f32(dt, keys, values, kvh, head_stride, table, B, D, t0, nk, last, kt, vt);
         for (int64_t ri = 0; ri < nr; ri++) {
             const int64_t p = pos0 + ri;
             if (t0 > p) continue; /* fully masked for this row: never read */
@@ -936,18 +943,7 @@ static void decode_item(int dt, int64_t H, int64_t G, int64_t D, const float *q,
                 ri++;
                 continue;
             }
-#define PC_TILE(dv_, ng_) query_tile(dv_, ng_, qq, D, kt, vt, nv, m + qi, l + qi, acc + qi * D, part)
-            /* constant shapes keep a row's vectors in registers; other shapes one query at a time */
-            if (DV == 4 && G == 3) PC_TILE(4, 3);
-            else if (DV == 4 && G == 2) PC_TILE(4, 2);
-            else if (DV == 4 && G == 4) PC_TILE(4, 4);
-            else if (DV == 8 && G == 2) PC_TILE(8, 2);
-            else if (DV == 8 && G == 4) PC_TILE(8, 4);
-            else if (DV == 1 && G == 2) PC_TILE(1, 2);
-            else
-                for (int64_t g = 0; g < G; g++)
-                    query_tile(DV, 1, qq + g * D, D, kt, vt, nv, m + qi + g, l + qi + g, acc + (qi + g) * D, part);
-#undef PC_TILE
+            decode_tile(DV, G, D, qq, kt, vt, nv, m + qi, l + qi, acc + qi * D, part);
         }
     }
     for (int64_t ri = 0; ri < nr; ri++)
@@ -991,6 +987,24 @@ static inline int same_blocks(const int32_t *a, const int32_t *b, int64_t B, int
     return 1;
 }
 
+/* The group member (i or a later one) through whose table the tile at t0 is read for member i
+ * (which sees nv of its keys): of the members sharing i's blocks there, the one that sees the most
+ * keys (their count in *nk). */
+static inline int64_t tile_anchor(const int64_t *pos, const int32_t *const *tab, int64_t n, int64_t i, int64_t B,
+                                  int64_t t0, int64_t nv, int64_t *nk) {
+    int64_t at = i;
+    *nk = nv;
+    for (int64_t j = i + 1; j < n; j++) {
+        if (t0 > pos[j]) continue;
+        const int64_t nvj = pos[j] - t0 + 1 < LANES ? pos[j] - t0 + 1 : LANES;
+        if (nvj > *nk && same_blocks(tab[i], tab[j], B, t0, nv)) {
+            at = j;
+            *nk = nvj;
+        }
+    }
+    return at;
+}
+
 /* Lexicographic order of two one-row segments' block tables (their used blocks). */
 static int table_order(const int64_t *seg, const int32_t *tables, int64_t B, int64_t a, int64_t b) {
     const int64_t *sa = seg + SEG * a, *sb = seg + SEG * b;
@@ -1031,42 +1045,15 @@ static void decode_group(int dt, int64_t H, int64_t G, int64_t D, const float *q
             if (loaded == NULL || nv > loaded_nk || !same_blocks(tab[i], loaded, B, t0, nv)) {
                 /* read the tile through the row of this and the later rows sharing its blocks that
                  * sees the most keys */
-                int64_t at = i, nk = nv;
-                for (int64_t j = i + 1; j < n; j++) {
-                    if (t0 > pos[j]) continue;
-                    const int64_t nvj = pos[j] - t0 + 1 < LANES ? pos[j] - t0 + 1 : LANES;
-                    if (nvj > nk && same_blocks(tab[i], tab[j], B, t0, nv)) {
-                        at = j;
-                        nk = nvj;
-                    }
-                }
-                for (int64_t j = 0; j < nk; j++) {
-                    const int64_t p = t0 + j;
-                    const int64_t off = kvh * head_stride + ((int64_t)tab[at][p / B] * B + p % B) * D;
-                    load_row(dt, keys, off, kt + j * D, D);
-                    load_row(dt, values, off, vt + j * D, D);
-                }
-                if (nk < LANES) memset(kt + nk * D, 0, sizeof(float) * (size_t)((LANES - nk) * D));
-                if (t0 + LANES <= pos[at])
-                    prefetch_tile(dt, keys, values, kvh, head_stride, tab[at], B, D, t0 + LANES,
-                                  pos[at] - t0 - LANES + 1 < LANES ? pos[at] - t0 - LANES + 1 : LANES);
+                int64_t nk;
+                const int64_t at = tile_anchor(pos, tab, n, i, B, t0, nv, &nk);
+                load_tile_f32(dt, keys, values, kvh, head_stride, tab[at], B, D, t0, nk, pos[at], kt, vt);
                 loaded = tab[at];
                 loaded_nk = nk;
             }
             const int64_t qi = i * G;
             const float *qq = qbuf + qi * D;
-#define PC_TILE(dv_, ng_) query_tile(dv_, ng_, qq, D, kt, vt, nv, m + qi, l + qi, acc + qi * D, w->part)
-            if (DV == 4 && G == 3) PC_TILE(4, 3);
-            else if (DV == 4 && G == 2) PC_TILE(4, 2);
-            else if (DV == 4 && G == 4) PC_TILE(4, 4);
-            else if (DV == 8 && G == 2) PC_TILE(8, 2);
-            else if (DV == 8 && G == 4) PC_TILE(8, 4);
-            else if (DV == 1 && G == 2) PC_TILE(1, 2);
-            else
-                for (int64_t g = 0; g < G; g++)
-                    query_tile(DV, 1, qq + g * D, D, kt, vt, nv, m + qi + g, l + qi + g, acc + (qi + g) * D,
-                               w->part);
-#undef PC_TILE
+            decode_tile(DV, G, D, qq, kt, vt, nv, m + qi, l + qi, acc + qi * D, w->part);
         }
     }
     for (int64_t i = 0; i < n; i++)
@@ -1113,20 +1100,11 @@ static void decode_group_bf16(int64_t H, int64_t G, int64_t D, const float *q, c
             if (t0 > pos[i]) continue;
             const int64_t nv = pos[i] - t0 + 1 < LANES ? pos[i] - t0 + 1 : LANES;
             if (loaded == NULL || nv > loaded_nk || !same_blocks(tab[i], loaded, B, t0, nv)) {
-                int64_t at = i, nk = nv;
-                for (int64_t j = i + 1; j < n; j++) {
-                    if (t0 > pos[j]) continue;
-                    const int64_t nvj = pos[j] - t0 + 1 < LANES ? pos[j] - t0 + 1 : LANES;
-                    if (nvj > nk && same_blocks(tab[i], tab[j], B, t0, nv)) {
-                        at = j;
-                        nk = nvj;
-                    }
-                }
-                tile_bf16((const uint16_t *)keys, (const uint16_t *)values, 0, kvh, head_stride, tab[at], B, D, t0, nk,
+                int64_t nk;
+                const int64_t at = tile_anchor(pos, tab, n, i, B, t0, nv, &nk);
+                tile_bf16((const uint16_t *)keys, (const uint16_t *)values, kvh, head_stride, tab[at], B, D, t0, nk,
                           kt2, v2, w->raw);
-                if (t0 + LANES <= pos[at])
-                    prefetch_tile(DT_BF16, keys, values, kvh, head_stride, tab[at], B, D, t0 + LANES,
-                                  pos[at] - t0 - LANES + 1 < LANES ? pos[at] - t0 - LANES + 1 : LANES);
+                prefetch_next(DT_BF16, keys, values, kvh, head_stride, tab[at], B, D, t0, pos[at]);
                 loaded = tab[at];
                 loaded_nk = nk;
             }
