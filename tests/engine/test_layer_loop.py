@@ -20,6 +20,14 @@ from prefixcache.engine.model import ModelRunner
 DTYPES = ["float32", "bfloat16"]
 
 
+class _Calls(list[int]):
+    """pc_layers calls: each call's row count; ``formats``: each call's weight format."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.formats: list[int] = []
+
+
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Counts pc_layers calls (each call's row count) while the test runs."""
@@ -28,10 +36,11 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     k = kernels.load("native")
     assert k is not None
     real = k.lib.pc_layers
-    calls: list[int] = []
+    calls = _Calls()
 
     def counted(*args: Any) -> int:
-        calls.append(int(args[2]))
+        calls.append(int(args[3]))  # (dt, isa, weight format, rows, ...)
+        calls.formats.append(int(args[2]))
         return int(real(*args))
 
     monkeypatch.setattr(k.lib, "pc_layers", counted)
@@ -103,27 +112,59 @@ def test_prefill_steps_take_the_compiled_loop_only_where_the_own_gemm_computes_p
     assert spy == ([14] if compiled.gemm.own_prefill else [])
 
 
-def test_four_bit_or_strided_weights_keep_the_python_loop(tiny_runner: ModelRunner, spy: list[int]) -> None:
-    from prefixcache.engine.llama_native import layer_pointers
+def _q4(n: int, k: int, seed: int) -> Any:
     from prefixcache.engine.quant import Q4Weight
+
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    d = (torch.rand(n, k // 32, generator=gen) / 50).half().float()  # float16 values, as in a GGUF
+    m = (-torch.rand(n, k // 32, generator=gen) / 10).half().float()
+    return Q4Weight(q, d, m, torch.bfloat16)
+
+
+def test_mixed_four_bit_or_strided_weights_keep_the_python_loop(tiny_runner: ModelRunner, spy: list[int]) -> None:
+    from prefixcache.engine.llama_native import layer_pointers
 
     compiled, _ = _pair(tiny_runner, "bfloat16")
     assert layer_pointers(compiled) is not None
     n, k = compiled.layers[1]["down"].shape
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
-    d, m = torch.rand(n, k // 32, generator=gen) / 50, -torch.rand(n, k // 32, generator=gen) / 10
-    for odd_down in (Q4Weight(q, d, m, torch.bfloat16), compiled.layers[1]["down"].t().contiguous().t()):
+    for odd_down in (_q4(n, k, 0), compiled.layers[1]["down"].t().contiguous().t()):
         odd = copy.copy(compiled)
         odd.layers = [dict(lw) for lw in compiled.layers]
-        odd.layers[1]["down"] = odd_down
-        assert layer_pointers(odd) is None
+        odd.layers[1]["down"] = odd_down  # one layer's product 4-bit, the others dense; or strided
+        assert layer_pointers(odd, decode_only=True) is None
         pool = odd.new_pool(8)
         p = _Prompt(odd, pool, [3, 4, 5])
         odd.step(pool, [Segment(p.ids, 0, p.table)])
         odd.step(pool, [Segment([6], 3, p.table, decode=True, want_logits=True)])
         assert spy == []
     assert layer_pointers(compiled) is not None  # the original's weights are untouched
+
+
+def test_four_bit_decode_steps_run_compiled_with_the_python_loops_bits(
+    tiny_runner: ModelRunner, spy: list[int]
+) -> None:
+    from prefixcache.engine.kernels import q4
+    from prefixcache.engine.llama_native import PROJECTIONS
+
+    if q4.load() is None:
+        pytest.skip("the own 4-bit kernel is not built here")
+    compiled, _ = _pair(tiny_runner, "bfloat16")
+    compiled.layers = [dict(lw) for lw in compiled.layers]
+    for i, lw in enumerate(compiled.layers):
+        for j, name in enumerate(PROJECTIONS):
+            lw[name] = _q4(*lw[name].shape, seed=10 * i + j)
+            lw[f"{name}_b"] = None
+    python = copy.copy(compiled)
+    python.layer_loop = "python"
+    got, got_kv = _scenario(compiled, 3, prefill=64)
+    assert list(spy) == [3] * 6 and spy.formats == [1] * 6  # decode steps alone, 4-bit, compiled
+    spy.clear()
+    want, want_kv = _scenario(python, 3, prefill=64)
+    assert spy == []
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), i
+    assert torch.equal(got_kv, want_kv)
 
 
 @pytest.mark.model

@@ -21,14 +21,16 @@ from prefixcache.engine.quant import GROUP, Q4Weight
 def _random_q4(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> Q4Weight:
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
-    d = torch.rand(n, k // GROUP, generator=gen) * 0.01
-    m = -8 * d + torch.randn(n, k // GROUP, generator=gen) * 0.001
+    d = (torch.rand(n, k // GROUP, generator=gen) * 0.01).half().float()  # float16 values, as in a GGUF
+    m = (-8 * d + torch.randn(n, k // GROUP, generator=gen) * 0.001).half().float()
     return Q4Weight(q, d, m, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_the_int4_kernel_computes_the_groups_product_with_invariant_rows(dtype: torch.dtype) -> None:
+def test_the_int4_kernel_computes_the_groups_product_with_invariant_rows(dtype: torch.dtype, monkeypatch) -> None:
+    monkeypatch.setenv("PREFIXCACHE_Q4", "torch")  # the fallback (the own kernel: test_q4_kernel.py)
     w = _random_q4(960, 576, dtype)
+    assert w.own is None
     x = torch.randn(600, 576, generator=torch.Generator().manual_seed(1)).to(dtype)
     rule = gemm_rule(dtype, torch.device("cpu"))
     one = torch.cat([rule.linear(x[i : i + 1], w, None, Rows(1, ((0, 1, True),))) for i in range(40)])

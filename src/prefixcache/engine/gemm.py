@@ -39,7 +39,8 @@ torch's 128-row pieces as before. The tag names the rule, the GEMM version and I
 the torch rule above, which stays the numerical reference.
 
 Weights may be dense tensors or :class:`prefixcache.engine.quant.Q4Weight` (4-bit, see that
-module): the latter go through the torch pieces under either rule.
+module): the latter go through the torch pieces under either rule, except decode rows on the own
+4-bit kernel (``any_rows``: invariant at every count by construction), which go in one call.
 """
 
 from __future__ import annotations
@@ -146,9 +147,13 @@ class GemmRule:
             return mm(x, bool(rows.runs) and rows.runs[0][2])
         if len(rows.runs) == 1 and self._whole(rows.runs[0]):
             return mm(x, rows.runs[0][2])
+        any_rows = getattr(weight, "any_rows", False)  # invariant at every count: no pieces
         outs = []
         for start, stop, decode in rows.runs:
-            outs.extend(self._pieces(x, start, stop, decode, mm))
+            if decode and any_rows:
+                outs.append(mm(x[start:stop], True))
+            else:
+                outs.extend(self._pieces(x, start, stop, decode, mm))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _own_linear(

@@ -93,11 +93,16 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 LAYER_WEIGHTS = ("ln1", "qkv", "qkv_b", "o", "o_b", "ln2", "gu", "gu_b", "down", "down_b")
 
 
-def layer_pointers(runner: LlamaRunner) -> ctypes.Array[ctypes.c_void_p] | None:
-    """Every layer's weight pointers for ``pc_layers``, or None when a weight is not a dense
-    contiguous tensor of the runner's dtype (4-bit weights: the Python loop). Read each step from
-    ``runner.layers`` (about 300 pointers, a fraction of a percent of a step), so a weight swapped
-    in place can never leave a stale pointer behind."""
+#: The projections a 4-bit runner holds as :class:`~prefixcache.engine.quant.Q4Weight`.
+PROJECTIONS = ("qkv", "o", "gu", "down")
+
+
+def layer_pointers(runner: LlamaRunner, decode_only: bool = False) -> tuple[ctypes.Array[ctypes.c_void_p], int] | None:
+    """(every layer's weight pointers for ``pc_layers``, the weight format: 0 dense, 1 4-bit), or
+    None when the step cannot run there: a weight neither a dense contiguous tensor of the
+    runner's dtype nor (on a step of decode rows alone, ``decode_only``) a 4-bit weight on the own
+    kernel without a bias. Read each step from ``runner.layers`` (about 300 pointers, a fraction
+    of a percent of a step), so a weight swapped in place can never leave a stale pointer behind."""
     ptrs: list[int | None] = []
     for lw in runner.layers:
         for name in LAYER_WEIGHTS:
@@ -106,19 +111,27 @@ def layer_pointers(runner: LlamaRunner) -> ctypes.Array[ctypes.c_void_p] | None:
                 ptrs.append(None)
             elif isinstance(t, torch.Tensor) and t.dtype == runner.dtype and t.is_contiguous():
                 ptrs.append(t.data_ptr())
+            elif name in PROJECTIONS and decode_only and getattr(t, "desc", None) is not None:
+                if lw[f"{name}_b"] is not None:
+                    return None
+                ptrs.append(ctypes.addressof(t.desc))
             else:
                 return None
-    return (ctypes.c_void_p * len(ptrs))(*ptrs)
+    projections = {0 if isinstance(lw[n], torch.Tensor) else 1 for lw in runner.layers for n in PROJECTIONS}
+    if len(projections) != 1:
+        return None  # dense and 4-bit projections mixed: one format a call
+    return (ctypes.c_void_p * len(ptrs))(*ptrs), projections.pop()
 
 
-def _compiled_loop(runner: LlamaRunner, rows: Rows) -> ctypes.Array[ctypes.c_void_p] | None:
-    """The weight pointers when this step's layer loop can run in compiled code, else None."""
+def _compiled_loop(runner: LlamaRunner, rows: Rows) -> tuple[ctypes.Array[ctypes.c_void_p], int] | None:
+    """The weight pointers and format when this step's layer loop can run in compiled code."""
     gemm = runner.gemm
     if runner.layer_loop != "compiled" or not gemm.own or gemm.legacy:
         return None
-    if not (gemm.own_prefill or all(decode for _, _, decode in rows.runs)):
+    decode_only = all(decode for _, _, decode in rows.runs)
+    if not (gemm.own_prefill or decode_only):
         return None
-    return layer_pointers(runner)
+    return layer_pointers(runner, decode_only)
 
 
 class StepPlan:
@@ -179,12 +192,13 @@ def native_step(
     layers = runner.layers
     x = runner.embed[plan.ids]  # [R, hidden], the residual stream (updated in place)
     h = torch.empty_like(x)
-    weights = _compiled_loop(runner, rows)
-    if weights is not None and n == R:
+    compiled = _compiled_loop(runner, rows)
+    if compiled is not None and n == R:
+        weights, wfmt = compiled
         inter = runner.layers[0]["down"].shape[1]
         dims = (ctypes.c_int64 * 6)(len(layers), H, KV, D, hidden, inter)
         rc = lib.pc_layers(
-            dt, ISAS.index(gemm.own), R, dims, weights, _ptr(runner.norm), runner.eps, runner.scaling,
+            dt, ISAS.index(gemm.own), wfmt, R, dims, weights, _ptr(runner.norm), runner.eps, runner.scaling,
             x.data_ptr(), h.data_ptr(), data.data_ptr(), data.shape[3], B, plan.pos.data_ptr(),
             plan.slots.data_ptr(), runner.cos.data_ptr(), runner.sin.data_ptr(), plan.nseg,
             plan.seg.data_ptr(), plan.tables.data_ptr(), nt,

@@ -1,26 +1,31 @@
-"""4-bit weights (``--weights q4``): the GGUF's own Q4_1 groups, computed by torch's int4 kernel.
+"""4-bit weights (``--weights q4``): the GGUF's own Q4_1 groups, computed by the own 4-bit kernel.
 
     runner = quantize_runner(LlamaRunner.from_model_runner(base), base.source_path)
 
 The embedded SmolLM2 GGUF stores every projection as Q4_1: groups of 32 input weights, each
 ``w = d * q + m`` with a 4-bit ``q`` and float16 ``d``, ``m``. Those groups are read from the file
-(the ``gguf`` package) and packed for ``torch.ops.aten._weight_int4pack_mm_for_cpu``, whose
-weights are ``(q - 8) * scale + zero``: ``scale = d`` and ``zero = m + 8 d``, per group and output
-row. Decode rows (and so single-stream decode, which reads every weight once a token) go through
-that kernel, a quarter of the bf16 bytes; its rows are invariant for every row count measured
-(1-32, 64, 128, 512: each row equals the one-row product). Prefill rows use the same 4-bit values
-dequantized once into the compute dtype (the int4 kernel's cost grows with the row count, a
-dense GEMM's barely), in the runner's fixed-shape pieces (``engine/gemm.py``). The embedding and
-``lm_head`` (Q8_0 in the file) stay in the compute dtype.
+(the ``gguf`` package). Decode rows (and so single-stream decode, which reads every weight once a
+token) go through the own kernel (``kernels/pc_q4.c``: the nibbles and float16 scales as stored,
+rows quantized to 8 bits per group, exact integer group dot products; a quarter of the bf16
+bytes), whose rows are invariant by construction at every row count, so decode rows go in one
+call whatever their number, and a step of decode rows alone runs the compiled layer loop. Where
+the native kernels are not built (or ``PREFIXCACHE_Q4=torch``), torch's int4 kernel
+(``torch.ops.aten._weight_int4pack_mm_for_cpu``, ``scale = d``, ``zero = m + 8 d``, rows
+invariant for every count measured, in the runner's fixed-shape pieces) takes them, with a log
+line saying so. Prefill rows use the same 4-bit values dequantized once into the compute dtype
+(a dense GEMM's cost barely grows with the rows), in the runner's fixed-shape pieces
+(``engine/gemm.py``). The embedding and ``lm_head`` (Q8_0 in the file) stay in the compute dtype.
 
-It is another model numerically, so the runner's ``weights_id`` names the format and its cache
-namespace differs from the float weights'. ``benchmarks/bench_quality.py`` reports its greedy
-agreement with the float weights and the perplexity of both on ``benchmarks/data/quality.txt``.
+It is another model numerically (decode rows see 8-bit activations, prefill rows do not), so the
+runner's ``weights_id`` names the format and kernel and its cache namespace differs from the
+float weights'. ``benchmarks/bench_quality.py`` reports its greedy agreement with the float
+weights and the perplexity of both on ``benchmarks/data/quality.txt``.
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
 import logging
 import os
 from pathlib import Path
@@ -37,28 +42,37 @@ WEIGHT_FORMATS = ("float", "q4")
 #: The name the 4-bit format carries in ``weights_id`` (and so in the cache namespace).
 Q4_TAG = "q4_1-int4pack"
 GROUP = 32
-#: ``PREFIXCACHE_Q4=own`` runs decode rows through the own kernel (``kernels/pc_q4.c``) where it
-#: is built; the default ``torch`` keeps torch's int4 kernel (faster here so far, see docs).
+#: ``PREFIXCACHE_Q4``: ``auto`` (the default: the own kernel, ``kernels/pc_q4.c``, where the native
+#: kernels are built, else torch's int4 kernel), ``own`` (an error where it is not built) or
+#: ``torch`` (torch's int4 kernel).
 Q4_ENV = "PREFIXCACHE_Q4"
+Q4_CHOICES = ("auto", "own", "torch")
 _Q4_1 = 3  # GGMLQuantizationType.Q4_1
 
 
 class Q4Weight:
-    """One weight ``[N, K]`` in 4 bits: the int4 kernel's packed form for decode rows, the same
-    values dequantized into ``dtype`` for prefill rows. ``linear(x, decode)`` is ``x @ W^T``."""
+    """One weight ``[N, K]`` in 4 bits: the own kernel's (or torch's int4 kernel's) form for decode
+    rows, the same values dequantized into ``dtype`` for prefill rows. ``linear(x, decode)`` is
+    ``x @ W^T``; ``any_rows``: decode rows may go in one call whatever their count (the own
+    kernel's rows are invariant by construction); ``desc``: the kernel's view for the compiled
+    layer loop (``pc_q4w``: nibbles, scales, mins), None on torch's kernel."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> None:
         """``q``: int32 ``[N, K]`` in 0..15; ``d``, ``m``: float32 ``[N, K / 32]``."""
         n, k = q.shape
         self.shape = (n, k)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
-        zero = m + 8 * d
-        self.scales_zeros = torch.stack([d.t(), zero.t()], -1).to(dtype).contiguous()  # [K/32, N, 2]
         full = q.float().view(n, k // GROUP, GROUP) * d[..., None] + m[..., None]
         self.dense = full.view(n, k).to(dtype).contiguous()
         self.own = own_kernel()
+        self.any_rows = self.own is not None
+        self.desc: ctypes.Array[ctypes.c_void_p] | None = None
         if self.own is not None:
-            self.qs, self.d, self.m = q4_kernel.pack(q), d.float().contiguous(), m.float().contiguous()
+            self.qs, self.d, self.m = q4_kernel.pack(q), q4_kernel.halves(d), q4_kernel.halves(m)
+            self.desc = (ctypes.c_void_p * 3)(self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr())
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+            zero = m + 8 * d
+            self.scales_zeros = torch.stack([d.t(), zero.t()], -1).to(dtype).contiguous()  # [K/32, N, 2]
 
     def linear(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
         if not decode:
@@ -71,16 +85,30 @@ class Q4Weight:
 
 
 def q4_kernel_choice() -> str:
-    """Which kernel ``PREFIXCACHE_Q4`` asks for decode rows: ``torch`` (the default) or ``own``."""
-    want = os.environ.get(Q4_ENV, "torch").strip().lower() or "torch"
-    if want not in ("torch", "own"):
-        raise ValueError(f"{Q4_ENV} must be torch or own; got {want!r}")
+    """Which kernel ``PREFIXCACHE_Q4`` asks for decode rows: ``auto`` (the default), ``own`` or ``torch``."""
+    want = os.environ.get(Q4_ENV, "auto").strip().lower() or "auto"
+    if want not in Q4_CHOICES:
+        raise ValueError(f"{Q4_ENV} must be one of {', '.join(Q4_CHOICES)}; got {want!r}")
     return want
 
 
+_warned: set[str] = set()
+
+
 def own_kernel() -> q4_kernel.Q4Kernel | None:
-    """The own 4-bit kernel when ``PREFIXCACHE_Q4=own`` asks for it and it is built, else None."""
-    return q4_kernel.load() if q4_kernel_choice() == "own" else None
+    """The own 4-bit kernel unless ``PREFIXCACHE_Q4=torch``, or None where it is not built (torch's
+    int4 kernel runs, said once in the log); ``PREFIXCACHE_Q4=own`` without it is an error."""
+    want = q4_kernel_choice()
+    if want == "torch":
+        return None
+    own = q4_kernel.load()
+    if own is None:
+        if want == "own":
+            raise ValueError(f"{Q4_ENV}=own: the native kernels are not built here (see the log)")
+        if "fallback" not in _warned:
+            _warned.add("fallback")
+            log.warning("4-bit weights: the own kernel is not built here; torch's int4 kernel runs")
+    return own
 
 
 def read_q4_1(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -8,8 +8,10 @@
  * row). What it saves is the Python between the kernels and 240 releases and re-takes of the GIL
  * a step: in a server the step thread gives the GIL up once a step instead of once a kernel.
  *
- * It runs only where every weight product of the step goes through the own GEMM in one call
- * (pc_gemm over all rows; the Python side checks the rule), with dense weights.
+ * It runs only where every weight product of the step goes through one own kernel in one call
+ * (the Python side checks the rule): pc_gemm over all rows with dense weights (wfmt 0), or, on a
+ * step of decode rows alone, pc_q4_linear with 4-bit weights (wfmt 1: each projection's pointer
+ * is a pc_q4w, no biases).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,6 +27,24 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
 void pc_swiglu(int dt, int64_t rows, int64_t I, const void *gu, void *out, int nthreads);
 int pc_gemm(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void *x, int64_t ldx, const void *w,
             const void *bias, void *y, int64_t ldy, int nt);
+int pc_q4_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const uint8_t *qs,
+                 const uint16_t *d, const uint16_t *m, void *y, int64_t ldy, int threads, int path);
+
+/* A 4-bit weight as pc_q4.c reads it (nibbles, float16 scales and mins). */
+typedef struct {
+    const uint8_t *qs;
+    const uint16_t *d, *m;
+} pc_q4w;
+
+/* y [R, N] = x [R, K] @ W^T (+ bias) by the weight's own kernel. */
+static int project(int wfmt, int dt, int isa, int64_t R, int64_t N, int64_t K, const void *x, const void *w,
+                   const void *bias, void *y, int nt) {
+    if (wfmt == 1) {
+        const pc_q4w *q = (const pc_q4w *)w;
+        return pc_q4_linear(dt, R, N, K, x, K, q->qs, q->d, q->m, y, N, nt, 0);
+    }
+    return pc_gemm(dt, isa, R, N, K, x, K, w, bias, y, N, nt);
+}
 
 /* Weights per layer in `w`, PC_LW pointers each: input norm, qkv, qkv bias, o, o bias,
  * post-attention norm, gate|up, gate|up bias, down, down bias (biases and norms may be NULL). */
@@ -39,8 +59,9 @@ static void *buf(int64_t elems, int64_t elem_size) {
  * h [R, hidden]: out, the final norm of the last layer (norm: the model's final norm weight).
  * dims: layers, H, KV, D, hidden, inter (the MLP width). pool: [layers, 2, KV, blocks, B, D].
  * pos, slots: per row; seg, tables: pc_attention's segments and block tables.
- * Returns 0, or the first failing pc_gemm's code (-1: ISA not available), or -2 (no memory). */
-int pc_layers(int dt, int isa, int64_t R, const int64_t *dims, const void *const *w, const void *norm, float eps,
+ * wfmt: 0 dense weights (pc_gemm), 1 4-bit (pc_q4_linear; see the header).
+ * Returns 0, or the first failing product's code (-1: ISA not available), or -2 (no memory). */
+int pc_layers(int dt, int isa, int wfmt, int64_t R, const int64_t *dims, const void *const *w, const void *norm, float eps,
               float scaling, void *x, void *h, void *pool, int64_t blocks, int64_t B, const int64_t *pos,
               const int64_t *slots, const void *cos_t, const void *sin_t, int64_t nseg, const int64_t *seg,
               const int32_t *tables, int nt) {
@@ -59,17 +80,17 @@ int pc_layers(int dt, int isa, int64_t R, const int64_t *dims, const void *const
     for (int64_t li = 0; li < L && rc == 0; li++) {
         const void *const *lw = w + li * PC_LW;
         char *keys = (char *)pool + li * layer_elems * es, *values = keys + KV * head_stride * es;
-        rc = pc_gemm(dt, isa, R, width, hidden, h, hidden, lw[W_QKV], lw[W_QKV_B], qkv, width, nt);
+        rc = project(wfmt, dt, isa, R, width, hidden, h, lw[W_QKV], lw[W_QKV_B], qkv, nt);
         if (rc) break;
         pc_rope_kv(dt, R, H, KV, D, qkv, pos, slots, cos_t, sin_t, scaling, q, keys, values, head_stride, nt);
         pc_attention(dt, H, KV, D, q, keys, values, head_stride, B, nseg, seg, tables, attn, nt);
-        rc = pc_gemm(dt, isa, R, hidden, H * D, attn, H * D, lw[W_O], lw[W_O_B], o, hidden, nt);
+        rc = project(wfmt, dt, isa, R, hidden, H * D, attn, lw[W_O], lw[W_O_B], o, nt);
         if (rc) break;
         pc_rms_residual(dt, R, hidden, x, o, lw[W_LN2], eps, h, nt);
-        rc = pc_gemm(dt, isa, R, 2 * inter, hidden, h, hidden, lw[W_GU], lw[W_GU_B], gu, 2 * inter, nt);
+        rc = project(wfmt, dt, isa, R, 2 * inter, hidden, h, lw[W_GU], lw[W_GU_B], gu, nt);
         if (rc) break;
         pc_swiglu(dt, R, inter, gu, act, nt);
-        rc = pc_gemm(dt, isa, R, hidden, inter, act, inter, lw[W_DOWN], lw[W_DOWN_B], o, hidden, nt);
+        rc = project(wfmt, dt, isa, R, hidden, inter, act, lw[W_DOWN], lw[W_DOWN_B], o, nt);
         if (rc) break;
         const void *next = li + 1 < L ? w[(li + 1) * PC_LW + W_LN1] : norm;
         pc_rms_residual(dt, R, hidden, x, o, next, eps, h, nt);

@@ -1,159 +1,372 @@
 /* 4-bit weights (Q4_1 groups of 32): y = x @ W^T, rows invariant by construction.
  *
  * W [N, K] is stored per output row n as K/32 groups: 16 bytes of nibbles (byte j holds element j
- * in its low nibble and element j + 16 in its high nibble, the GGUF's own order) and a float32
- * scale d and min m per group, so w = d * q + m.
+ * in its low nibble and element j + 16 in its high nibble, the GGUF's own order) and a float16
+ * scale d and min m per group (the GGUF's own values), so w = d * q + m.
  *
- * For each (row r, output n) the arithmetic is fixed by K alone:
- *   lo[p], hi[p] (16 float lanes each, p = 0, 1 the group's parity) = 0
- *   for g in 0..K/32-1, p = g & 1, lane i:
- *       lo[p][i] = fma(fma(q[i], d, m), x[32g + i], lo[p][i])
- *       hi[p][i] = fma(fma(q[16 + i], d, m), x[32g + 16 + i], hi[p][i])
- *   y = sum over i ascending of ((lo[0][i] + lo[1][i]) + (hi[0][i] + hi[1][i]))
- * (AVX512 looks fma(q, d, m) up in a 16-entry table of the group, AVX2 computes it in 8-lane
- * quarters, scalar per lane: all three compute the same bits.) Rows are processed in tiles that share each decoded
- * weight group; a row's arithmetic does not depend on its tile, the row count, its position or
- * the thread count (OpenMP splits the output columns only). No fast-math, no compiler FMA
- * contraction (build flags); the FMAs are written out.
+ * The rows are quantized first, per group of 32 and per row alone (the scalar code below, shared
+ * by every path): amax = max |x|, s = amax / 127, xq = nearest-even(x * (127 / amax)) in int8
+ * (0 where amax is 0), and S = the group's float32 sum of x, left to right. Then for each
+ * (row, output n), with groups taken four at a time (a "chunk": 64 bytes of nibbles, 16 lanes of
+ * 4 bytes, lane l belonging to group 4c + l / 4):
+ *   isum[l] = sum over the lane's 4 bytes of lo * xq_lo + hi * xq_hi   (an exact int32: 8 products)
+ *   acc[l]  = fma(float(isum[l]), d_g * s_g, acc[l])                     (chunks ascending)
+ *   accm[i] = fma(m_g, S_g, accm[i]) for g = 16 t + i                    (t ascending)
+ *   y = the 16 lanes of acc + accm folded in halves (lanes_sum)
+ * Past the last group every term is zero (zero-padded rows, masked weight loads). The integer
+ * sums are exact, so AVX512-VNNI (VPDPBUSD), AVX512BW and AVX2 (VPMADDUBSW + VPMADDWD, no
+ * saturation: |15 * 127 * 2| < 2^15) and the scalar path compute the same bits; each float lane
+ * runs the same operations in every path. A row's arithmetic does not depend on its tile, the row
+ * count, its position or the thread count (OpenMP splits the output columns only). No fast-math,
+ * no compiler FMA contraction (build flags); the FMAs are written out.
+ *
+ * This is the arithmetic llama.cpp's Q4_1 x Q8_1 dot product uses (8-bit activations): another
+ * model numerically than the float weights, which is why the 4-bit format has its own namespace
+ * and its quality is measured (benchmarks/bench_quality.py).
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-#define PC_Q4_VERSION 3
+#define PC_Q4_VERSION 4
 #define Q4_TILE 4
 
 int pc_q4_version(void) { return PC_Q4_VERSION; }
 
-/* The lane sum in a fixed order: a[p][h][i] (p the group's parity, h low/high half, i the lane)
- * as sum over i ascending of ((a00[i] + a10[i]) + (a01[i] + a11[i])). */
-static float q4_lanes(const float *a) {
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += (a[i] + a[32 + i]) + (a[16 + i] + a[48 + i]);
-    return s;
+/* float16 -> float32, exactly (normals, subnormals, zeros, inf, NaN). */
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            int e = -1;
+            do {
+                man <<= 1;
+                e++;
+            } while (!(man & 1024));
+            bits = sign | (uint32_t)(127 - 15 - e) << 23 | (man & 1023) << 13;
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | man << 13;
+    } else {
+        bits = sign | (exp + 127 - 15) << 23 | man << 13;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
-static void q4_col_scalar(const uint8_t *qs, const float *d, const float *m, int64_t k,
-                          const float *x, int64_t nr, int64_t ldx, float *y, int64_t ldy) {
+static float bf16_to_float(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static uint16_t float_to_bf16(float f) { /* round to nearest even (NaN kept quiet) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+/* One row, quantized: q holds chunks of 128 bytes (the 64 low-nibble partners, then the 64
+ * high-nibble partners, group-major), s4 the chunk's 16 lane scales (s of the lane's group), S the
+ * group sums padded to a multiple of 16. */
+typedef struct {
+    int8_t *q;
+    float *s4;
+    float *S;
+} q8row;
+
+static void quantize_row(const float *x, int64_t gk, int64_t chunks, int64_t sums, q8row r) {
+    memset(r.q, 0, (size_t)(chunks * 128));
+    memset(r.s4, 0, (size_t)(chunks * 16) * sizeof(float));
+    memset(r.S, 0, (size_t)sums * sizeof(float));
+    for (int64_t g = 0; g < gk; g++) {
+        const float *xg = x + g * 32;
+        float amax = 0.0f, sum = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            float a = fabsf(xg[i]);
+            amax = a > amax ? a : amax;
+            sum += xg[i];
+        }
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f, s = amax / 127.0f;
+        int8_t *lo = r.q + (g / 4) * 128 + (g % 4) * 16, *hi = lo + 64;
+        for (int i = 0; i < 16; i++) {
+            lo[i] = (int8_t)nearbyintf(xg[i] * inv);
+            hi[i] = (int8_t)nearbyintf(xg[16 + i] * inv);
+        }
+        for (int l = 0; l < 4; l++) r.s4[(g / 4) * 16 + (g % 4) * 4 + l] = s;
+        r.S[g] = sum;
+    }
+}
+
+/* The final sum, in the fixed order of the header: t[l] = acc[l] + accm[l], then halves folded
+ * (t[i] + t[i + 8], then + 4, + 2, + 1), as a vector path reduces its register. */
+static float lanes_sum(const float *acc, const float *accm) {
+    float t[16];
+    for (int l = 0; l < 16; l++) t[l] = acc[l] + accm[l];
+    for (int w = 8; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) t[i] = t[i] + t[i + w];
+    return t[0];
+}
+
+static void q4_col_scalar(const uint8_t *qs, const uint16_t *d, const uint16_t *m, int64_t gk,
+                          const q8row *rows, int64_t nr, float *y, int64_t ldy) {
+    int64_t chunks = (gk + 3) / 4;
     for (int64_t r = 0; r < nr; r++) {
-        float a[64] = {0};
-        const float *xr = x + r * ldx;
-        for (int64_t g = 0; g < k / 32; g++) {
-            const uint8_t *b = qs + g * 16;
-            for (int i = 0; i < 16; i++) {
-                float wl = __builtin_fmaf((float)(b[i] & 15), d[g], m[g]);
-                float wh = __builtin_fmaf((float)(b[i] >> 4), d[g], m[g]);
-                float *lo = a + 32 * (g & 1), *hi = lo + 16;
-                lo[i] = __builtin_fmaf(wl, xr[g * 32 + i], lo[i]);
-                hi[i] = __builtin_fmaf(wh, xr[g * 32 + 16 + i], hi[i]);
+        float acc[16] = {0}, accm[16] = {0};
+        for (int64_t c = 0; c < chunks; c++) {
+            for (int l = 0; l < 16; l++) {
+                int64_t g = 4 * c + l / 4;
+                if (g >= gk) {
+                    acc[l] = __builtin_fmaf(0.0f, 0.0f, acc[l]);
+                    continue;
+                }
+                const uint8_t *b = qs + g * 16 + (l % 4) * 4;
+                const int8_t *xl = rows[r].q + c * 128 + l * 4, *xh = xl + 64;
+                int32_t isum = 0;
+                for (int t = 0; t < 4; t++) isum += (b[t] & 15) * xl[t] + (b[t] >> 4) * xh[t];
+                float s = half_to_float(d[g]) * rows[r].s4[c * 16 + l];
+                acc[l] = __builtin_fmaf((float)isum, s, acc[l]);
             }
         }
-        y[r * ldy] = q4_lanes(a);
+        for (int64_t t = 0; t < (gk + 15) / 16; t++)
+            for (int i = 0; i < 16; i++) {
+                int64_t g = 16 * t + i;
+                float mg = g < gk ? half_to_float(m[g]) : 0.0f;
+                accm[i] = __builtin_fmaf(mg, rows[r].S[g], accm[i]);
+            }
+        y[r * ldy] = lanes_sum(acc, accm);
     }
 }
 
-#ifdef __AVX2__
-static void q4_col_avx2(const uint8_t *qs, const float *d, const float *m, int64_t k,
-                        const float *x, int64_t nr, int64_t ldx, float *y, int64_t ldy) {
-    __m256 acc[Q4_TILE][8];
-    const __m256i lo = _mm256_set1_epi32(15);
-    for (int64_t r0 = 0; r0 < nr; r0 += Q4_TILE) {
-        int64_t t = nr - r0 < Q4_TILE ? nr - r0 : Q4_TILE;
-        for (int64_t j = 0; j < t; j++)
-            for (int h = 0; h < 8; h++) acc[j][h] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < k / 32; g++) {
-            __m256 w[4];
-            __m256 dg = _mm256_set1_ps(d[g]), mg = _mm256_set1_ps(m[g]);
-            for (int h = 0; h < 2; h++) {
-                __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + g * 16 + 8 * h)));
-                w[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, lo)), dg, mg);
-                w[2 + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), dg, mg);
-            }
-            for (int64_t j = 0; j < t; j++) {
-                const float *xr = x + (r0 + j) * ldx + g * 32;
-                __m256 *aj = acc[j] + 4 * (g & 1);
-                for (int h = 0; h < 4; h++) aj[h] = _mm256_fmadd_ps(w[h], _mm256_loadu_ps(xr + 8 * h), aj[h]);
-            }
-        }
-        for (int64_t j = 0; j < t; j++) {
-            float a[64];
-            for (int h = 0; h < 8; h++) _mm256_storeu_ps(a + 8 * h, acc[j][h]);
-            y[(r0 + j) * ldy] = q4_lanes(a);
-        }
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+/* lanes_sum's folds from its second step on: u[i] + u[i + 4], + 2, + 1. */
+static inline float fold8(__m256 u) {
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+    __m128 w = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, 1)));
+}
+
+/* 8 float16 (n of them, the rest 0) -> 8 floats. */
+static __m256 load_half8(const uint16_t *p, int n) {
+    uint16_t t[8] = {0};
+    if (n >= 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    memcpy(t, p, (size_t)n * 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+}
+
+#define Q4_INLINE static inline __attribute__((always_inline))
+
+/* One half chunk (two groups, 32 bytes of nibbles in b, their scales in dv) into T rows' lanes. */
+Q4_INLINE void half_avx2(__m256i b, __m256 dv, const q8row *rw, int64_t c, int h, const int T, __m256 *acc) {
+    const __m256i m15 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256i lo = _mm256_and_si256(b, m15), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m15);
+    for (int j = 0; j < T; j++) {
+        const int8_t *xq = rw[j].q + c * 128 + h * 32;
+        __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xq));
+        __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64)));
+        __m256i t = _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones));
+        __m256 s = _mm256_mul_ps(dv, _mm256_loadu_ps(rw[j].s4 + c * 16 + h * 8));
+        acc[2 * j + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), s, acc[2 * j + h]);
     }
 }
+
+/* One output column for T (1-4) rows; T a constant after inlining, so the lanes stay in registers. */
+Q4_INLINE void col_avx2(const uint8_t *qs, const uint16_t *d, const uint16_t *m, int64_t gk, const q8row *rw,
+                        const int T, float *y, int64_t ldy) {
+    /* lanes 0-3 take the first group of the half's pair, 4-7 the second */
+    const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    __m256 acc[2 * Q4_TILE], accm[2 * Q4_TILE];
+    for (int j = 0; j < 2 * T; j++) acc[j] = accm[j] = _mm256_setzero_ps();
+    int64_t pairs = gk / 2, p = 0;
+    for (; p < pairs; p++) { /* groups 2p, 2p + 1: chunk p / 2, half p % 2 */
+        __m256i b = _mm256_loadu_si256((const __m256i *)(qs + p * 32));
+        __m128i dh = _mm_cvtsi32_si128(*(const int32_t *)(d + 2 * p)); /* two float16 */
+        __m256 dv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(dh)), spread);
+        half_avx2(b, dv, rw, p / 2, (int)(p % 2), T, acc);
+    }
+    if (gk % 2) { /* the last group alone: the other half of its pair is zero */
+        __m256i b = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(qs + p * 32)));
+        __m128i dh = _mm_cvtsi32_si128(d[2 * p]);
+        __m256 dv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(dh)), spread);
+        half_avx2(b, dv, rw, p / 2, (int)(p % 2), T, acc);
+        p++;
+    }
+    for (; p % 2; p++) /* the chunk's missing half: the padding lanes' zero terms */
+        half_avx2(_mm256_setzero_si256(), _mm256_setzero_ps(), rw, p / 2, 1, T, acc);
+    for (int64_t g = 0; g < gk; g += 8) {
+        __m256 mv = load_half8(m + g, gk - g >= 8 ? 8 : (int)(gk - g));
+        int h = (int)((g / 8) % 2);
+        for (int j = 0; j < T; j++)
+            accm[2 * j + h] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(rw[j].S + g), accm[2 * j + h]);
+    }
+    if ((gk + 7) / 8 % 2) /* the last set's upper half: zero terms */
+        for (int j = 0; j < T; j++)
+            accm[2 * j + 1] = _mm256_fmadd_ps(_mm256_setzero_ps(), _mm256_setzero_ps(), accm[2 * j + 1]);
+    for (int j = 0; j < T; j++)
+        y[j * ldy] = fold8(_mm256_add_ps(_mm256_add_ps(acc[2 * j], accm[2 * j]),
+                                         _mm256_add_ps(acc[2 * j + 1], accm[2 * j + 1])));
+}
+
+static void q4_col_avx2(const uint8_t *qs, const uint16_t *d, const uint16_t *m, int64_t gk,
+                        const q8row *rows, int64_t nr, float *y, int64_t ldy) {
+    int64_t r = 0;
+    for (; r + 4 <= nr; r += 4) col_avx2(qs, d, m, gk, rows + r, 4, y + r * ldy, ldy);
+    switch (nr - r) {
+    case 3: col_avx2(qs, d, m, gk, rows + r, 3, y + r * ldy, ldy); break;
+    case 2: col_avx2(qs, d, m, gk, rows + r, 2, y + r * ldy, ldy); break;
+    case 1: col_avx2(qs, d, m, gk, rows + r, 1, y + r * ldy, ldy); break;
+    default: break;
+    }
+}
+#define Q4_HAVE_AVX2 1
 #endif
 
-#ifdef __AVX512F__
-static void q4_col_avx512(const uint8_t *qs, const float *d, const float *m, int64_t k,
-                          const float *x, int64_t nr, int64_t ldx, float *y, int64_t ldy) {
-    __m512 acc[Q4_TILE][4];
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int64_t r0 = 0; r0 < nr; r0 += Q4_TILE) {
-        int64_t t = nr - r0 < Q4_TILE ? nr - r0 : Q4_TILE;
-        for (int64_t j = 0; j < t; j++)
-            for (int h = 0; h < 4; h++) acc[j][h] = _mm512_setzero_ps();
-        for (int64_t g = 0; g < k / 32; g++) {
-            /* table[q] = fma(q, d, m): the same bits as the other paths' per-element fma */
-            __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[g]), _mm512_set1_ps(m[g]));
-            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + g * 16)));
-            __m512 wl = _mm512_permutexvar_ps(b, table); /* low 4 bits index */
-            __m512 wh = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-            for (int64_t j = 0; j < t; j++) {
-                const float *xr = x + (r0 + j) * ldx + g * 32;
-                __m512 *aj = acc[j] + 2 * (g & 1);
-                aj[0] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xr), aj[0]);
-                aj[1] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xr + 16), aj[1]);
-            }
-        }
-        for (int64_t j = 0; j < t; j++) {
-            float a[64];
-            for (int h = 0; h < 4; h++) _mm512_storeu_ps(a + 16 * h, acc[j][h]);
-            y[(r0 + j) * ldy] = q4_lanes(a);
-        }
+#if defined(Q4_HAVE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+static inline __m512i dot_chunk(__m512i lo, __m512i hi, const int8_t *xq) {
+    __m512i xl = _mm512_loadu_si512((const void *)xq), xh = _mm512_loadu_si512((const void *)(xq + 64));
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh);
+#else
+    const __m512i ones = _mm512_set1_epi16(1);
+    return _mm512_add_epi32(_mm512_madd_epi16(_mm512_maddubs_epi16(lo, xl), ones),
+                            _mm512_madd_epi16(_mm512_maddubs_epi16(hi, xh), ones));
+#endif
+}
+
+/* One chunk (four groups: 64 bytes of nibbles in b, their scales in dv) into T rows' lanes. */
+Q4_INLINE void chunk512(__m512i b, __m512 dv, const q8row *rw, int64_t c, const int T, __m512 *acc) {
+    const __m512i m15 = _mm512_set1_epi8(15);
+    __m512i lo = _mm512_and_si512(b, m15), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), m15);
+    for (int j = 0; j < T; j++) {
+        __m512i t = dot_chunk(lo, hi, rw[j].q + c * 128);
+        __m512 s = _mm512_mul_ps(dv, _mm512_loadu_ps(rw[j].s4 + c * 16));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc[j]);
     }
 }
+
+Q4_INLINE __m512 spread_scales(__m128i dh) {
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    return _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_castps128_ps256(_mm_cvtph_ps(dh))));
+}
+
+Q4_INLINE void col512(const uint8_t *qs, const uint16_t *d, const uint16_t *m, int64_t gk, const q8row *rw,
+                      const int T, float *y, int64_t ldy) {
+    __m512 acc[Q4_TILE], accm[Q4_TILE];
+    for (int j = 0; j < T; j++) acc[j] = accm[j] = _mm512_setzero_ps();
+    int64_t full = gk / 4, c = 0;
+    for (; c < full; c++)
+        chunk512(_mm512_loadu_si512((const void *)(qs + c * 64)), spread_scales(_mm_loadl_epi64((const __m128i *)(d + 4 * c))),
+                 rw, c, T, acc);
+    if (gk % 4) {
+        int64_t ng = gk % 4;
+        __m512i b = _mm512_maskz_loadu_epi8(((__mmask64)1 << (16 * ng)) - 1, qs + c * 64);
+        chunk512(b, spread_scales(_mm_maskz_loadu_epi16((__mmask8)((1u << ng) - 1), d + 4 * c)), rw, c, T, acc);
+    }
+    for (int64_t g = 0; g < gk; g += 16) {
+        int64_t n = gk - g < 16 ? gk - g : 16;
+        __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), m + g));
+        for (int j = 0; j < T; j++) accm[j] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(rw[j].S + g), accm[j]);
+    }
+    for (int j = 0; j < T; j++) {
+        __m512 t = _mm512_add_ps(acc[j], accm[j]);
+        __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1));
+        y[j * ldy] = fold8(_mm256_add_ps(_mm512_castps512_ps256(t), hi));
+    }
+}
+
+static void q4_col_avx512(const uint8_t *qs, const uint16_t *d, const uint16_t *m, int64_t gk,
+                          const q8row *rows, int64_t nr, float *y, int64_t ldy) {
+    int64_t r = 0;
+    for (; r + 4 <= nr; r += 4) col512(qs, d, m, gk, rows + r, 4, y + r * ldy, ldy);
+    switch (nr - r) {
+    case 3: col512(qs, d, m, gk, rows + r, 3, y + r * ldy, ldy); break;
+    case 2: col512(qs, d, m, gk, rows + r, 2, y + r * ldy, ldy); break;
+    case 1: col512(qs, d, m, gk, rows + r, 1, y + r * ldy, ldy); break;
+    default: break;
+    }
+}
+#define Q4_HAVE_AVX512 1
 #endif
 
 /* The path a call takes: 0 the best compiled here, 1 AVX2, 2 scalar (all give the same bits). */
 const char *pc_q4_path(int path) {
-#ifdef __AVX512F__
-    if (path == 0) return "avx512";
+#ifdef Q4_HAVE_AVX512
+#ifdef __AVX512VNNI__
+    if (path == 0) return "avx512vnni";
+#else
+    if (path == 0) return "avx512bw";
 #endif
-#ifdef __AVX2__
+#endif
+#ifdef Q4_HAVE_AVX2
     if (path <= 1) return "avx2";
 #endif
     (void)path;
     return "scalar";
 }
 
-/* y[nr, n] (float32, row stride ldy) = x[nr, k] (float32, row stride ldx) @ W^T.
- * qs: uint8 [n, k/32, 16]; d, m: float32 [n, k/32]; k a multiple of 32. threads: the OpenMP team. */
-void pc_q4_linear(int64_t nr, int64_t n, int64_t k, const float *x, int64_t ldx, const uint8_t *qs,
-                  const float *d, const float *m, float *y, int64_t ldy, int threads, int path) {
-    if (nr <= 0 || n <= 0) return;
+/* y[nr, n] (row stride ldy) = x[nr, k] (row stride ldx) @ W^T; x and y float32 (dt 0) or
+ * bfloat16 (dt 1). qs: uint8 [n, k/32, 16]; d, m: float16 [n, k/32]; k a multiple of 32.
+ * threads: the OpenMP team. Returns 0, or -2 when the row buffers cannot be allocated. */
+int pc_q4_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const uint8_t *qs,
+                 const uint16_t *d, const uint16_t *m, void *y, int64_t ldy, int threads, int path) {
+    if (nr <= 0 || n <= 0) return 0;
     const char *p = pc_q4_path(path);
-    int kind = p[0] == 's' ? 2 : (p[4] == '5' ? 0 : 1);
-    int64_t gk = k / 32;
+    int kind = p[0] == 's' ? 2 : (strncmp(p, "avx512", 6) == 0 ? 0 : 1);
+    int64_t gk = k / 32, chunks = (gk + 3) / 4, sums = (gk + 15) / 16 * 16;
+    size_t per_row = (size_t)(chunks * 128 + (chunks * 16 + sums) * 4);
+    char *mem = malloc(per_row * (size_t)nr + 64);
+    q8row *rows = malloc(sizeof(q8row) * (size_t)nr);
+    float *yf = dt == 1 ? malloc(sizeof(float) * (size_t)(nr * n)) : NULL;
+    float *xf = dt == 1 ? malloc(sizeof(float) * (size_t)k) : NULL;
+    if (!mem || !rows || (dt == 1 && (!yf || !xf))) {
+        free(mem), free(rows), free(yf), free(xf);
+        return -2;
+    }
+    for (int64_t r = 0; r < nr; r++) {
+        char *base = mem + per_row * (size_t)r;
+        rows[r].q = (int8_t *)base;
+        rows[r].s4 = (float *)(base + chunks * 128);
+        rows[r].S = rows[r].s4 + chunks * 16;
+        const float *xr = (const float *)x + r * ldx;
+        if (dt == 1) {
+            const uint16_t *xb = (const uint16_t *)x + r * ldx;
+            for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_float(xb[i]);
+            xr = xf;
+        }
+        quantize_row(xr, gk, chunks, sums, rows[r]);
+    }
+    float *out = dt == 1 ? yf : (float *)y;
+    int64_t ldo = dt == 1 ? n : ldy;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int64_t c = 0; c < n; c++) {
         const uint8_t *qc = qs + c * gk * 16;
-        const float *dc = d + c * gk, *mc = m + c * gk;
-#ifdef __AVX512F__
+        const uint16_t *dc = d + c * gk, *mc = m + c * gk;
+#ifdef Q4_HAVE_AVX512
         if (kind == 0) {
-            q4_col_avx512(qc, dc, mc, k, x, nr, ldx, y + c, ldy);
+            q4_col_avx512(qc, dc, mc, gk, rows, nr, out + c, ldo);
             continue;
         }
 #endif
-#ifdef __AVX2__
+#ifdef Q4_HAVE_AVX2
         if (kind == 1) {
-            q4_col_avx2(qc, dc, mc, k, x, nr, ldx, y + c, ldy);
+            q4_col_avx2(qc, dc, mc, gk, rows, nr, out + c, ldo);
             continue;
         }
 #endif
-        q4_col_scalar(qc, dc, mc, k, x, nr, ldx, y + c, ldy);
+        q4_col_scalar(qc, dc, mc, gk, rows, nr, out + c, ldo);
     }
+    if (dt == 1)
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t c = 0; c < n; c++) ((uint16_t *)y)[r * ldy + c] = float_to_bf16(yf[r * n + c]);
+    free(mem), free(rows), free(yf), free(xf);
+    return 0;
 }

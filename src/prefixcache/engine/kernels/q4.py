@@ -4,11 +4,12 @@
     y = lib.linear(x, qs, d, m)            # x [rows, K] float32/bfloat16 -> y [rows, N] x.dtype
 
 ``qs`` is uint8 ``[N, K/32, 16]`` (byte j: element j low nibble, element j + 16 high nibble, the
-GGUF's order), ``d`` and ``m`` float32 ``[N, K/32]`` (``w = d * q + m``). Each output element is
-reduced in one order that depends on K alone (see the C file), so a row's bits do not depend on
-the row count, its position in the batch or the thread count; the AVX512, AVX2 and scalar paths
-compute the same bits. Rows go in as float32 (bfloat16 widens exactly) and the float32 result is
-rounded once to the input's dtype.
+GGUF's order), ``d`` and ``m`` float16 ``[N, K/32]`` (``w = d * q + m``, the GGUF's own values).
+Each row is quantized to 8 bits per group of 32 (scale ``max |x| / 127``, as llama.cpp's Q8_1
+activations) and each output is the exact integer group dot products scaled and reduced in one
+order that depends on K alone (see the C file), so a row's bits do not depend on the row count,
+its position in the batch or the thread count; the AVX512 (VNNI or BW), AVX2 and scalar paths
+compute the same bits. The result is float32, rounded once to the input's dtype.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from prefixcache.engine import kernels
 
 #: ``PREFIXCACHE_KERNEL_ISA=avx2`` (or ``scalar``) forces that path of the 4-bit kernel (tests).
 ISA_ENV = "PREFIXCACHE_KERNEL_ISA"
-_PATHS = {"": 0, "auto": 0, "native": 0, "avx512": 0, "avx512bf16": 0, "avx2": 1, "scalar": 2}
+_PATHS = {"": 0, "auto": 0, "native": 0, "avx512": 0, "avx512bf16": 0, "amx": 0, "avx2": 1, "scalar": 2}
 
 
 class Q4Kernel:
@@ -31,8 +32,8 @@ class Q4Kernel:
     def __init__(self, native: kernels.NativeKernels) -> None:
         lib = native.lib
         i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        lib.pc_q4_linear.argtypes = [i64, i64, i64, p, i64, p, p, p, p, i64, i32, i32]
-        lib.pc_q4_linear.restype = None
+        lib.pc_q4_linear.argtypes = [i32, i64, i64, i64, p, i64, p, p, p, p, i64, i32, i32]
+        lib.pc_q4_linear.restype = i32
         lib.pc_q4_path.argtypes = [i32]
         lib.pc_q4_path.restype = ctypes.c_char_p
         lib.pc_q4_version.restype = i32
@@ -47,15 +48,22 @@ class Q4Kernel:
     ) -> torch.Tensor:
         n, gk, _ = qs.shape
         k = gk * 32
-        xf = x.reshape(-1, k).to(torch.float32).contiguous()
-        y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+        if d.dtype != torch.float16 or m.dtype != torch.float16 or qs.dtype != torch.uint8:
+            raise TypeError("pc_q4_linear takes uint8 nibbles and float16 scales and mins (see halves)")
+        if not (qs.is_contiguous() and d.is_contiguous() and m.is_contiguous()) or d.shape != (n, gk):
+            raise ValueError(f"4-bit weights: contiguous qs [N, K/32, 16], d and m [N, K/32]; got d {tuple(d.shape)}")
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        xs = x.reshape(-1, k).contiguous()
+        y = torch.empty(xs.shape[0], n, dtype=xs.dtype)
         if path is None:
             path = _PATHS.get(os.environ.get(ISA_ENV, "").strip().lower(), 0)
-        self._fn(
-            xf.shape[0],
+        rc = self._fn(
+            int(xs.dtype == torch.bfloat16),
+            xs.shape[0],
             n,
             k,
-            xf.data_ptr(),
+            xs.data_ptr(),
             k,
             qs.data_ptr(),
             d.data_ptr(),
@@ -65,7 +73,9 @@ class Q4Kernel:
             torch.get_num_threads(),
             path,
         )
-        return y.to(x.dtype).reshape(*x.shape[:-1], n)
+        if rc != 0:
+            raise MemoryError("pc_q4_linear: no memory for the quantized rows")
+        return y.reshape(*x.shape[:-1], n)
 
 
 _cache: dict[int, Q4Kernel | None] = {}
@@ -90,3 +100,12 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     g = q.to(torch.uint8).view(n, k // 32, 32)
     return (g[..., :16] | (g[..., 16:] << 4)).contiguous()
+
+
+def halves(t: torch.Tensor) -> torch.Tensor:
+    """A group's scales or mins as the kernel reads them: float16, which must hold them exactly
+    (the GGUF stores them so; a value float16 cannot hold is refused, not rounded)."""
+    h = t.to(torch.float16).contiguous()
+    if not torch.equal(h.float(), t.float()):
+        raise ValueError("4-bit group scales and mins must be float16 values (as a GGUF's Q4_1 stores them)")
+    return h
