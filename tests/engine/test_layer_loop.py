@@ -122,7 +122,9 @@ def _q4(n: int, k: int, seed: int) -> Any:
     return Q4Weight(q, d, m, torch.bfloat16)
 
 
-def test_mixed_four_bit_or_strided_weights_keep_the_python_loop(tiny_runner: ModelRunner, spy: list[int]) -> None:
+def test_mixed_four_bit_or_strided_weights_keep_the_python_loop(
+    tiny_runner: ModelRunner, spy: list[int]
+) -> None:
     from prefixcache.engine.llama_native import layer_pointers
 
     compiled, _ = _pair(tiny_runner, "bfloat16")

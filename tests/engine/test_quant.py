@@ -27,7 +27,9 @@ def _random_q4(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> Q4Weight:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_the_int4_kernel_computes_the_groups_product_with_invariant_rows(dtype: torch.dtype, monkeypatch) -> None:
+def test_the_int4_kernel_computes_the_groups_product_with_invariant_rows(
+    dtype: torch.dtype, monkeypatch
+) -> None:
     monkeypatch.setenv("PREFIXCACHE_Q4", "torch")  # the fallback (the own kernel: test_q4_kernel.py)
     w = _random_q4(960, 576, dtype)
     assert w.own is None

@@ -97,7 +97,9 @@ LAYER_WEIGHTS = ("ln1", "qkv", "qkv_b", "o", "o_b", "ln2", "gu", "gu_b", "down",
 PROJECTIONS = ("qkv", "o", "gu", "down")
 
 
-def layer_pointers(runner: LlamaRunner, decode_only: bool = False) -> tuple[ctypes.Array[ctypes.c_void_p], int] | None:
+def layer_pointers(
+    runner: LlamaRunner, decode_only: bool = False
+) -> tuple[ctypes.Array[ctypes.c_void_p], int] | None:
     """(every layer's weight pointers for ``pc_layers``, the weight format: 0 dense, 1 4-bit), or
     None when the step cannot run there: a weight neither a dense contiguous tensor of the
     runner's dtype nor (on a step of decode rows alone, ``decode_only``) a 4-bit weight on the own

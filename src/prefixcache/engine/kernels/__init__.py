@@ -60,7 +60,30 @@ class NativeKernels:
             getattr(lib, name).restype = None
         # dt, isa, weight format, rows, dims, weights, norm, eps, scaling, x, h, pool, blocks, B,
         # pos, slots, cos, sin, segments, seg, tables, threads (pc_forward.c)
-        layers: list[Any] = [i32, i32, i32, i64, p, p, p, f32, f32, p, p, p, i64, i64, p, p, p, p, i64, p, p, i32]
+        layers: list[Any] = [
+            i32,
+            i32,
+            i32,
+            i64,
+            p,
+            p,
+            p,
+            f32,
+            f32,
+            p,
+            p,
+            p,
+            i64,
+            i64,
+            p,
+            p,
+            p,
+            p,
+            i64,
+            p,
+            p,
+            i32,
+        ]
         lib.pc_layers.argtypes = layers
         lib.pc_layers.restype = i32
         self.lib = lib

@@ -51,7 +51,9 @@ class Q4Kernel:
         if d.dtype != torch.float16 or m.dtype != torch.float16 or qs.dtype != torch.uint8:
             raise TypeError("pc_q4_linear takes uint8 nibbles and float16 scales and mins (see halves)")
         if not (qs.is_contiguous() and d.is_contiguous() and m.is_contiguous()) or d.shape != (n, gk):
-            raise ValueError(f"4-bit weights: contiguous qs [N, K/32, 16], d and m [N, K/32]; got d {tuple(d.shape)}")
+            raise ValueError(
+                f"4-bit weights: contiguous qs [N, K/32, 16], d and m [N, K/32]; got d {tuple(d.shape)}"
+            )
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
         xs = x.reshape(-1, k).contiguous()
