@@ -126,3 +126,57 @@ def test_q4_weights_run_decode_rows_through_the_own_kernel_by_default(monkeypatc
     monkeypatch.setenv("PREFIXCACHE_Q4", "fast")
     with pytest.raises(ValueError, match="PREFIXCACHE_Q4 must be one of auto, own, torch"):
         Q4Weight(q, d.float(), m.float(), torch.bfloat16)
+
+
+def _q8(seed: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randint(-128, 128, (N, k // 32, 32), dtype=torch.int8, generator=gen)
+    w[0, 0] = -128  # |q| = 128: the magnitude trick's edge
+    d = (torch.rand(N, k // 32, generator=gen) * 0.01).half()
+    d[1, 0] = 1e-7  # a float16 subnormal
+    return w, d
+
+
+@pytest.mark.parametrize("k", [576, 96, 32], ids=lambda k: f"K{k}")
+def test_the_q8_kernel_computes_the_quantized_rows_product_and_a_wrong_scale_fails(k: int) -> None:
+    assert KERNEL is not None
+    w, d = _q8(6, k)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(7))
+    xg = x.view(9, k // 32, 32)
+    amax = xg.abs().amax(-1)
+    xq = torch.round(xg * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))[..., None]).double()
+    want = (
+        torch.einsum("rgi,ngi->rng", xq, w.double()) * d.double()[None] * (amax / 127).double()[:, None]
+    ).sum(-1)
+    got = KERNEL.linear8(x, w, d).double()
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    exact = x.double() @ (w.double() * d.double()[..., None]).view(N, k).T
+    assert (got - exact).abs().max() < 0.03 * exact.abs().max()
+    bad = d.clone()
+    bad[9, -1] *= 1.5
+    wrong = KERNEL.linear8(x, w, bad).double()
+    assert not torch.allclose(wrong[:, 9], want[:, 9], atol=1e-5, rtol=1e-5)
+    assert torch.allclose(wrong[:, :9], want[:, :9], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [576, 96], ids=lambda k: f"K{k}")  # 96: an odd group count
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q8_rows_are_bitwise_invariant_across_counts_threads_and_paths(threads: int, k: int) -> None:
+    assert KERNEL is not None
+    w, d = _q8(8, k)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(9)).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.cat([KERNEL.linear8(x[i : i + 1], w, d) for i in range(40)])
+        torch.set_num_threads(threads)
+        for rows in [*range(1, 18), 32]:
+            for off in (0, 40 - rows):
+                assert torch.equal(KERNEL.linear8(x[off : off + rows], w, d), one[off : off + rows]), (
+                    rows,
+                    off,
+                )
+        for path in (1, 2):
+            assert torch.equal(KERNEL.linear8(x[:13], w, d, path=path), one[:13]), path
+    finally:
+        torch.set_num_threads(before)

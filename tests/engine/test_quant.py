@@ -15,7 +15,7 @@ from prefixcache.engine.engine import Engine
 from prefixcache.engine.gemm import Rows, gemm_rule
 from prefixcache.engine.kernels import q4 as q4_kernel
 from prefixcache.engine.llama import LlamaRunner
-from prefixcache.engine.quant import GROUP, Q4Weight
+from prefixcache.engine.quant import GROUP, Q4Weight, Q8Weight
 
 
 def _random_q4(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> Q4Weight:
@@ -65,7 +65,10 @@ def test_q4_smollm2_is_exact_invariant_and_in_its_own_namespace(real_runner, ker
     try:
         assert isinstance(q4.runner, LlamaRunner) and q4.runner.weights_format == "q4_1"
         assert q4.fingerprint != plain.fingerprint  # another model numerically: never shares blocks
-        assert ("pcq4" in q4.runner.weights_id) == (kernel == "own" and q4_kernel.load() is not None)
+        own = kernel == "own" and q4_kernel.load() is not None
+        assert ("pcq4" in q4.runner.weights_id) == own
+        assert ("q8_0head" in q4.runner.weights_id) == own  # the lm_head in the file's Q8_0 groups
+        assert isinstance(q4.runner.lm_head, Q8Weight) == own
         assert _check_invariance(q4.runner, 611, 1) == []
         system = "You are a terse assistant for a bicycle shop. Answer in one short sentence. " * 6
         msgs = [

@@ -48,6 +48,7 @@ GROUP = 32
 Q4_ENV = "PREFIXCACHE_Q4"
 Q4_CHOICES = ("auto", "own", "torch")
 _Q4_1 = 3  # GGMLQuantizationType.Q4_1
+_Q8_0 = 8  # GGMLQuantizationType.Q8_0
 
 
 class Q4Weight:
@@ -84,6 +85,27 @@ class Q4Weight:
         )
 
 
+class Q8Weight:
+    """The ``lm_head`` in 8 bits on the own kernel: the GGUF's Q8_0 groups (``w = d * q``, an int8
+    ``q`` and a float16 ``d`` per 32 input weights), half the bf16 bytes a decode step reads for
+    the logits. Logits rows are always decode-class rows (``GemmRule.logits_rows``); ``dense``
+    (the same values in the compute dtype) serves any other row."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype, own: q4_kernel.Q4Kernel) -> None:
+        """``q``: int8 ``[N, K / 32, 32]``; ``d``: float32 ``[N, K / 32]`` (float16 values)."""
+        n, gk, _ = q.shape
+        self.shape = (n, gk * 32)
+        self.dense = (q.float() * d[..., None]).view(self.shape).to(dtype).contiguous()
+        self.own = own
+        self.any_rows = True
+        self.q, self.d = q.contiguous(), q4_kernel.halves(d)
+
+    def linear(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        if not decode:
+            return torch.nn.functional.linear(x, self.dense)
+        return self.own.linear8(x, self.q, self.d)
+
+
 def q4_kernel_choice() -> str:
     """Which kernel ``PREFIXCACHE_Q4`` asks for decode rows: ``auto`` (the default), ``own`` or ``torch``."""
     want = os.environ.get(Q4_ENV, "auto").strip().lower() or "auto"
@@ -113,23 +135,36 @@ def own_kernel() -> q4_kernel.Q4Kernel | None:
 
 def read_q4_1(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Every Q4_1 tensor of the GGUF at ``path``: name -> (q int32 [N, K], d, m float32 [N, K/32])."""
+    return read_groups(path)[0]
+
+
+def read_groups(
+    path: Path,
+) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The GGUF's Q4_1 tensors (name -> q int32 [N, K], d, m float32 [N, K/32]) and Q8_0 tensors
+    (name -> q int8 [N, K/32, 32], d float32 [N, K/32]), in one read of the file."""
     try:
         from gguf import GGUFReader
     except ImportError as exc:  # pragma: no cover - a dependency of the project
         raise ValueError("--weights q4 needs the gguf package: pip install gguf") from exc
-    out = {}
+    q4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    q8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for t in GGUFReader(str(path)).tensors:
-        if int(t.tensor_type) != _Q4_1:
+        kind = int(t.tensor_type)
+        if kind not in (_Q4_1, _Q8_0):
             continue
         raw = np.asarray(t.data, dtype=np.uint8)
         n = raw.shape[0]
-        blocks = raw.reshape(n, -1, 20)
+        blocks = raw.reshape(n, -1, 20 if kind == _Q4_1 else 34)
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        if kind == _Q8_0:
+            q8[t.name] = (torch.from_numpy(blocks[..., 2:].copy().view(np.int8)), torch.from_numpy(d))
+            continue
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         qs = blocks[..., 4:]
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, -1).astype(np.int32)
-        out[t.name] = (torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
-    return out
+        q4[t.name] = (torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+    return q4, q8
 
 
 def _unpermute(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -146,7 +181,7 @@ def quantize_runner(runner: Any, path: Path | None) -> Any:
         raise ValueError("--weights q4 runs on the CPU (torch's int4 kernel for CPUs); drop it on CUDA")
     if path is None or not Path(path).is_file() or Path(path).suffix.lower() != ".gguf":
         raise ValueError("--weights q4 needs a GGUF model with Q4_1 weights (the embedded SmolLM2 is one)")
-    tensors = read_q4_1(Path(path))
+    tensors, eights = read_groups(Path(path))
     heads, kv_heads, dt = runner.num_heads, runner.num_kv_heads, runner.dtype
     names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     out = copy.copy(runner)
@@ -174,10 +209,21 @@ def quantize_runner(runner: Any, path: Path | None) -> Any:
         out.layers.append(layer)
     own = own_kernel()
     tag = Q4_TAG if own is None else f"q4_1-{own.id}"  # blocks of different kernels never mix
+    head = eights.get("output.weight") or eights.get("token_embd.weight")
+    if own is not None and head is not None and tuple(head[0].shape[:2]) == (out.vocab_size, out.hidden // 32):
+        lm_head = Q8Weight(*head, dt, own)
+        if torch.equal(lm_head.dense, runner.lm_head.to(dt)):  # the values the model loaded
+            out.lm_head = lm_head
+            tag += "-q8_0head"
     out.weights_id = f"{runner.weights_id}+{tag}"
     out.weights_format = "q4_1"
     out._own_runners = {}
-    log.info("4-bit weights: %d layers from %s's Q4_1 groups", len(out.layers), Path(path).name)
+    log.info(
+        "4-bit weights: %d layers from %s's Q4_1 groups%s",
+        len(out.layers),
+        Path(path).name,
+        ", lm_head in its Q8_0 groups" if tag.endswith("q8_0head") else "",
+    )
     return out
 
 

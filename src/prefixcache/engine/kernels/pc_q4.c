@@ -20,6 +20,13 @@
  * count, its position or the thread count (OpenMP splits the output columns only). No fast-math,
  * no compiler FMA contraction (build flags); the FMAs are written out.
  *
+ * The Q8_0 product (pc_q8_linear: the GGUF's 8-bit groups, w = d * q with an int8 q, as the
+ * embedded model stores its tied embedding and lm_head) uses the same quantized rows in their
+ * natural order, two groups a chunk (64 bytes, lane l belonging to group 2c + l / 8):
+ *   isum[l] = sum over the lane's 4 bytes of q * xq                      (exact: |q| <= 128)
+ *   acc[l]  = fma(float(isum[l]), d_g * s_g, acc[l]); y = acc folded in halves
+ * (AVX512 multiplies |q| by xq with q's sign moved onto xq, AVX2 the same with VPSIGNB.)
+ *
  * This is the arithmetic llama.cpp's Q4_1 x Q8_1 dot product uses (8-bit activations): another
  * model numerically than the float weights, which is why the 4-bit format has its own namespace
  * and its quality is measured (benchmarks/bench_quality.py).
@@ -107,14 +114,63 @@ static void quantize_row(const float *x, int64_t gk, int64_t chunks, int64_t sum
     }
 }
 
-/* The final sum, in the fixed order of the header: t[l] = acc[l] + accm[l], then halves folded
+/* The final sum, in the fixed order of the header: the 16 lanes t folded in halves
  * (t[i] + t[i + 8], then + 4, + 2, + 1), as a vector path reduces its register. */
-static float lanes_sum(const float *acc, const float *accm) {
-    float t[16];
-    for (int l = 0; l < 16; l++) t[l] = acc[l] + accm[l];
+static float fold16(float *t) {
     for (int w = 8; w >= 1; w /= 2)
         for (int i = 0; i < w; i++) t[i] = t[i] + t[i + w];
     return t[0];
+}
+
+static float lanes_sum(const float *acc, const float *accm) {
+    float t[16];
+    for (int l = 0; l < 16; l++) t[l] = acc[l] + accm[l];
+    return fold16(t);
+}
+
+/* One row for the Q8_0 product: the same quantized values in their natural order, groups padded
+ * to an even count; s8 holds each two-group chunk's 16 lane scales (s of the lane's group). */
+typedef struct {
+    int8_t *q;
+    float *s8;
+} q8nat;
+
+static void quantize_row_nat(const float *x, int64_t gk, int64_t pairs, q8nat r) {
+    memset(r.q, 0, (size_t)(pairs * 64));
+    memset(r.s8, 0, (size_t)(pairs * 16) * sizeof(float));
+    for (int64_t g = 0; g < gk; g++) {
+        const float *xg = x + g * 32;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            float a = fabsf(xg[i]);
+            amax = a > amax ? a : amax;
+        }
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f, s = amax / 127.0f;
+        for (int i = 0; i < 32; i++) r.q[g * 32 + i] = (int8_t)nearbyintf(xg[i] * inv);
+        for (int l = 0; l < 8; l++) r.s8[(g / 2) * 16 + (g % 2) * 8 + l] = s;
+    }
+}
+
+static void q8_col_scalar(const int8_t *wq, const uint16_t *d, int64_t gk, const q8nat *rows, int64_t nr,
+                          float *y, int64_t ldy) {
+    int64_t pairs = (gk + 1) / 2;
+    for (int64_t r = 0; r < nr; r++) {
+        float acc[16] = {0};
+        for (int64_t c = 0; c < pairs; c++)
+            for (int l = 0; l < 16; l++) {
+                int64_t g = 2 * c + l / 8;
+                if (g >= gk) {
+                    acc[l] = __builtin_fmaf(0.0f, 0.0f, acc[l]);
+                    continue;
+                }
+                const int8_t *w = wq + g * 32 + (l % 8) * 4, *xq = rows[r].q + g * 32 + (l % 8) * 4;
+                int32_t isum = 0;
+                for (int t = 0; t < 4; t++) isum += w[t] * xq[t];
+                float s = half_to_float(d[g]) * rows[r].s8[c * 16 + l];
+                acc[l] = __builtin_fmaf((float)isum, s, acc[l]);
+            }
+        y[r * ldy] = fold16(acc);
+    }
 }
 
 static void q4_col_scalar(const uint8_t *qs, const uint16_t *d, const uint16_t *m, int64_t gk,
@@ -227,6 +283,44 @@ static void q4_col_avx2(const uint8_t *qs, const uint16_t *d, const uint16_t *m,
     default: break;
     }
 }
+/* Q8_0: one group (32 int8 weights in w, its scale broadcast in dv) into T rows' lane half h. */
+Q4_INLINE void q8_group_avx2(__m256i w, __m256 dv, const q8nat *rw, int64_t g, const int T, __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i aw = _mm256_abs_epi8(w);
+    int h = (int)(g % 2);
+    for (int j = 0; j < T; j++) {
+        __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(rw[j].q + g * 32)), w);
+        __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
+        __m256 s = _mm256_mul_ps(dv, _mm256_loadu_ps(rw[j].s8 + (g / 2) * 16 + h * 8));
+        acc[2 * j + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), s, acc[2 * j + h]);
+    }
+}
+
+Q4_INLINE void q8_col_avx2_t(const int8_t *wq, const uint16_t *d, int64_t gk, const q8nat *rw, const int T,
+                             float *y, int64_t ldy) {
+    __m256 acc[2 * Q4_TILE];
+    for (int j = 0; j < 2 * T; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < gk; g++) {
+        __m256 dv = _mm256_set1_ps(_cvtsh_ss(d[g]));
+        q8_group_avx2(_mm256_loadu_si256((const __m256i *)(wq + g * 32)), dv, rw, g, T, acc);
+    }
+    if (gk % 2) /* the last chunk's missing group: the padding lanes' zero terms */
+        for (int j = 0; j < T; j++)
+            acc[2 * j + 1] = _mm256_fmadd_ps(_mm256_setzero_ps(), _mm256_setzero_ps(), acc[2 * j + 1]);
+    for (int j = 0; j < T; j++) y[j * ldy] = fold8(_mm256_add_ps(acc[2 * j], acc[2 * j + 1]));
+}
+
+static void q8_col_avx2(const int8_t *wq, const uint16_t *d, int64_t gk, const q8nat *rows, int64_t nr, float *y,
+                        int64_t ldy) {
+    int64_t r = 0;
+    for (; r + 4 <= nr; r += 4) q8_col_avx2_t(wq, d, gk, rows + r, 4, y + r * ldy, ldy);
+    switch (nr - r) {
+    case 3: q8_col_avx2_t(wq, d, gk, rows + r, 3, y + r * ldy, ldy); break;
+    case 2: q8_col_avx2_t(wq, d, gk, rows + r, 2, y + r * ldy, ldy); break;
+    case 1: q8_col_avx2_t(wq, d, gk, rows + r, 1, y + r * ldy, ldy); break;
+    default: break;
+    }
+}
 #define Q4_HAVE_AVX2 1
 #endif
 
@@ -291,6 +385,53 @@ static void q4_col_avx512(const uint8_t *qs, const uint16_t *d, const uint16_t *
     case 3: col512(qs, d, m, gk, rows + r, 3, y + r * ldy, ldy); break;
     case 2: col512(qs, d, m, gk, rows + r, 2, y + r * ldy, ldy); break;
     case 1: col512(qs, d, m, gk, rows + r, 1, y + r * ldy, ldy); break;
+    default: break;
+    }
+}
+/* Q8_0: one chunk (two groups, 64 int8 weights in w, their scales spread in dv) into T rows. */
+Q4_INLINE void q8_chunk512(__m512i w, __m512 dv, const q8nat *rw, int64_t c, const int T, __m512 *acc) {
+    __mmask64 neg = _mm512_movepi8_mask(w);
+    __m512i aw = _mm512_abs_epi8(w);
+    for (int j = 0; j < T; j++) {
+        __m512i x = _mm512_loadu_si512((const void *)(rw[j].q + c * 64));
+        __m512i xs = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+#ifdef __AVX512VNNI__
+        __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, xs);
+#else
+        __m512i t = _mm512_madd_epi16(_mm512_maddubs_epi16(aw, xs), _mm512_set1_epi16(1));
+#endif
+        __m512 s = _mm512_mul_ps(dv, _mm512_loadu_ps(rw[j].s8 + c * 16));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc[j]);
+    }
+}
+
+Q4_INLINE void q8_col512_t(const int8_t *wq, const uint16_t *d, int64_t gk, const q8nat *rw, const int T,
+                           float *y, int64_t ldy) {
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m512 acc[Q4_TILE];
+    for (int j = 0; j < T; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < (gk + 1) / 2; c++) {
+        int ng = gk - 2 * c >= 2 ? 2 : 1;
+        __m512i w = ng == 2 ? _mm512_loadu_si512((const void *)(wq + c * 64))
+                            : _mm512_maskz_loadu_epi8(((__mmask64)1 << 32) - 1, wq + c * 64);
+        __m128i dh = _mm_maskz_loadu_epi16((__mmask8)((1u << ng) - 1), d + 2 * c);
+        __m512 dv = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_castps128_ps256(_mm_cvtph_ps(dh))));
+        q8_chunk512(w, dv, rw, c, T, acc);
+    }
+    for (int j = 0; j < T; j++) {
+        __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1));
+        y[j * ldy] = fold8(_mm256_add_ps(_mm512_castps512_ps256(acc[j]), hi));
+    }
+}
+
+static void q8_col_avx512(const int8_t *wq, const uint16_t *d, int64_t gk, const q8nat *rows, int64_t nr,
+                          float *y, int64_t ldy) {
+    int64_t r = 0;
+    for (; r + 4 <= nr; r += 4) q8_col512_t(wq, d, gk, rows + r, 4, y + r * ldy, ldy);
+    switch (nr - r) {
+    case 3: q8_col512_t(wq, d, gk, rows + r, 3, y + r * ldy, ldy); break;
+    case 2: q8_col512_t(wq, d, gk, rows + r, 2, y + r * ldy, ldy); break;
+    case 1: q8_col512_t(wq, d, gk, rows + r, 1, y + r * ldy, ldy); break;
     default: break;
     }
 }
@@ -363,6 +504,62 @@ int pc_q4_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, int64_
         }
 #endif
         q4_col_scalar(qc, dc, mc, gk, rows, nr, out + c, ldo);
+    }
+    if (dt == 1)
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t c = 0; c < n; c++) ((uint16_t *)y)[r * ldy + c] = float_to_bf16(yf[r * n + c]);
+    free(mem), free(rows), free(yf), free(xf);
+    return 0;
+}
+
+/* y[nr, n] = x[nr, k] @ W^T for Q8_0 weights: wq int8 [n, k/32, 32], d float16 [n, k/32]; the
+ * rest as pc_q4_linear. */
+int pc_q8_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const int8_t *wq,
+                 const uint16_t *d, void *y, int64_t ldy, int threads, int path) {
+    if (nr <= 0 || n <= 0) return 0;
+    const char *p = pc_q4_path(path);
+    int kind = p[0] == 's' ? 2 : (strncmp(p, "avx512", 6) == 0 ? 0 : 1);
+    int64_t gk = k / 32, pairs = (gk + 1) / 2;
+    size_t per_row = (size_t)(pairs * 64 + pairs * 16 * 4);
+    char *mem = malloc(per_row * (size_t)nr + 64);
+    q8nat *rows = malloc(sizeof(q8nat) * (size_t)nr);
+    float *yf = dt == 1 ? malloc(sizeof(float) * (size_t)(nr * n)) : NULL;
+    float *xf = dt == 1 ? malloc(sizeof(float) * (size_t)k) : NULL;
+    if (!mem || !rows || (dt == 1 && (!yf || !xf))) {
+        free(mem), free(rows), free(yf), free(xf);
+        return -2;
+    }
+    for (int64_t r = 0; r < nr; r++) {
+        char *base = mem + per_row * (size_t)r;
+        rows[r].q = (int8_t *)base;
+        rows[r].s8 = (float *)(base + pairs * 64);
+        const float *xr = (const float *)x + r * ldx;
+        if (dt == 1) {
+            const uint16_t *xb = (const uint16_t *)x + r * ldx;
+            for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_float(xb[i]);
+            xr = xf;
+        }
+        quantize_row_nat(xr, gk, pairs, rows[r]);
+    }
+    float *out = dt == 1 ? yf : (float *)y;
+    int64_t ldo = dt == 1 ? n : ldy;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int64_t c = 0; c < n; c++) {
+        const int8_t *wc = wq + c * gk * 32;
+        const uint16_t *dc = d + c * gk;
+#ifdef Q4_HAVE_AVX512
+        if (kind == 0) {
+            q8_col_avx512(wc, dc, gk, rows, nr, out + c, ldo);
+            continue;
+        }
+#endif
+#ifdef Q4_HAVE_AVX2
+        if (kind == 1) {
+            q8_col_avx2(wc, dc, gk, rows, nr, out + c, ldo);
+            continue;
+        }
+#endif
+        q8_col_scalar(wc, dc, gk, rows, nr, out + c, ldo);
     }
     if (dt == 1)
         for (int64_t r = 0; r < nr; r++)

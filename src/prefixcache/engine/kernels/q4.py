@@ -37,7 +37,10 @@ class Q4Kernel:
         lib.pc_q4_path.argtypes = [i32]
         lib.pc_q4_path.restype = ctypes.c_char_p
         lib.pc_q4_version.restype = i32
+        lib.pc_q8_linear.argtypes = [i32, i64, i64, i64, p, i64, p, p, p, i64, i32, i32]
+        lib.pc_q8_linear.restype = i32
         self._fn = lib.pc_q4_linear
+        self._fn8 = lib.pc_q8_linear
         self.version = int(lib.pc_q4_version())
         self.paths = {p: lib.pc_q4_path(p).decode() for p in (0, 1, 2)}
         #: What the cache namespace records (the kernel's version and the path compiled here).
@@ -77,6 +80,30 @@ class Q4Kernel:
         )
         if rc != 0:
             raise MemoryError("pc_q4_linear: no memory for the quantized rows")
+        return y.reshape(*x.shape[:-1], n)
+
+
+    def linear8(self, x: torch.Tensor, wq: torch.Tensor, d: torch.Tensor, path: int | None = None) -> torch.Tensor:
+        """``x @ W^T`` for Q8_0 weights: ``wq`` int8 ``[N, K/32, 32]``, ``d`` float16 ``[N, K/32]``
+        (``w = d * q``); the rows quantized as :meth:`linear` quantizes them."""
+        n, gk, _ = wq.shape
+        k = gk * 32
+        if d.dtype != torch.float16 or wq.dtype != torch.int8 or d.shape != (n, gk):
+            raise TypeError("pc_q8_linear takes int8 weights [N, K/32, 32] and float16 scales [N, K/32]")
+        if not (wq.is_contiguous() and d.is_contiguous()):
+            raise ValueError("8-bit weights and scales must be contiguous")
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        xs = x.reshape(-1, k).contiguous()
+        y = torch.empty(xs.shape[0], n, dtype=xs.dtype)
+        if path is None:
+            path = _PATHS.get(os.environ.get(ISA_ENV, "").strip().lower(), 0)
+        rc = self._fn8(
+            int(xs.dtype == torch.bfloat16), xs.shape[0], n, k, xs.data_ptr(), k, wq.data_ptr(),
+            d.data_ptr(), y.data_ptr(), n, torch.get_num_threads(), path,
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("pc_q8_linear: no memory for the quantized rows")
         return y.reshape(*x.shape[:-1], n)
 
 
