@@ -140,7 +140,9 @@ def read_q4_1(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.T
 
 def read_groups(
     path: Path,
-) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+) -> tuple[
+    dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict[str, tuple[torch.Tensor, torch.Tensor]]
+]:
     """The GGUF's Q4_1 tensors (name -> q int32 [N, K], d, m float32 [N, K/32]) and Q8_0 tensors
     (name -> q int8 [N, K/32, 32], d float32 [N, K/32]), in one read of the file."""
     try:
@@ -210,7 +212,11 @@ def quantize_runner(runner: Any, path: Path | None) -> Any:
     own = own_kernel()
     tag = Q4_TAG if own is None else f"q4_1-{own.id}"  # blocks of different kernels never mix
     head = eights.get("output.weight") or eights.get("token_embd.weight")
-    if own is not None and head is not None and tuple(head[0].shape[:2]) == (out.vocab_size, out.hidden // 32):
+    if (
+        own is not None
+        and head is not None
+        and tuple(head[0].shape[:2]) == (out.vocab_size, out.hidden // 32)
+    ):
         lm_head = Q8Weight(*head, dt, own)
         if torch.equal(lm_head.dense, runner.lm_head.to(dt)):  # the values the model loaded
             out.lm_head = lm_head

@@ -82,8 +82,9 @@ class Q4Kernel:
             raise MemoryError("pc_q4_linear: no memory for the quantized rows")
         return y.reshape(*x.shape[:-1], n)
 
-
-    def linear8(self, x: torch.Tensor, wq: torch.Tensor, d: torch.Tensor, path: int | None = None) -> torch.Tensor:
+    def linear8(
+        self, x: torch.Tensor, wq: torch.Tensor, d: torch.Tensor, path: int | None = None
+    ) -> torch.Tensor:
         """``x @ W^T`` for Q8_0 weights: ``wq`` int8 ``[N, K/32, 32]``, ``d`` float16 ``[N, K/32]``
         (``w = d * q``); the rows quantized as :meth:`linear` quantizes them."""
         n, gk, _ = wq.shape
