@@ -91,6 +91,43 @@ def test_completions_plain_and_stream(client):
     assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "obj"),
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "raw chunks"}]},
+            "chat.completion.chunk",
+        ),
+        ("/v1/completions", {"prompt": "raw chunks of a completion"}, "text_completion"),
+    ],
+)
+def test_stream_chunks_in_order_with_and_without_usage(server, path, body, obj):
+    """Both routes' chunks, as bytes on the wire: the same head in the same key order, ``usage``
+    null in every chunk and one last choice-less chunk with the usage when asked, none otherwise."""
+    import json
+
+    import httpx
+
+    def chunks(extra):
+        req = {"model": MODEL, "max_tokens": 3, "temperature": 0, "stream": True, **body, **extra}
+        with httpx.stream("POST", server.url + path, json=req, timeout=60) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        return [json.loads(line[6:]) for line in lines[:-1]]
+
+    head = ["id", "object", "created", "model", "system_fingerprint", "choices"]
+    plain = chunks({})
+    assert all(list(c) == head and c["object"] == obj and len(c["choices"]) == 1 for c in plain)
+    with_usage = chunks({"stream_options": {"include_usage": True}})
+    assert all(list(c) == [*head, "usage"] and c["usage"] is None for c in with_usage[:-1])
+    last = with_usage[-1]
+    assert list(last)[:7] == [*head, "usage"] and set(list(last)[7:]) <= {"prefixcache"}
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] <= 3
+    assert last["usage"]["prompt_tokens_details"]["cache_write_tokens"] >= 0
+    assert [c["choices"] for c in with_usage[:-1]] == [c["choices"] for c in plain]
+
+
 def test_models_list(client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]

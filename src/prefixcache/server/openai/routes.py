@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import replace
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -75,6 +75,44 @@ def openai_usage(u: Usage) -> dict[str, Any]:
         },
         "completion_tokens_details": {"reasoning_tokens": 0},
     }
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkFrame:
+    """What every chunk of one chat or completions stream repeats (id, object, created, model, a
+    null system_fingerprint) and ``stream_options.include_usage``: with it, every chunk carries
+    ``"usage": null`` and the stream's last chunk (:meth:`usage_chunk`, no choices) the usage."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    include_usage: bool
+
+    def head(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+        }
+
+    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        """One chunk of one choice."""
+        c = {**self.head(), "choices": [choice]}
+        if self.include_usage:
+            c["usage"] = None
+        return c
+
+    def usage_chunk(self, usage: Usage, decode: Callable[[list[int]], str]) -> dict[str, Any]:
+        """The last chunk with ``include_usage``: empty ``choices``, the usage, the miss reason."""
+        return {
+            **self.head(),
+            "choices": [],
+            "usage": openai_usage(usage),
+            **prefixcache_field(usage, decode),
+        }
 
 
 def generation_spec(req: CachedGeneration, tenant: Tenant) -> GenerationSpec:
@@ -190,20 +228,10 @@ async def chat_completions(
             }
         )
     items = await gen.open_stream()
-    include_usage = body.include_usage
+    frame = ChunkFrame(rid, "chat.completion.chunk", created, state.model_name, body.include_usage)
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> dict[str, Any]:
-        c: dict[str, Any] = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": state.model_name,
-            "system_fingerprint": None,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-        }
-        if include_usage:
-            c["usage"] = None
-        return c
+        return frame.chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
 
     async def events() -> AsyncIterator[str]:
         for index in range(n):
@@ -228,12 +256,8 @@ async def chat_completions(
                 for delta in openai_call_deltas(item):
                     yield sse_data(chunk(item.index, delta, None))
                 continue
-            if include_usage:  # the Finished (recorded as it passed)
-                final = chunk(0, {}, None)
-                final["choices"] = []
-                final["usage"] = openai_usage(item.usage)
-                final.update(prefixcache_field(item.usage, state.bridge.decode))
-                yield sse_data(final)
+            if frame.include_usage:  # the Finished (recorded as it passed)
+                yield sse_data(frame.usage_chunk(item.usage, state.bridge.decode))
         yield SSE_DONE
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -338,20 +362,10 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
             }
         )
     items = await gen.open_stream()
-    include_usage = body.include_usage
+    frame = ChunkFrame(rid, "text_completion", created, state.model_name, body.include_usage)
 
     def chunk(index: int, text_delta: str, finish: str | None, lp: Any = None) -> dict[str, Any]:
-        c: dict[str, Any] = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": state.model_name,
-            "system_fingerprint": None,
-            "choices": [{"text": text_delta, "index": index, "logprobs": lp, "finish_reason": finish}],
-        }
-        if include_usage:
-            c["usage"] = None
-        return c
+        return frame.chunk({"text": text_delta, "index": index, "logprobs": lp, "finish_reason": finish})
 
     async def events() -> AsyncIterator[str]:
         for index in range(n if echo else 0):
@@ -369,12 +383,8 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
                 if item.finish_reason:
                     yield sse_data(chunk(item.index, "", item.finish_reason))
                 continue
-            if include_usage:  # the Finished (recorded as it passed)
-                final = chunk(0, "", None)
-                final["choices"] = []
-                final["usage"] = openai_usage(item.usage)
-                final.update(prefixcache_field(item.usage, state.bridge.decode))
-                yield sse_data(final)
+            if frame.include_usage:  # the Finished (recorded as it passed)
+                yield sse_data(frame.usage_chunk(item.usage, state.bridge.decode))
         yield SSE_DONE
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
