@@ -38,6 +38,19 @@ ENDPOINT_HEADER = "x-prefixcache-endpoint"
 #: What a started stream yields: the engine's items, then a last APIError if it failed.
 StreamItem = PromptDone | ChoiceDelta | Finished | APIError
 
+#: The hosted APIs' sampling defaults (OpenAI's and Anthropic's alike): what a request that names
+#: no ``temperature`` or ``top_p`` samples with here (the engine's own default is greedy).
+API_TEMPERATURE = 1.0
+API_TOP_P = 1.0
+
+
+def api_sampling(temperature: float | None, top_p: float | None) -> tuple[float, float]:
+    """A request's ``(temperature, top_p)``, the APIs' defaults where it names none."""
+    return (
+        API_TEMPERATURE if temperature is None else temperature,
+        API_TOP_P if top_p is None else top_p,
+    )
+
 
 def _json(obj: dict[str, Any]) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)

@@ -26,7 +26,7 @@ from prefixcache.server.anthropic.schemas import CountTokensRequest, MessagesReq
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Finished, Usage
 from prefixcache.server.errors import APIError, anthropic_error_body
-from prefixcache.server.generation import SSE_HEADERS, Generation, sse_event, with_prompt
+from prefixcache.server.generation import SSE_HEADERS, Generation, api_sampling, sse_event, with_prompt
 from prefixcache.server.limits import CheckedRoute
 from prefixcache.server.openai.structured import compile_grammar, forced_tool_grammar
 from prefixcache.server.ops.cache_reasons import prefixcache_field
@@ -169,10 +169,11 @@ async def create_message(
     state = get_state(request)
     state.check_model(body.model)
     config, rendered, plan, ids = await _prompt(state, body)
+    temperature, top_p = api_sampling(body.temperature, body.top_p)
     sampling = GenerationSpec(
         max_tokens=body.max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
+        temperature=temperature,
+        top_p=top_p,
         top_k=body.top_k or 0,
         tenant=tenant.name,
         salt=tenant.salt,

@@ -23,6 +23,7 @@ from prefixcache.server.anthropic.prompt import anthropic_tool_config, to_messag
 from prefixcache.server.anthropic.schemas import MessagesRequest
 from prefixcache.server.auth import Tenant
 from prefixcache.server.errors import bad_request
+from prefixcache.server.generation import api_sampling
 from prefixcache.server.limits import CheckedRoute
 from prefixcache.server.openai.prompt import chat_conversation, chat_tool_config, responses_conversation
 from prefixcache.server.openai.prompt import responses_tool_config as responses_tools
@@ -75,12 +76,11 @@ async def _ids(state: ServerState, rendered: RenderedPrompt) -> list[int]:
 
 def _sampling_params(body: Any, max_tokens: int, stop: list[str], n: int = 1) -> dict[str, Any]:
     """vLLM's ``SamplingParams`` fields that this server applies, as a generation would."""
-    temperature = getattr(body, "temperature", None)
-    top_p = getattr(body, "top_p", None)
+    temperature, top_p = api_sampling(getattr(body, "temperature", None), getattr(body, "top_p", None))
     return {
         "n": n,
-        "temperature": 1.0 if temperature is None else temperature,
-        "top_p": 1.0 if top_p is None else top_p,
+        "temperature": temperature,
+        "top_p": top_p,
         "top_k": getattr(body, "top_k", None) or 0,
         "seed": getattr(body, "seed", None),
         "stop": stop,

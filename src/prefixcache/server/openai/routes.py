@@ -30,7 +30,14 @@ from prefixcache.engine.types import ChoiceDelta, GenerationSpec, PromptDone
 from prefixcache.server.auth import Tenant
 from prefixcache.server.bridge import Usage
 from prefixcache.server.errors import APIError, bad_request, openai_error_body
-from prefixcache.server.generation import SSE_DONE, SSE_HEADERS, Generation, sse_data, with_prompt
+from prefixcache.server.generation import (
+    SSE_DONE,
+    SSE_HEADERS,
+    Generation,
+    api_sampling,
+    sse_data,
+    with_prompt,
+)
 from prefixcache.server.limits import CheckedRoute
 from prefixcache.server.openai.logprobs import chat_logprobs, completion_logprobs
 from prefixcache.server.openai.prompt import chat_conversation, chat_tool_config
@@ -121,9 +128,10 @@ def generation_spec(req: CachedGeneration, tenant: Tenant) -> GenerationSpec:
     if req.temperature is not None and req.temperature > 0 and req.top_p is not None and req.top_p <= 0:
         raise bad_request("top_p must be in (0, 1].", param="top_p")
     retention = req.prompt_cache_retention
+    temperature, top_p = api_sampling(req.temperature, req.top_p)
     return GenerationSpec(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
+        temperature=temperature,
+        top_p=top_p,
         tenant=tenant.name,
         salt=tenant.salt,
         ttl_s=TTL_CLASSES[retention] if retention is not None else None,
