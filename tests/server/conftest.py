@@ -1,6 +1,7 @@
 """Server fixtures: ``serve(engine, **create_app_kwargs)`` starts the real app under uvicorn on
 a free loopback port in a background thread and returns a :class:`RunningServer` once /health
-answers; every server started is stopped at teardown."""
+answers; every server started is stopped at teardown. After every test, every engine still alive
+proves its KV pool and its cache consistent (``tests/pool_checks.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 from server_helpers import RunningServer
 
+from pool_checks import pool_integrity as pool_integrity
 from prefixcache.cache import FakeClock
 from prefixcache.server import create_app
 
