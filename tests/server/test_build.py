@@ -92,3 +92,64 @@ def test_a_setting_that_cannot_be_built_names_its_option_and_closes_what_it_was_
     with pytest.raises(BuildError, match="KV events need the prompt cache") as bad:
         build_server(no_cache, spy)  # type: ignore[arg-type]
     assert bad.value.option == "--kv-events-endpoint" and spy.closed == 1
+
+
+def test_serve_flags_default_to_the_library_defaults() -> None:
+    """``serve`` only maps flags to the config: a flag's default is the config's (the engine's,
+    the tiers', the app's), so changing a default in its home changes what ``serve`` runs."""
+    import inspect
+
+    from prefixcache.commands.options import duration
+    from prefixcache.commands.server import parse_bytes, serve
+    from prefixcache.engine.config import DEFAULT_VERIFY_RATE
+
+    flags = {name: p.default for name, p in inspect.signature(serve).parameters.items()}
+    config, engine, tiers, app = ServerConfig(), EngineConfig(), TierConfig(), AppConfig()
+    assert {
+        "block_size": flags["block_size"],
+        "prefill_chunk": flags["prefill_chunk"],
+        "runner": flags["runner"],
+        "dtype": flags["dtype"],
+        "weights": flags["weights"],
+        "capacity_bytes": parse_bytes(flags["capacity"]),
+        "default_ttl_s": duration(flags["ttl"]),
+        "miss_reasons": flags["miss_reasons"],
+        "max_queue": flags["max_queue"],
+        "max_batch": flags["max_batch"],
+        "threads": flags["threads"],
+    } == {
+        "block_size": engine.block_size,
+        "prefill_chunk": engine.prefill_chunk,
+        "runner": engine.runner,
+        "dtype": engine.dtype,
+        "weights": engine.weights,
+        "capacity_bytes": engine.capacity_bytes,
+        "default_ttl_s": engine.default_ttl_s,
+        "miss_reasons": engine.miss_reasons,
+        "max_queue": engine.max_queue,
+        "max_batch": engine.max_batch,
+        "threads": engine.threads,
+    }
+    assert flags["verify_rate"] == DEFAULT_VERIFY_RATE  # serve audits; the library's default is off
+    assert (
+        parse_bytes(flags["disk_cache_size"]),
+        flags["redis_max_ttl"],
+        flags["redis_sync_writes"],
+        flags["tier_encrypt"],
+    ) == (tiers.disk_bytes, tiers.redis_max_ttl_s, tiers.redis_sync_writes, tiers.encrypt)
+    assert (
+        flags["tenant_queue_share"],
+        flags["tenant_pin_share"],
+        flags["tenant_capacity_share"],
+        flags["busting_window"],
+        flags["trace_text"],
+        flags["trace_keys_only"],
+    ) == (
+        app.tenant_queue_share,
+        app.tenant_pin_share,
+        app.tenant_capacity_share,
+        app.busting_window,
+        app.trace_text,
+        app.trace_keys_only,
+    )
+    assert (flags["host"], flags["port"], flags["log_level"]) == (config.host, config.port, config.log_level)

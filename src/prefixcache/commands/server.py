@@ -9,10 +9,12 @@ from typing import Annotated
 import typer
 
 from prefixcache.cache.config import DEFAULTS
+from prefixcache.cache.tiers import DEFAULT_DISK_BYTES, DEFAULT_MAX_TTL_S
 from prefixcache.commands import kv_events as kv
 from prefixcache.commands.options import duration, free_port_or_fail
 from prefixcache.commands.serve_secrets import redis_url_of, secrets_of
 from prefixcache.commands.warm import disk_secret, warn_stale
+from prefixcache.engine.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_VERIFY_RATE
 
 _UNITS = {
     "": 1,
@@ -87,7 +89,7 @@ def serve(
     ] = False,
     max_queue: Annotated[
         int, typer.Option(min=1, help="Generation requests in flight (running or waiting) before 429 / 529.")
-    ] = 64,
+    ] = DEFAULT_MAX_QUEUE,
     tier_encrypt: Annotated[
         bool,
         typer.Option(
@@ -187,7 +189,7 @@ def serve(
             "step capacity, comparing logits and KV bit for bit (prefixcache_cache_verified_total; a "
             "difference removes the blocks and marks /health degraded). 0 turns it off.",
         ),
-    ] = 0.01,  # engine.verify.DEFAULT_VERIFY_RATE (not imported here: it loads torch)
+    ] = DEFAULT_VERIFY_RATE,
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per cache block.")] = DEFAULTS.block_size,
     prefill_chunk: Annotated[
         int | None,
@@ -220,7 +222,7 @@ def serve(
     ] = "float",
     max_batch: Annotated[
         int, typer.Option(min=1, help="Requests computed together in each engine step.")
-    ] = 16,
+    ] = DEFAULT_MAX_BATCH,
     threads: Annotated[int | None, typer.Option(min=1, help="Compute threads (default: all cores).")] = None,
     model_name: Annotated[
         str | None, typer.Option(help="The model id clients must send. Default: the model's name.")
@@ -268,7 +270,7 @@ def serve(
             help="Longest expiry of a Redis entry in seconds, whatever TTL a request asks for "
             "(bounds what one client can keep in the shared Redis).",
         ),
-    ] = 3600.0,
+    ] = DEFAULT_MAX_TTL_S,
     redis_sync_writes: Annotated[
         bool,
         typer.Option(
@@ -286,7 +288,9 @@ def serve(
             "given salt secret, one is kept in DIR/salt-secret, created 0600).",
         ),
     ] = None,
-    disk_cache_size: Annotated[str, typer.Option(help="Disk tier byte budget, e.g. 8GiB.")] = "8GiB",
+    disk_cache_size: Annotated[
+        str, typer.Option(help="Disk tier byte budget, e.g. 8GiB.")
+    ] = f"{DEFAULT_DISK_BYTES >> 30}GiB",
     kv_events_endpoint: kv.Endpoint = None,
     kv_events_replay_endpoint: kv.ReplayEndpoint = None,
     kv_events_topic: kv.Topic = "",

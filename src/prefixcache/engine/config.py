@@ -27,6 +27,9 @@ DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_BATCH = 16
 #: Seconds a waiting request may be passed over before it is admitted first (own runner).
 DEFAULT_MAX_WAIT_S = 5.0
+#: Share of hits the live exactness audit checks under ``serve`` (the library's ``verify_rate``
+#: default is 0: off).
+DEFAULT_VERIFY_RATE = 0.01
 RUNNERS = ("auto", "llama", "hf")
 
 

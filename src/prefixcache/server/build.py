@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prefixcache.cache.tiers import DEFAULT_MAX_TTL_S, attach_tiers, flush_tiers, register_prometheus
+from prefixcache.cache.tiers import (
+    DEFAULT_DISK_BYTES,
+    DEFAULT_MAX_TTL_S,
+    attach_tiers,
+    flush_tiers,
+    register_prometheus,
+)
 from prefixcache.engine.config import EngineConfig
 from prefixcache.server.app import (
     DEFAULT_MODEL_NAME,
@@ -42,10 +48,6 @@ if TYPE_CHECKING:
     from prefixcache.engine import Engine
     from prefixcache.engine.model import ModelRunner
     from prefixcache.kvevents.publisher import KVEventPublisher
-
-
-#: The disk tier's byte budget when none is given (``--disk-cache-size``).
-DEFAULT_DISK_BYTES = 8 << 30
 
 
 class BuildError(ValueError):

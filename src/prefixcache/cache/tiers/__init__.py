@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefixcache.cache.tiers.base import BackgroundWriter, Tier, TierStats
 from prefixcache.cache.tiers.codec import BlockLayout, CorruptEntry, Entry, TensorCodec, derive_tier_key
-from prefixcache.cache.tiers.disk import DiskTier
+from prefixcache.cache.tiers.disk import DEFAULT_DISK_BYTES, DiskTier
 from prefixcache.cache.tiers.redis import DEFAULT_MAX_TTL_S, CircuitBreaker, RedisTier, redacted_url
 from prefixcache.cache.tiers.stack import TierStack
 
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "DEFAULT_DISK_BYTES",
+    "DEFAULT_MAX_TTL_S",
     "BackgroundWriter",
     "BlockLayout",
     "CircuitBreaker",
@@ -61,7 +63,7 @@ def attach_tiers(
     *,
     secret: str | bytes | None = None,
     disk_dir: str | os.PathLike[str] | None = None,
-    disk_bytes: int = 8 << 30,
+    disk_bytes: int = DEFAULT_DISK_BYTES,
     disk_write_through: bool = True,
     redis_url: str | None = None,
     redis_deployment: str | None = None,

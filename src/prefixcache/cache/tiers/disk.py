@@ -38,6 +38,8 @@ from prefixcache.cache.tiers.codec import BlockLayout, CorruptEntry, TensorCodec
 
 log = logging.getLogger(__name__)
 
+#: The disk tier's byte budget when none is given (``serve --disk-cache-size``).
+DEFAULT_DISK_BYTES = 8 << 30
 _SUFFIX = ".kv"
 _KEY_NAME = re.compile(r"[0-9a-f]{64}")
 _TAG_NAME = re.compile(r"[0-9a-f]{32}")
@@ -66,7 +68,7 @@ class DiskTier:
         self,
         directory: str | os.PathLike[str],
         *,
-        capacity_bytes: int = 8 << 30,
+        capacity_bytes: int = DEFAULT_DISK_BYTES,
         codec: TensorCodec | None = None,
         write_through: bool = True,
         fsync: bool = False,

@@ -39,6 +39,7 @@ from typing import Any, Protocol
 import torch
 
 from prefixcache.cache import PrefixCache
+from prefixcache.engine.config import DEFAULT_VERIFY_RATE
 from prefixcache.engine.llama import Segment
 from prefixcache.engine.pool import KVPool, PoolBlock
 from prefixcache.engine.serving.sequence import SequenceGroup
@@ -65,8 +66,6 @@ class BatchWorker(Protocol):
 
 log = logging.getLogger(__name__)
 
-#: Default share of hits checked by ``serve`` (the library's Engine default is 0: off).
-DEFAULT_VERIFY_RATE = 0.01
 #: Checks waiting for spare capacity; a sampled hit beyond these is counted as skipped.
 MAX_PENDING = 4
 #: Tokens a step may spend on a check while requests run.
