@@ -112,14 +112,14 @@ def test_prefill_steps_take_the_compiled_loop_only_where_the_own_gemm_computes_p
     assert spy == ([14] if compiled.gemm.own_prefill else [])
 
 
-def _q4(n: int, k: int, seed: int) -> Any:
+def _q4(n: int, k: int, seed: int, dtype: torch.dtype = torch.bfloat16, isa: str | None = None) -> Any:
     from prefixcache.engine.quant import Q4Weight
 
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
     d = (torch.rand(n, k // 32, generator=gen) / 50).half().float()  # float16 values, as in a GGUF
     m = (-torch.rand(n, k // 32, generator=gen) / 10).half().float()
-    return Q4Weight(q, d, m, torch.bfloat16)
+    return Q4Weight(q, d, m, dtype, isa)
 
 
 def test_mixed_four_bit_or_strided_weights_keep_the_python_loop(
@@ -143,30 +143,42 @@ def test_mixed_four_bit_or_strided_weights_keep_the_python_loop(
     assert layer_pointers(compiled) is not None  # the original's weights are untouched
 
 
-def test_four_bit_decode_steps_run_compiled_with_the_python_loops_bits(
-    tiny_runner: ModelRunner, spy: list[int]
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_four_bit_weights_compute_the_dequantized_float_runners_bits(
+    tiny_runner: ModelRunner, dtype: str, spy: list[int]
 ) -> None:
+    """A runner on 4-bit weights (decode rows on the quantized kernel, decode-only steps in
+    compiled code) gives bitwise the logits and KV of a runner whose dense weights are the same
+    values dequantized, step by step, compiled or not."""
     from prefixcache.engine.kernels import q4
     from prefixcache.engine.llama_native import PROJECTIONS
 
     if q4.load() is None:
-        pytest.skip("the own 4-bit kernel is not built here")
-    compiled, _ = _pair(tiny_runner, "bfloat16")
-    compiled.layers = [dict(lw) for lw in compiled.layers]
-    for i, lw in enumerate(compiled.layers):
+        pytest.skip("the quantized kernels are not built here")
+    dense, _ = _pair(tiny_runner, dtype)
+    quant = copy.copy(dense)
+    dense.layers = [dict(lw) for lw in dense.layers]
+    quant.layers = [dict(lw) for lw in dense.layers]
+    for i, (lw, qw) in enumerate(zip(dense.layers, quant.layers, strict=True)):
         for j, name in enumerate(PROJECTIONS):
-            lw[name] = _q4(*lw[name].shape, seed=10 * i + j)
-            lw[f"{name}_b"] = None
-    python = copy.copy(compiled)
+            w = _q4(*lw[name].shape, seed=10 * i + j, dtype=dense.dtype, isa=dense.gemm.own)
+            qw[name], lw[name] = w, w.dense
+            qw[f"{name}_b"] = lw[f"{name}_b"] = None
+    python = copy.copy(quant)
     python.layer_loop = "python"
-    got, got_kv = _scenario(compiled, 3, prefill=64)
-    assert list(spy) == [3] * 6 and spy.formats == [1] * 6  # decode steps alone, 4-bit, compiled
+    got, got_kv = _scenario(quant, 3, prefill=64)
+    assert list(spy)[-6:] == [3] * 6 and spy.formats[-6:] == [1] * 6  # decode steps: 4-bit, compiled
     spy.clear()
     want, want_kv = _scenario(python, 3, prefill=64)
     assert spy == []
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+    ref, ref_kv = _scenario(dense, 3, prefill=64)
+    for i, (a, b, c) in enumerate(zip(got, want, ref, strict=True)):
         assert torch.equal(a, b), i
+        if dense.gemm.own != "amx":  # AMX tiles have their own bits (pc_q4.c)
+            assert torch.equal(a, c), i
     assert torch.equal(got_kv, want_kv)
+    if dense.gemm.own != "amx":
+        assert torch.equal(got_kv, ref_kv)
 
 
 @pytest.mark.model

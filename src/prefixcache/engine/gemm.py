@@ -39,8 +39,10 @@ torch's 128-row pieces as before. The tag names the rule, the GEMM version and I
 the torch rule above, which stays the numerical reference.
 
 Weights may be dense tensors or :class:`prefixcache.engine.quant.Q4Weight` (4-bit, see that
-module): the latter go through the torch pieces under either rule, except decode rows on the own
-4-bit kernel (``any_rows``: invariant at every count by construction), which go in one call.
+module): on the own quantized kernels (``any_rows``) decode rows go in one call at any count
+(bitwise the own GEMM's rows on the dequantized weights) and prefill rows follow this rule on the
+dequantized weights, so such a runner computes what a runner with those dense weights computes;
+on torch's int4 kernel both go through the torch pieces.
 """
 
 from __future__ import annotations
@@ -135,6 +137,8 @@ class GemmRule:
             and (self.own_prefill or any(decode for _, _, decode in rows.runs))
         ):  # prefill rows alone on torch's pieces take the path below, as under the torch rule
             return self._own_linear(x, weight, bias, rows)
+        if getattr(weight, "any_rows", False):
+            return self._quantized(x, weight, bias, rows)
         own = getattr(weight, "linear", None)
         if own is None:
 
@@ -147,13 +151,25 @@ class GemmRule:
             return mm(x, bool(rows.runs) and rows.runs[0][2])
         if len(rows.runs) == 1 and self._whole(rows.runs[0]):
             return mm(x, rows.runs[0][2])
-        any_rows = getattr(weight, "any_rows", False)  # invariant at every count: no pieces
         outs = []
         for start, stop, decode in rows.runs:
-            if decode and any_rows:
-                outs.append(mm(x[start:stop], True))
+            outs.extend(self._pieces(x, start, stop, decode, mm))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _quantized(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, rows: Rows) -> torch.Tensor:
+        """A weight on the own quantized kernels (``any_rows``): decode rows in one call whatever
+        their count, prefill rows by this rule on the same values dequantized (``weight.dense``),
+        as a runner with those dense weights computes them."""
+        outs = []
+        for start, stop, decode in rows.runs:
+            part = x[start:stop]
+            if decode:
+                y = weight.linear(part, True)
+                outs.append(y if bias is None else y + bias)
             else:
-                outs.extend(self._pieces(x, start, stop, decode, mm))
+                outs.append(
+                    self.linear(part, weight.dense, bias, Rows(stop - start, ((0, stop - start, False),)))
+                )
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _own_linear(

@@ -101,11 +101,15 @@ def layer_pointers(
     runner: LlamaRunner, decode_only: bool = False
 ) -> tuple[ctypes.Array[ctypes.c_void_p], int] | None:
     """(every layer's weight pointers for ``pc_layers``, the weight format: 0 dense, 1 4-bit), or
-    None when the step cannot run there: a weight neither a dense contiguous tensor of the
-    runner's dtype nor (on a step of decode rows alone, ``decode_only``) a 4-bit weight on the own
-    kernel without a bias. Read each step from ``runner.layers`` (about 300 pointers, a fraction
-    of a percent of a step), so a weight swapped in place can never leave a stale pointer behind."""
+    None when the step cannot run there. Dense contiguous weights of the runner's dtype always
+    can. 4-bit weights on the own kernel (no bias) can: on a step of decode rows alone
+    (``decode_only``) as themselves, and on any other step through their dequantized ``dense``
+    values where the kernel's rows are bitwise the own GEMM's on them (every GEMM ISA but AMX, see
+    pc_q4.c), so a decode row has the same bits in either. Read each step from ``runner.layers``
+    (about 300 pointers, a fraction of a percent of a step), so a weight swapped in place can never
+    leave a stale pointer behind."""
     ptrs: list[int | None] = []
+    kinds: set[int] = set()
     for lw in runner.layers:
         for name in LAYER_WEIGHTS:
             t = lw[name]
@@ -113,16 +117,22 @@ def layer_pointers(
                 ptrs.append(None)
             elif isinstance(t, torch.Tensor) and t.dtype == runner.dtype and t.is_contiguous():
                 ptrs.append(t.data_ptr())
-            elif name in PROJECTIONS and decode_only and getattr(t, "desc", None) is not None:
-                if lw[f"{name}_b"] is not None:
+                if name in PROJECTIONS:
+                    kinds.add(0)
+            elif name in PROJECTIONS and getattr(t, "desc", None) is not None and lw[f"{name}_b"] is None:
+                if decode_only:
+                    ptrs.append(ctypes.addressof(t.desc))
+                    kinds.add(1)
+                elif t.isa not in (None, "amx") and t.dense.dtype == runner.dtype:
+                    ptrs.append(t.dense.data_ptr())
+                    kinds.add(0)
+                else:
                     return None
-                ptrs.append(ctypes.addressof(t.desc))
             else:
                 return None
-    projections = {0 if isinstance(lw[n], torch.Tensor) else 1 for lw in runner.layers for n in PROJECTIONS}
-    if len(projections) != 1:
+    if len(kinds) != 1:
         return None  # dense and 4-bit projections mixed: one format a call
-    return (ctypes.c_void_p * len(ptrs))(*ptrs), projections.pop()
+    return (ctypes.c_void_p * len(ptrs))(*ptrs), kinds.pop()
 
 
 def _compiled_loop(runner: LlamaRunner, rows: Rows) -> tuple[ctypes.Array[ctypes.c_void_p], int] | None:

@@ -53,18 +53,22 @@ _Q8_0 = 8  # GGMLQuantizationType.Q8_0
 
 class Q4Weight:
     """One weight ``[N, K]`` in 4 bits: the own kernel's (or torch's int4 kernel's) form for decode
-    rows, the same values dequantized into ``dtype`` for prefill rows. ``linear(x, decode)`` is
-    ``x @ W^T``; ``any_rows``: decode rows may go in one call whatever their count (the own
-    kernel's rows are invariant by construction); ``desc``: the kernel's view for the compiled
-    layer loop (``pc_q4w``: nibbles, scales, mins), None on torch's kernel."""
+    rows, the same values dequantized into ``dtype`` (``dense``) for prefill rows.
+    ``linear(x, decode)`` is ``x @ W^T``. On the own kernel (``isa``: the runner's GEMM ISA) a
+    decode row's bits are the own GEMM's on ``dense``, invariant at any row count (``any_rows``:
+    decode rows go in one call); ``desc`` is the kernel's view for the compiled layer loop
+    (``pc_q4w``: nibbles, scales, mins), None on torch's kernel."""
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> None:
-        """``q``: int32 ``[N, K]`` in 0..15; ``d``, ``m``: float32 ``[N, K / 32]``."""
+    def __init__(
+        self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype, isa: str | None = None
+    ) -> None:
+        """``q``: int32 ``[N, K]`` in 0..15; ``d``, ``m``: float32 ``[N, K / 32]`` (float16 values)."""
         n, k = q.shape
         self.shape = (n, k)
         full = q.float().view(n, k // GROUP, GROUP) * d[..., None] + m[..., None]
         self.dense = full.view(n, k).to(dtype).contiguous()
         self.own = own_kernel()
+        self.isa = isa
         self.any_rows = self.own is not None
         self.desc: ctypes.Array[ctypes.c_void_p] | None = None
         if self.own is not None:
@@ -79,31 +83,33 @@ class Q4Weight:
         if not decode:
             return torch.nn.functional.linear(x, self.dense)
         if self.own is not None:
-            return self.own.linear(x, self.qs, self.d, self.m)
+            return self.own.linear(x, self.qs, self.d, self.m, isa=self.isa)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.contiguous(), self.packed, GROUP, self.scales_zeros
         )
 
 
 class Q8Weight:
-    """The ``lm_head`` in 8 bits on the own kernel: the GGUF's Q8_0 groups (``w = d * q``, an int8
-    ``q`` and a float16 ``d`` per 32 input weights), half the bf16 bytes a decode step reads for
-    the logits. Logits rows are always decode-class rows (``GemmRule.logits_rows``); ``dense``
-    (the same values in the compute dtype) serves any other row."""
+    """The ``lm_head`` in 8 bits on the own kernel: the GGUF's Q8_0 groups (``w = q * d``, an int8
+    ``q`` and a float16 ``d`` per 32 input weights), 1.06 bytes a weight against bf16's 2. Logits
+    rows are always decode-class rows (``GemmRule.logits_rows``), bitwise the own GEMM's on
+    ``dense`` (the same values in the compute dtype), which serves any other row."""
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype, own: q4_kernel.Q4Kernel) -> None:
+    def __init__(
+        self, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype, own: q4_kernel.Q4Kernel, isa: str | None
+    ) -> None:
         """``q``: int8 ``[N, K / 32, 32]``; ``d``: float32 ``[N, K / 32]`` (float16 values)."""
         n, gk, _ = q.shape
         self.shape = (n, gk * 32)
         self.dense = (q.float() * d[..., None]).view(self.shape).to(dtype).contiguous()
-        self.own = own
+        self.own, self.isa = own, isa
         self.any_rows = True
         self.q, self.d = q.contiguous(), q4_kernel.halves(d)
 
     def linear(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
         if not decode:
             return torch.nn.functional.linear(x, self.dense)
-        return self.own.linear8(x, self.q, self.d)
+        return self.own.linear8(x, self.q, self.d, isa=self.isa)
 
 
 def q4_kernel_choice() -> str:
@@ -185,6 +191,8 @@ def quantize_runner(runner: Any, path: Path | None) -> Any:
         raise ValueError("--weights q4 needs a GGUF model with Q4_1 weights (the embedded SmolLM2 is one)")
     tensors, eights = read_groups(Path(path))
     heads, kv_heads, dt = runner.num_heads, runner.num_kv_heads, runner.dtype
+    # the own kernel computes what the runner's own GEMM computes; without one, torch's int4 kernel
+    isa = runner.gemm.own or None
     names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     out = copy.copy(runner)
     out.layers = []
@@ -200,14 +208,15 @@ def quantize_runner(runner: Any, path: Path | None) -> Any:
 
         def fused(*keys: str, parts: dict[str, Any] = parts) -> Q4Weight:
             q, d, m = (torch.cat([parts[k][j] for k in keys]) for j in range(3))
-            return Q4Weight(q, d, m, dt)
+            return Q4Weight(q, d, m, dt, isa)
 
         layer = dict(lw)
         layer["qkv"] = fused("attn_q", "attn_k", "attn_v")
         layer["o"] = fused("attn_output")
         layer["gu"] = fused("ffn_gate", "ffn_up")
         layer["down"] = fused("ffn_down")
-        _check(layer["qkv"], lw["qkv"], f"layer {i} q/k/v")
+        for name in ("qkv", "o", "gu", "down"):
+            _check(layer[name], lw[name], f"layer {i} {name}")
         out.layers.append(layer)
     own = own_kernel()
     tag = Q4_TAG if own is None else f"q4_1-{own.id}"  # blocks of different kernels never mix

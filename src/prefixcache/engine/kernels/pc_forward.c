@@ -11,7 +11,7 @@
  * It runs only where every weight product of the step goes through one own kernel in one call
  * (the Python side checks the rule): pc_gemm over all rows with dense weights (wfmt 0), or, on a
  * step of decode rows alone, pc_q4_linear with 4-bit weights (wfmt 1: each projection's pointer
- * is a pc_q4w, no biases).
+ * is a pc_q4w, no biases; the same bits as pc_gemm on the dequantized weights, see pc_q4.c).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -27,7 +27,7 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
 void pc_swiglu(int dt, int64_t rows, int64_t I, const void *gu, void *out, int nthreads);
 int pc_gemm(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void *x, int64_t ldx, const void *w,
             const void *bias, void *y, int64_t ldy, int nt);
-int pc_q4_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const uint8_t *qs,
+int pc_q4_linear(int dt, int isa, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const uint8_t *qs,
                  const uint16_t *d, const uint16_t *m, void *y, int64_t ldy, int threads, int path);
 
 /* A 4-bit weight as pc_q4.c reads it (nibbles, float16 scales and mins). */
@@ -41,7 +41,7 @@ static int project(int wfmt, int dt, int isa, int64_t R, int64_t N, int64_t K, c
                    const void *bias, void *y, int nt) {
     if (wfmt == 1) {
         const pc_q4w *q = (const pc_q4w *)w;
-        return pc_q4_linear(dt, R, N, K, x, K, q->qs, q->d, q->m, y, N, nt, 0);
+        return pc_q4_linear(dt, isa, R, N, K, x, K, q->qs, q->d, q->m, y, N, nt, 0);
     }
     return pc_gemm(dt, isa, R, N, K, x, K, w, bias, y, N, nt);
 }

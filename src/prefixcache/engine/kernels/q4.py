@@ -1,25 +1,30 @@
-"""The own 4-bit GEMM (``pc_q4.c``): ``y = x @ W^T`` over Q4_1 groups of 32, rows invariant.
+"""Quantized weights read in place (``pc_q4.c``): ``y = x @ W^T`` over the GGUF's groups of 32,
+computed as the own GEMM computes the dequantized weights.
 
-    lib = q4.load()                        # a Q4Kernel, or None (torch's int4 kernel runs)
-    y = lib.linear(x, qs, d, m)            # x [rows, K] float32/bfloat16 -> y [rows, N] x.dtype
+    lib = q4.load()                        # a Q4Kernel, or None (the native kernels are not built)
+    y = lib.linear(x, qs, d, m)            # Q4_1: x [rows, K] float32/bfloat16 -> y [rows, N] x.dtype
+    y = lib.linear8(x, q, d)               # Q8_0
 
-``qs`` is uint8 ``[N, K/32, 16]`` (byte j: element j low nibble, element j + 16 high nibble, the
-GGUF's order), ``d`` and ``m`` float16 ``[N, K/32]`` (``w = d * q + m``, the GGUF's own values).
-Each row is quantized to 8 bits per group of 32 (scale ``max |x| / 127``, as llama.cpp's Q8_1
-activations) and each output is the exact integer group dot products scaled and reduced in one
-order that depends on K alone (see the C file), so a row's bits do not depend on the row count,
-its position in the batch or the thread count; the AVX512 (VNNI or BW), AVX2 and scalar paths
-compute the same bits. The result is float32, rounded once to the input's dtype.
+Q4_1: ``qs`` uint8 ``[N, K/32, 16]`` (byte j: element j low nibble, element j + 16 high nibble,
+the GGUF's order), ``d`` and ``m`` float16 ``[N, K/32]`` (``w = q * d + m``). Q8_0: ``q`` int8
+``[N, K/32, 32]``, ``d`` float16 (``w = q * d``). Each output is bitwise what
+:func:`prefixcache.engine.kernels.matmul.own_linear` gives on the dequantized weights (``dense``)
+with the same GEMM ISA (``isa``: the own GEMM's for the dtype by default), so a row's bits do not
+depend on the row count, its position or the thread count, and 4-bit decode rows are the float
+model's. The AVX512, AVX2 and scalar paths (``path``) of the float32-lane arithmetic give the same
+bits; bfloat16 on a CPU with a bf16 dot product has that one path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from typing import Any
 
 import torch
 
 from prefixcache.engine import kernels
+from prefixcache.engine.kernels.matmul import ISAS, gemm_isa
 
 #: ``PREFIXCACHE_KERNEL_ISA=avx2`` (or ``scalar``) forces that path of the 4-bit kernel (tests).
 ISA_ENV = "PREFIXCACHE_KERNEL_ISA"
@@ -32,12 +37,12 @@ class Q4Kernel:
     def __init__(self, native: kernels.NativeKernels) -> None:
         lib = native.lib
         i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        lib.pc_q4_linear.argtypes = [i32, i64, i64, i64, p, i64, p, p, p, p, i64, i32, i32]
+        lib.pc_q4_linear.argtypes = [i32, i32, i64, i64, i64, p, i64, p, p, p, p, i64, i32, i32]
         lib.pc_q4_linear.restype = i32
         lib.pc_q4_path.argtypes = [i32]
         lib.pc_q4_path.restype = ctypes.c_char_p
         lib.pc_q4_version.restype = i32
-        lib.pc_q8_linear.argtypes = [i32, i64, i64, i64, p, i64, p, p, p, i64, i32, i32]
+        lib.pc_q8_linear.argtypes = [i32, i32, i64, i64, i64, p, i64, p, p, p, i64, i32, i32]
         lib.pc_q8_linear.restype = i32
         self._fn = lib.pc_q4_linear
         self._fn8 = lib.pc_q8_linear
@@ -47,65 +52,76 @@ class Q4Kernel:
         self.id = f"pcq4-v{self.version}-{self.paths[0]}"
 
     def linear(
-        self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, path: int | None = None
+        self,
+        x: torch.Tensor,
+        qs: torch.Tensor,
+        d: torch.Tensor,
+        m: torch.Tensor,
+        isa: str | None = None,
+        path: int | None = None,
     ) -> torch.Tensor:
+        """Q4_1: ``x @ W^T`` as the own GEMM with ``isa`` computes it on the dequantized weights."""
         n, gk, _ = qs.shape
-        k = gk * 32
         if d.dtype != torch.float16 or m.dtype != torch.float16 or qs.dtype != torch.uint8:
             raise TypeError("pc_q4_linear takes uint8 nibbles and float16 scales and mins (see halves)")
         if not (qs.is_contiguous() and d.is_contiguous() and m.is_contiguous()) or d.shape != (n, gk):
             raise ValueError(
                 f"4-bit weights: contiguous qs [N, K/32, 16], d and m [N, K/32]; got d {tuple(d.shape)}"
             )
-        if x.dtype not in (torch.float32, torch.bfloat16):
-            x = x.float()
-        xs = x.reshape(-1, k).contiguous()
-        y = torch.empty(xs.shape[0], n, dtype=xs.dtype)
-        if path is None:
-            path = _PATHS.get(os.environ.get(ISA_ENV, "").strip().lower(), 0)
-        rc = self._fn(
-            int(xs.dtype == torch.bfloat16),
-            xs.shape[0],
-            n,
-            k,
-            xs.data_ptr(),
-            k,
-            qs.data_ptr(),
-            d.data_ptr(),
-            m.data_ptr(),
-            y.data_ptr(),
-            n,
-            torch.get_num_threads(),
-            path,
-        )
-        if rc != 0:
-            raise MemoryError("pc_q4_linear: no memory for the quantized rows")
-        return y.reshape(*x.shape[:-1], n)
+        return self._call(self._fn, x, n, gk * 32, (qs, d, m), isa, path)
 
     def linear8(
-        self, x: torch.Tensor, wq: torch.Tensor, d: torch.Tensor, path: int | None = None
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        d: torch.Tensor,
+        isa: str | None = None,
+        path: int | None = None,
     ) -> torch.Tensor:
-        """``x @ W^T`` for Q8_0 weights: ``wq`` int8 ``[N, K/32, 32]``, ``d`` float16 ``[N, K/32]``
-        (``w = d * q``); the rows quantized as :meth:`linear` quantizes them."""
-        n, gk, _ = wq.shape
-        k = gk * 32
-        if d.dtype != torch.float16 or wq.dtype != torch.int8 or d.shape != (n, gk):
+        """Q8_0: ``x @ W^T`` for ``q`` int8 ``[N, K/32, 32]``, ``d`` float16 ``[N, K/32]``."""
+        n, gk, _ = q.shape
+        if d.dtype != torch.float16 or q.dtype != torch.int8 or d.shape != (n, gk):
             raise TypeError("pc_q8_linear takes int8 weights [N, K/32, 32] and float16 scales [N, K/32]")
-        if not (wq.is_contiguous() and d.is_contiguous()):
+        if not (q.is_contiguous() and d.is_contiguous()):
             raise ValueError("8-bit weights and scales must be contiguous")
+        return self._call(self._fn8, x, n, gk * 32, (q, d), isa, path)
+
+    def _call(
+        self,
+        fn: Any,
+        x: torch.Tensor,
+        n: int,
+        k: int,
+        weights: tuple[torch.Tensor, ...],
+        isa: str | None,
+        path: int | None,
+    ) -> torch.Tensor:
         if x.dtype not in (torch.float32, torch.bfloat16):
-            x = x.float()
+            raise TypeError(f"quantized products take float32 or bfloat16 rows; got {x.dtype}")
         xs = x.reshape(-1, k).contiguous()
         y = torch.empty(xs.shape[0], n, dtype=xs.dtype)
         if path is None:
             path = _PATHS.get(os.environ.get(ISA_ENV, "").strip().lower(), 0)
-        rc = self._fn8(
-            int(xs.dtype == torch.bfloat16), xs.shape[0], n, k, xs.data_ptr(), k, wq.data_ptr(),
-            d.data_ptr(), y.data_ptr(), n, torch.get_num_threads(), path,
+        code = ISAS.index(isa if isa is not None else _default_isa(xs.dtype))
+        rc = fn(
+            int(xs.dtype == torch.bfloat16), code, xs.shape[0], n, k, xs.data_ptr(), k,
+            *(w.data_ptr() for w in weights), y.data_ptr(), n, torch.get_num_threads(), path,
         )  # fmt: skip
         if rc != 0:
-            raise MemoryError("pc_q8_linear: no memory for the quantized rows")
+            raise kernels.KernelsUnavailableError(
+                f"the quantized kernel has no {ISAS[code]} path in this build"
+            )
         return y.reshape(*x.shape[:-1], n)
+
+
+_isa: dict[torch.dtype, str] = {}
+
+
+def _default_isa(dtype: torch.dtype) -> str:
+    """The own GEMM's ISA for ``dtype`` here (remembered: a call costs microseconds)."""
+    if dtype not in _isa:
+        _isa[dtype] = gemm_isa(dtype) or "generic"
+    return _isa[dtype]
 
 
 _cache: dict[int, Q4Kernel | None] = {}
