@@ -1,6 +1,7 @@
-"""4-bit weights (``weights="q4"``, ``engine/quant.py``): the int4 kernel computes the Q4_1 groups'
-product, its rows are invariant (row counts 1-17, 32, 64, 512), an engine on them is exact (cache
-on == off, batched == alone) and lives in its own cache namespace."""
+"""4-bit weights (``weights="q4"``, ``engine/quant.py``): torch's int4 kernel (the fallback) computes
+the Q4_1 groups' product with invariant rows (row counts 1-17, 32, 64, 512); an engine on 4-bit
+weights is exact (cache on == off, batched == alone), lives in its own cache namespace and, on the
+own quantized kernels, gives the float weights' tokens."""
 
 from __future__ import annotations
 
@@ -92,6 +93,9 @@ def test_q4_smollm2_is_exact_invariant_and_in_its_own_namespace(real_runner, ker
             assert r.tokens == ref.tokens, i  # type: ignore[attr-defined]
             assert r.usage.cached_tokens > 0  # type: ignore[attr-defined]
         assert plain.generate(messages=msgs[0], max_tokens=1).usage.cached_tokens == 0
+        if own and q4.runner.gemm.own != "amx":  # the quantized kernels compute the float model's bits
+            floats = [plain.generate(messages=m, max_tokens=12).tokens for m in msgs]
+            assert floats == [r.tokens for r in alone]  # type: ignore[attr-defined]
     finally:
         for e in (q4, plain, off):
             e.close()

@@ -226,7 +226,7 @@ def quantize_runner(runner: Any, path: Path | None) -> Any:
         and head is not None
         and tuple(head[0].shape[:2]) == (out.vocab_size, out.hidden // 32)
     ):
-        lm_head = Q8Weight(*head, dt, own)
+        lm_head = Q8Weight(*head, dt, own, isa)
         if torch.equal(lm_head.dense, runner.lm_head.to(dt)):  # the values the model loaded
             out.lm_head = lm_head
             tag += "-q8_0head"
