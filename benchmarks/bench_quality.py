@@ -6,9 +6,11 @@
 Two figures, both on fixed inputs shipped in the repository:
 
 - **Perplexity** of ``benchmarks/data/quality.txt`` (project-written English, about 3 KB),
-  teacher-forced through *decode* steps (the rows where the int4 kernel computes: prefill rows
-  of the 4-bit model use the same 4-bit values dequantized, which equal the float weights of the
-  embedded GGUF). The text is cut into ``--windows`` windows decoded together in one batch (rows
+  teacher-forced through *decode* steps (the rows where the 4-bit weights are read in place:
+  prefill rows of the 4-bit model use the same 4-bit values dequantized, which equal the float
+  weights of the embedded GGUF). On the own quantized kernels both columns are equal by
+  construction (their decode rows compute the float weights' bits); ``PREFIXCACHE_Q4=torch``
+  measures torch's int4 kernel instead. The text is cut into ``--windows`` windows decoded together in one batch (rows
   are invariant, so batching does not change a figure).
 - **Greedy agreement**: for each of the prompts below, the share of the first ``--new`` greedy
   tokens equal to the float weights' token at the same position (up to the shorter answer when
