@@ -10,8 +10,8 @@ Two figures, both on fixed inputs shipped in the repository:
   prefill rows of the 4-bit model use the same 4-bit values dequantized, which equal the float
   weights of the embedded GGUF). On the own quantized kernels both columns are equal by
   construction (their decode rows compute the float weights' bits); ``PREFIXCACHE_Q4=torch``
-  measures torch's int4 kernel instead. The text is cut into ``--windows`` windows decoded together in one batch (rows
-  are invariant, so batching does not change a figure).
+  measures torch's int4 kernel instead. The text is cut into ``--windows`` windows decoded
+  together in one batch (rows are invariant, so batching does not change a figure).
 - **Greedy agreement**: for each of the prompts below, the share of the first ``--new`` greedy
   tokens equal to the float weights' token at the same position (up to the shorter answer when
   one stops early), and the length of the common prefix.
