@@ -48,7 +48,7 @@ def test_the_int4_kernel_computes_the_groups_product_with_invariant_rows(
 
 
 def test_bad_weight_formats_are_refused_with_what_to_pass(tiny_runner) -> None:
-    with pytest.raises(ValueError, match="weights must be one of float, q4"):
+    with pytest.raises(ValueError, match="weights must be one of auto, float, q4"):
         Engine(tiny_runner, prefill_chunk=16, weights="q8")
     with pytest.raises(ValueError, match="needs a GGUF model with Q4_1 weights"):
         Engine(tiny_runner, prefill_chunk=16, weights="q4")
@@ -65,11 +65,13 @@ def test_q4_smollm2_is_exact_invariant_and_in_its_own_namespace(real_runner, ker
     off = Engine(real_runner, weights="q4", enable_cache=False)
     try:
         assert isinstance(q4.runner, LlamaRunner) and q4.runner.weights_format == "q4_1"
-        assert q4.fingerprint != plain.fingerprint  # another model numerically: never shares blocks
         own = kernel == "own" and q4_kernel.load() is not None
-        assert ("pcq4" in q4.runner.weights_id) == own
-        assert ("q8_0head" in q4.runner.weights_id) == own  # the lm_head in the file's Q8_0 groups
-        assert isinstance(q4.runner.lm_head, Q8Weight) == own
+        exact = own and q4.runner.gemm.own not in ("", "amx")
+        assert q4.runner.weights_exact == exact
+        # the float model's bits share its blocks; another arithmetic (torch's int4) never does
+        assert (q4.fingerprint == plain.fingerprint) == exact
+        assert ("q4_1-int4pack" in q4.runner.weights_id) == (not own)
+        assert isinstance(q4.runner.lm_head, Q8Weight) == own  # the lm_head in the file's Q8_0 groups
         assert _check_invariance(q4.runner, 611, 1) == []
         system = "You are a terse assistant for a bicycle shop. Answer in one short sentence. " * 6
         msgs = [
@@ -92,8 +94,9 @@ def test_q4_smollm2_is_exact_invariant_and_in_its_own_namespace(real_runner, ker
             r = got[i]
             assert r.tokens == ref.tokens, i  # type: ignore[attr-defined]
             assert r.usage.cached_tokens > 0  # type: ignore[attr-defined]
-        assert plain.generate(messages=msgs[0], max_tokens=1).usage.cached_tokens == 0
-        if own and q4.runner.gemm.own != "amx":  # the quantized kernels compute the float model's bits
+        shared = plain.generate(messages=msgs[0], max_tokens=1).usage.cached_tokens
+        assert shared == 0  # each engine has its own cache; a namespace is what a shared tier keys on
+        if exact:  # the quantized kernels compute the float model's bits
             floats = [plain.generate(messages=m, max_tokens=12).tokens for m in msgs]
             assert floats == [r.tokens for r in alone]  # type: ignore[attr-defined]
     finally:

@@ -69,6 +69,7 @@ class BenchResult:
     hash_lookup_ms: float = 0.0
     kv_bytes_per_token: int = 0
     sdpa_tps: float = 0.0  # own runner: single-pass prefill with SDPA attention (not invariant)
+    weights: str = ""  # "q4_1" where the 4-bit weights are read in place, else the dtype
 
     @property
     def exact_ratio(self) -> float:
@@ -213,6 +214,7 @@ def run_bench(
     # before the figures that follow it: one OpenMP pool at a time (docs/engine.md, Threads).
     prefill = on.run_on_worker(lambda: _Prefill(runner))
     res = BenchResult(runner.name, label, runner.dtype_name, runner.threads, chunk, tail, repeats)
+    res.weights = getattr(runner, "weights_format", runner.dtype_name)
     res.kv_bytes_per_token = (
         2 * runner.num_layers * runner.num_kv_heads * runner.head_dim * runner.dtype.itemsize
     )
@@ -290,7 +292,7 @@ def run_bench(
 def _section(res: BenchResult) -> list[str]:
     exact = "absolute chunks" if res.runner == "hf" else "engine steps"
     lines = [
-        f"## {res.runner} runner ({res.dtype})",
+        f"## {res.runner} runner ({res.dtype}, weights {res.weights})",
         "",
         "| prefix | cached | cold TTFT (s) | warm TTFT (s) | floor (s) | warm / floor (paired) | speedup |",
         "|---:|---:|---:|---:|---:|---:|---:|",
@@ -410,6 +412,7 @@ def write_results(results: Sequence[BenchResult], out_dir: Path, command: str) -
         "model": res.model,
         "runner": res.runner,
         "dtype": res.dtype,
+        "weights": res.weights,
         "threads": res.threads,
         "prefill_chunk": res.prefill_chunk,
         "rows": [asdict(r) for r in res.rows],

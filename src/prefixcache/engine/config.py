@@ -69,7 +69,7 @@ class EngineConfig:
     reasons_bytes: int | None = None  # None: DEFAULTS.reasons_bytes, at most an eighth of the capacity
     miss_reasons: bool = True
     verify_rate: float = 0.0
-    weights: str = "float"
+    weights: str = "auto"  # 4-bit weights read in place where they give the float model's bits
 
     @property
     def chunk(self) -> int:

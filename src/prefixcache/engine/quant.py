@@ -38,7 +38,7 @@ from prefixcache.engine.kernels import q4 as q4_kernel
 
 log = logging.getLogger(__name__)
 
-WEIGHT_FORMATS = ("float", "q4")
+WEIGHT_FORMATS = ("auto", "float", "q4")
 #: The name the 4-bit format carries in ``weights_id`` (and so in the cache namespace).
 Q4_TAG = "q4_1-int4pack"
 GROUP = 32
@@ -217,6 +217,8 @@ def quantize_runner(runner: Any, path: Path | None) -> Any:
         layer["down"] = fused("ffn_down")
         for name in ("qkv", "o", "gu", "down"):
             _check(layer[name], lw[name], f"layer {i} {name}")
+            if lw[name] is not None and lw[name].dtype == dt and lw[name].is_contiguous():
+                layer[name].dense = lw[name]  # the same values (checked): one copy in memory
         out.layers.append(layer)
     own = own_kernel()
     tag = Q4_TAG if own is None else f"q4_1-{own.id}"  # blocks of different kernels never mix
@@ -228,9 +230,14 @@ def quantize_runner(runner: Any, path: Path | None) -> Any:
     ):
         lm_head = Q8Weight(*head, dt, own, isa)
         if torch.equal(lm_head.dense, runner.lm_head.to(dt)):  # the values the model loaded
+            if runner.lm_head.dtype == dt:
+                lm_head.dense = runner.lm_head
             out.lm_head = lm_head
             tag += "-q8_0head"
-    out.weights_id = f"{runner.weights_id}+{tag}"
+    # On the own kernels (every GEMM ISA but AMX's tiles) a 4-bit runner computes its float twin's
+    # bits, prompt rows' KV included: the same cache namespace, so the two share blocks and tiers.
+    out.weights_exact = own is not None and isa not in (None, "amx")
+    out.weights_id = runner.weights_id if out.weights_exact else f"{runner.weights_id}+{tag}"
     out.weights_format = "q4_1"
     out._own_runners = {}
     log.info(

@@ -75,22 +75,51 @@ def select_runner(base: ModelRunner, runner: str = "auto", dtype: str | None = N
 
 
 def quantized_runner(base: ModelRunner, runner: ModelRunner, weights: str) -> ModelRunner:
-    """``runner`` with ``weights`` (``float`` or ``q4``), built once per (base, runner, q4 kernel):
-    the kernel ``PREFIXCACHE_Q4`` picks is part of the key, since it changes the bits a step gives
-    and the cache namespace the runner reports."""
+    """``runner`` with ``weights``: ``float`` (as loaded), ``q4`` (the GGUF's Q4_1 groups read in
+    place), or ``auto`` (q4 where that computes the float model's bits: a GGUF with Q4_1
+    projections, the own runner on the CPU with the own quantized kernels and a GEMM ISA they
+    reproduce; else float). Built once per (base, runner, q4 kernel): the kernel ``PREFIXCACHE_Q4``
+    picks is part of the key, since it changes the bits a step gives and the cache namespace."""
     from prefixcache.engine.quant import WEIGHT_FORMATS, q4_kernel_choice, quantize_runner
 
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}; got {weights!r}")
-    if weights == "float":
+    if getattr(runner, "weights_format", None) == "q4_1":
+        return runner  # already 4-bit (an engine handed a prepared runner)
+    if weights == "float" or (weights == "auto" and not _exact_q4_possible(base, runner)):
         return runner
     if not isinstance(runner, LlamaRunner):
         raise ValueError("--weights q4 needs the own runner (a Llama-family model, runner auto or llama)")
     made = base.__dict__.setdefault("_q4_runners", {})
     key = (id(runner), runner.dtype_name, q4_kernel_choice())
     if key not in made:
-        made[key] = quantize_runner(runner, getattr(base, "source_path", None))
-    return made[key]
+        try:
+            made[key] = quantize_runner(runner, getattr(base, "source_path", None))
+        except ValueError:
+            if weights == "q4":
+                raise
+            made[key] = runner  # auto: a GGUF without Q4_1 projections keeps its float weights
+    out = made[key]
+    if weights == "auto" and not getattr(out, "weights_exact", False):
+        return runner
+    return out
+
+
+def _exact_q4_possible(base: ModelRunner, runner: ModelRunner) -> bool:
+    """Whether ``auto`` may read 4-bit weights in place (see :func:`quantized_runner`)."""
+    from prefixcache.engine.kernels import q4
+    from prefixcache.engine.quant import q4_kernel_choice
+
+    path = getattr(base, "source_path", None)
+    return (
+        isinstance(runner, LlamaRunner)
+        and runner.device.type == "cpu"
+        and runner.gemm.own not in ("", "amx")
+        and path is not None
+        and str(path).lower().endswith(".gguf")
+        and q4_kernel_choice() != "torch"
+        and q4.load() is not None
+    )
 
 
 def kernels_line() -> str:
