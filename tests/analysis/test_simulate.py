@@ -9,6 +9,8 @@ import pytest
 from analysis_traces import fixed_gap_trace
 
 from prefixcache.analysis.costs import CostModel, TokenTotals, price, pricing_profile
+from prefixcache.analysis.feed import TraceFeed
+from prefixcache.analysis.replay_loop import replay_requests
 from prefixcache.analysis.simulate import SimConfig, simulate, sweep
 from prefixcache.analysis.trace import TraceWriter, load_trace
 
@@ -68,10 +70,37 @@ def test_ttl_sweep_quiet_endpoint_and_keep_warm(tmp_path: Path) -> None:
     assert quiet[2] == pytest.approx(7 * 1024 / (8 * 1056))  # TTL 1000 s keeps it
     assert busy == [pytest.approx(199 * 1024 / (200 * 1056))] * 3
     warm = simulate(trace, SimConfig(cost=TINY, ttl_s=300, keep_warm={"quiet": 1024}))
-    assert next(e for e in warm.endpoints if e["endpoint"] == "quiet")["hit_rate"] == pytest.approx(quiet[2])
-    # One refresh per 0.95 TTL of idle: 900 s gaps need 3 each, 7 gaps.
-    assert warm.keep_warm_refreshes == 21
-    assert warm.totals.keep_warm_reads == 21 * 1024
+    # Pinned from the router's first round (before quiet's first request), so every request hits.
+    warm_quiet = next(e for e in warm.endpoints if e["endpoint"] == "quiet")
+    assert warm_quiet["hit_rate"] == pytest.approx(1024 / 1056)
+    # A pin request every 60 s (the router's interval) from the trace's start to its last request.
+    assert warm.keep_warm_refreshes == 106
+    # The first writes the prefix; each later one reads it but the last block (a match leaves one).
+    assert warm.totals.keep_warm_reads == 105 * 1008
+
+
+def test_keep_warm_pins_on_every_replica_as_the_router_does(tmp_path: Path) -> None:
+    """The router pins each policy prefix on every healthy replica: pinned blocks neither expire
+    nor are evicted, whatever the routing, the TTL or the other endpoints' pressure on the cache.
+    (The simulator used to refresh the prefix at 0.95 x TTL, through the evictable budget and only
+    on the owning replica under prefix-affinity.)"""
+    trace = load_trace(fixed_gap_trace(tmp_path / "g.jsonl"))
+    quiet = trace.endpoints.index("quiet")
+    cfg = SimConfig(
+        cost=TINY,
+        ttl_s=300,
+        capacity_bytes=1100,  # one system prompt and its tail: busy's traffic evicts anything else
+        replicas=2,
+        routing="prefix-affinity",
+        keep_warm={"quiet": 1024},
+    )
+    warm = simulate(trace, cfg)
+    assert warm.cached[trace.endpoint == quiet].tolist() == [1024] * 8
+    assert warm.keep_warm_refreshes == 2 * 106  # every replica, every round
+    for cache in replay_requests(TraceFeed.of(trace, cfg.fingerprint, cfg.block_size), cfg).caches:
+        assert cache.pinned_prefixes() == 1 and cache.stats().pinned_blocks == 1024 // 16
+    cold = simulate(trace, SimConfig(**{**_fields(cfg), "keep_warm": {}}))
+    assert cold.cached[trace.endpoint == quiet].sum() == 0  # 900 s gaps against a 300 s TTL
 
 
 def test_simulator_counts_match_the_cache_stats(tmp_path: Path) -> None:

@@ -50,6 +50,8 @@ class SimConfig:
     affinity_blocks: int = 4  # K for prefix-affinity
     seed: int = 0
     keep_warm: dict[str, int] = field(default_factory=dict)  # endpoint -> prefix tokens
+    keep_warm_interval_s: float = 60.0  # the router's keep-warm round (router.keepwarm's interval_s)
+    pinned_capacity_bytes: int = DEFAULTS.pinned_capacity_bytes  # per replica, as the server's
     cost: CostModel = field(default_factory=CostModel)
     pricing: tuple[str, ...] = ("anthropic", "openai", "self-hosted")
     gpu_hour: float = 2.0

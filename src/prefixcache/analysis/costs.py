@@ -171,7 +171,7 @@ class TokenTotals:
     written: int = 0  # stored in the cache, 5 min class
     written_long: int = 0  # stored, 1 h class (or longer)
     output: int = 0
-    keep_warm_reads: int = 0  # cache reads by keep-warm refreshes
+    keep_warm_reads: int = 0  # cache reads by keep-warm pin requests
 
     @property
     def uncached(self) -> int:

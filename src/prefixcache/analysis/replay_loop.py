@@ -8,14 +8,14 @@ caller's.
 
 Parts: :class:`_Replicas` (the caches on one clock, their prefill queues, the namespaces),
 :class:`SimRouter` (picks a replica; reads the caches, never mutates them), :class:`_KeepWarm`
-(refreshes due on a heap) and :class:`_Prompts` (a request's tokens as packed bytes). Each
+(the router's pin rounds) and :class:`_Prompts` (a request's tokens as packed bytes). Each
 request costs O(runs on the prompt's path) in its cache, plus C-level copies of its new tokens
 and keys (and, for cache-aware routing, one walk per replica), never O(cache size).
 """
 
 from __future__ import annotations
 
-import heapq
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,10 +25,11 @@ import numpy as np
 from prefixcache.analysis.config import SimConfig
 from prefixcache.analysis.costs import LONG_TTL_S, TokenTotals
 from prefixcache.analysis.feed import TraceFeed
-from prefixcache.analysis.trace import Trace
 from prefixcache.analysis.trace.keychains import KeyChains
-from prefixcache.cache import FakeClock, Namespace, PrefixCache, pack_tokens
+from prefixcache.cache import FakeClock, Namespace, PinBudgetExceeded, PrefixCache, pack_tokens
 from prefixcache.routing import affinity_index, chain_root, chunk_chain, random_pick, rendezvous_order
+
+log = logging.getLogger(__name__)
 
 _LONG_SEGMENT_BYTES = 1024  # a loaded trace's segments this long (shared system prompts) stay packed
 _MAX_KEPT_SEGMENTS = 4096  # packed segments kept, before the memo starts over
@@ -65,7 +66,7 @@ class _Replay:
         self.router = SimRouter(cfg, self.replicas)
         self.prompts = _Prompts(feed)
         warm = {feed.endpoints.index(e): p for e, p in cfg.keep_warm.items() if e in feed.endpoints}
-        self.keep_warm = _KeepWarm(feed, cfg, warm, self.replicas, self.router) if warm else None
+        self.keep_warm = _KeepWarm(feed, cfg, warm, self.replicas) if warm else None
         self.cached: list[int] = []
         self.written: list[int] = []
         self.replica: list[int] = []
@@ -74,7 +75,7 @@ class _Replay:
     def run(self, progress: Callable[[int], None] | None) -> ReplayOutcome:
         """Every request of the feed, in order; then the outcome (see :meth:`_outcome`)."""
         feed, replicas, keep_warm = self.feed, self.replicas, self.keep_warm
-        ts, tenant_of, endpoint_of, ttl_of = feed.ts, feed.tenant, feed.endpoint, feed.ttl_s
+        ts, tenant_of, ttl_of = feed.ts, feed.tenant, feed.ttl_s
         clock, caches, namespaces = replicas.clock, replicas.caches, replicas.namespaces
         queue_prefill = replicas.queue_prefill
         add_cached, add_written = self.cached.append, self.written.append
@@ -112,8 +113,6 @@ class _Replay:
             add_written(written)
             add_replica(replica)
             add_ttft(queue_prefill(replica, now, n_tokens - hit))
-            if keep_warm is not None:
-                keep_warm.saw(endpoint_of[i], packed, tokens, ns, now)
             if progress is not None and i % 5000 == 0:
                 progress(i)
         return self._outcome()
@@ -154,7 +153,7 @@ class _Replicas:
                 capacity_bytes=cfg.capacity_bytes,
                 default_ttl_s=cfg.ttl_s,
                 clock=self.clock,
-                pinned_capacity_bytes=0,
+                pinned_capacity_bytes=cfg.pinned_capacity_bytes if cfg.keep_warm else 0,
             )
             for _ in range(max(1, cfg.replicas))
         ]
@@ -314,79 +313,73 @@ def affinity_key(tokens: np.ndarray, root: bytes, block_size: int, affinity_bloc
 
 
 class _KeepWarm:
-    """Refreshes of chosen endpoints' prefixes: a refresh reads the endpoint's current prefix
-    through the real cache whenever it has been idle for 0.95 x TTL, while the endpoint has
-    traffic left (one per TTL at most). Needs a loaded trace (it looks ahead to each endpoint's
-    last request)."""
+    """The router's keep-warm (:mod:`prefixcache.router.keepwarm`) over the replicas: a policy of
+    prefixes, one per chosen endpoint (the leading tokens of the endpoint's first request, in its
+    tenant's namespace: a loaded trace looks ahead), and a round every ``keep_warm_interval_s``
+    from the trace's start. Each round sends every prefix to every replica whatever the routing,
+    as ``POST /v1/cache/pin`` does there: the prefix is prefilled through the real cache (a read
+    where it is stored, a write where it is not) and then pinned. Pinned blocks neither expire nor
+    are evicted and are charged to the separate pinned budget; a pin beyond that budget is refused
+    (the server's 409) and logged, and that prefix is cached as any other."""
 
     def __init__(
-        self,
-        feed: TraceFeed,
-        cfg: SimConfig,
-        prefix_tokens: dict[int, int],
-        replicas: _Replicas,
-        router: SimRouter,
+        self, feed: TraceFeed, cfg: SimConfig, prefix_tokens: dict[int, int], replicas: _Replicas
     ) -> None:
-        self.prefix_tokens = prefix_tokens  # endpoint id -> tokens to keep warm
         self.replicas = replicas
-        self.router = router
-        self.to_one_replica = cfg.routing == "prefix-affinity" and len(replicas.caches) > 1
-        self.last_ts = _last_ts(feed.trace())
-        self.chains = KeyChains(feed.segments, cfg.block_size, hasher="fingerprint")  # the prefixes' keys
-        self.period = 0.95 * cfg.ttl_s
-        self.current: dict[int, tuple[np.ndarray, Namespace]] = {}  # endpoint -> (prefix tokens, namespace)
-        self.due: list[tuple[float, int]] = []  # heap of (time, endpoint)
-        self.next_due: dict[int, float] = {}  # the entry that counts (traffic supersedes older ones)
-        self.refreshes = 0
-        self.reads = 0  # tokens the refreshes read from the caches
+        self.interval = cfg.keep_warm_interval_s
+        if not self.interval > 0:
+            raise ValueError(f"keep_warm_interval_s must be > 0; got {self.interval}")
+        self.whole_chunks = replicas.align > cfg.block_size
+        # (endpoint, prefix tokens, their keys in the feed's scheme, namespace)
+        self.policy: list[tuple[str, np.ndarray, list[bytes], Namespace]] = []
+        chains = KeyChains(feed.segments, cfg.block_size, hasher="fingerprint")
+        trace = feed.trace()
+        prompts = _Prompts(feed)
+        for endpoint, keep in sorted(prefix_tokens.items()):
+            first = np.flatnonzero(trace.endpoint == endpoint)
+            if not len(first) or keep <= 0:
+                continue
+            i = int(first[0])
+            packed, tokens = prompts.prompt(i)
+            if tokens is None:
+                tokens = _unpacked(packed)
+            ns = replicas.namespaces[int(trace.tenant[i])]
+            prefix = np.array(tokens[:keep], dtype=np.uint32)
+            self.policy.append((trace.endpoints[endpoint], prefix, chains.token_keys(ns.root, prefix), ns))
+        self.next_round = float(trace.ts[0]) if len(trace.ts) else 0.0
+        self.refused: set[tuple[int, str]] = set()  # (replica, endpoint) pins refused, logged once
+        self.refreshes = 0  # pin requests sent (one per prefix, replica and round)
+        self.reads = 0  # tokens the pin requests read from the caches
 
     def refresh_due(self, now: float) -> None:
-        """Run every refresh due at or before ``now``, in time order, each on the clock at its time."""
-        due = self.due
-        while due and due[0][0] <= now:
-            at, endpoint = heapq.heappop(due)
-            if self.next_due.get(endpoint) != at:
-                continue  # superseded by real traffic
-            self._refresh(endpoint, at)
-            self._schedule(endpoint, at)
+        """Run every round due at or before ``now``, in time order, each on the clock at its time."""
+        while self.next_round <= now:
+            self._round(self.next_round)
+            self.next_round += self.interval
 
-    def saw(self, endpoint: int, packed: bytes, tokens: np.ndarray | None, ns: Namespace, now: float) -> None:
-        """A request of ``endpoint`` at ``now``: if the endpoint is kept warm, its prefix is the
-        first tokens of this prompt, and its next refresh comes a period from now."""
-        keep = self.prefix_tokens.get(endpoint)
-        if keep is None:
-            return
-        if tokens is None:
-            tokens = _unpacked(packed)
-        self.current[endpoint] = (tokens[: min(keep + 1, len(packed) >> 2)], ns)  # +1: a match leaves one
-        self._schedule(endpoint, now)
-
-    def _schedule(self, endpoint: int, after: float) -> None:
-        if after + self.period < self.last_ts[endpoint]:
-            self.next_due[endpoint] = after + self.period
-            heapq.heappush(self.due, (after + self.period, endpoint))
-
-    def _refresh(self, endpoint: int, at: float) -> None:
+    def _round(self, at: float) -> None:
         clock = self.replicas.clock
-        clock.set(max(at, clock.now))
-        tokens, ns = self.current[endpoint]
-        caches = self.replicas.caches
-        targets = [self.router.affinity(tokens, ns)] if self.to_one_replica else range(len(caches))
-        keys = self.chains.token_keys(ns.root, tokens)
-        packed = pack_tokens(tokens)
-        for r in targets:
-            hit, _ = caches[r].replay(
-                ns, keys, packed, nbytes=self.replicas.block_bytes, align_tokens=self.replicas.align
-            )
-            self.reads += hit
-            self.refreshes += 1
-
-
-def _last_ts(trace: Trace) -> dict[int, float]:
-    """Each endpoint's last request time."""
-    out: dict[int, float] = {}
-    for e in range(len(trace.endpoints)):
-        idx = np.flatnonzero(trace.endpoint == e)
-        if len(idx):
-            out[e] = float(trace.ts[idx[-1]])
-    return out
+        if at > clock.now:
+            clock.set(at)
+        replicas = self.replicas
+        align = replicas.align
+        for name, tokens, keys, ns in self.policy:
+            packed = pack_tokens(tokens)
+            n = len(tokens)
+            for r, cache in enumerate(replicas.caches):
+                hit, _ = cache.replay(
+                    ns,
+                    keys,
+                    packed,
+                    nbytes=replicas.block_bytes,
+                    align_tokens=align,
+                    upto_tokens=(n // align) * align if self.whole_chunks else None,
+                )
+                self.reads += hit
+                self.refreshes += 1
+                try:
+                    cache.pin(tokens, ns, keys=keys)
+                except PinBudgetExceeded as e:
+                    if (r, name) not in self.refused:
+                        self.refused.add((r, name))
+                        log.warning("keep-warm: pinning %r on replica %d refused: %s", name, r, e)

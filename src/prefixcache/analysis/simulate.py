@@ -17,10 +17,13 @@ prefill backlog); cache-aware (the replica
 whose cache holds the longest prefix, probed without touching; it moves to the least-loaded
 replica when the wait there would cost more than the prefill the hit saves).
 
-Keep-warm: for chosen endpoints a refresh request reading the endpoint's current prefix is
-replayed whenever the prefix has been idle for 0.95 x TTL, while the endpoint has traffic left
-(one refresh per TTL at most: the cost hosted APIs charge). Each refresh goes through the real
-cache, so it is what keeps the blocks alive.
+Keep-warm, as the router does it (:mod:`prefixcache.router.keepwarm`): a policy of one prefix per
+chosen endpoint (the leading tokens of its first request), sent every ``keep_warm_interval_s``
+(60 s) from the trace's start to every replica, whatever the routing, as ``POST /v1/cache/pin``:
+prefilled through the real cache where it is missing, read where it is stored, and pinned.
+Pinned blocks neither expire nor are evicted (the separate pinned budget,
+``pinned_capacity_bytes``; a pin beyond it is refused and logged). The pin requests' reads are
+counted and priced as cache reads.
 """
 
 from __future__ import annotations
@@ -132,7 +135,7 @@ def simulate(
 
     ``trace`` may be a :class:`~prefixcache.analysis.feed.TraceFeed` (a stream from a reader
     process: see :func:`simulate_file`) made with ``cfg.fingerprint`` and ``cfg.block_size``;
-    keep-warm needs a loaded trace (it looks ahead to each endpoint's last request).
+    keep-warm needs a loaded trace (it looks ahead to each endpoint's first request).
 
     The per-request loop is :mod:`~prefixcache.analysis.replay_loop`'s: work per request is
     O(runs on the prompt's path) in the cache, plus C-level copies of its new tokens and keys

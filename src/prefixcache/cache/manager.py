@@ -333,11 +333,12 @@ class PrefixCache:
         return written
 
     # ------------------------------------------------------------------ keep-warm and admin
-    def pin(self, tokens: Sequence[int], ns: Namespace) -> int:
+    def pin(self, tokens: Sequence[int], ns: Namespace, *, keys: list[BlockHash] | None = None) -> int:
         """Pin the cached full blocks of this prefix (no expiry, no eviction). Returns the
-        pinned token count (0 when nothing is cached yet: prefill it first). Raises
+        pinned token count (0 when nothing is cached yet: prefill it first). ``keys``: the
+        prefix's block keys where the caller made them (as for :meth:`match`). Raises
         :class:`~prefixcache.cache.store.PinBudgetExceeded`, pinning nothing."""
-        keys = self.block_keys(tokens, ns)
+        keys = self.block_keys(tokens, ns) if keys is None else keys
         packed = pack_tokens(tokens)
         with self.lock:
             return self._pins.pin(keys, packed, ns.root) * self.block_size

@@ -38,9 +38,8 @@ def print_sim(res: SimResult, console: Console, fmt: str = "table") -> None:
     t.add_row("cache bytes per token", f"{c.cost.kv_bytes_per_token:,} ({c.cost.kv_source})")
     t.add_row("estimated TTFT", ttft_text(res))
     if c.keep_warm:
-        t.add_row(
-            "keep-warm refreshes", f"{res.keep_warm_refreshes:,} ({d['keep_warm_read_tokens']:,} tokens read)"
-        )
+        pins = f"{res.keep_warm_refreshes:,} ({d['keep_warm_read_tokens']:,} tokens read)"
+        t.add_row("keep-warm pin requests", pins)
     t.emit(console, fmt)
     et = ReportTable(title="Per endpoint")
     for col in ("endpoint", "requests", "hit rate", "TTFT p50", "TTFT p95"):
