@@ -10,12 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-import typer
 import zmq
 
 from prefixcache.cache import PrefixCache
 from prefixcache.cache.keys import pack_tokens
-from prefixcache.commands.kv_events import open_publisher
 from prefixcache.kvevents.publisher import KVEventPublisher, PublisherConfig
 from prefixcache.kvevents.security import (
     client_options,
@@ -27,6 +25,7 @@ from prefixcache.kvevents.security import (
 )
 from prefixcache.kvevents.subscriber import EventFeed
 from prefixcache.kvevents.wire import END_SEQ, BlockStored
+from prefixcache.server.build import BuildError, KVEventsConfig, open_publisher
 
 SECRET_IDS = [7731, 42, 9, 1, 2, 3, 4, 5]
 
@@ -74,12 +73,14 @@ def test_which_endpoints_are_local(endpoint, local):
 
 
 def test_serve_refuses_kv_events_on_all_interfaces_without_curve():
-    with pytest.raises(typer.BadParameter) as e:
-        open_publisher("tcp://0.0.0.0:0", None, "", 10, "int")
+    with pytest.raises(BuildError) as e:
+        open_publisher(KVEventsConfig("tcp://0.0.0.0:0", buffer=10))
     assert "Refusing to publish KV events on tcp://0.0.0.0:0" in str(e.value)
-    with pytest.raises(typer.BadParameter):
-        open_publisher("tcp://127.0.0.1:0", "tcp://*:0", "", 10, "int")  # the replay socket too
-    pub = open_publisher("tcp://0.0.0.0:0", None, "", 10, "int", allow_unauthenticated=True)
+    assert e.value.option == "--kv-events-endpoint"
+    with pytest.raises(BuildError):  # the replay socket too
+        open_publisher(KVEventsConfig("tcp://127.0.0.1:0", "tcp://*:0", buffer=10))
+    pub = open_publisher(KVEventsConfig("tcp://0.0.0.0:0", buffer=10, allow_unauthenticated=True))
+    assert pub is not None
     pub.close()
 
 

@@ -1,6 +1,7 @@
 """``build_server(ServerConfig)``, the library call ``serve`` maps its flags to: it serves, its
 ``close`` leaves the disk tier holding what a rebuilt server then hits, and a setting it cannot
-build is a :class:`BuildError` naming the option, with everything it was given closed."""
+build is a :class:`BuildError` naming the option, with everything opened closed; the KV event
+publisher it binds from the config is closed with the server."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import pytest
 from server_helpers import RunningServer
 
 from prefixcache.engine.config import EngineConfig
-from prefixcache.server.build import AppConfig, BuildError, ServerConfig, TierConfig, build_server
+from prefixcache.server.build import (
+    AppConfig,
+    BuildError,
+    KVEventsConfig,
+    ServerConfig,
+    TierConfig,
+    build_server,
+)
 
 SECRET = "a-deployment-salt-secret-0123456789"
 SYSTEM = "A stable system prompt, long enough to fill several sixteen-token blocks. " * 4
@@ -68,30 +76,85 @@ def test_a_built_server_serves_and_after_close_a_rebuilt_one_hits_its_disk_tier(
     assert warm.choices[0].message.content == cold.choices[0].message.content
 
 
-class SpyPublisher:
-    """Stands in for a bound KVEventPublisher on the error path: records ``close``."""
+def free_port() -> int:
+    import socket
 
-    def __init__(self) -> None:
-        self.config = type("Config", (), {"medium": None})()
-        self.closed = 0
-
-    def close(self) -> None:
-        self.closed += 1
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
-def test_a_setting_that_cannot_be_built_names_its_option_and_closes_what_it_was_given(
+def bindable(endpoint: str) -> bool:
+    """Whether a publisher can bind ``endpoint`` within a second (False while another holds it;
+    ZeroMQ releases a closed socket's address on its I/O thread, a moment later)."""
+    import time
+
+    from prefixcache.kvevents.publisher import KVEventPublisher, PublisherConfig
+
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            KVEventPublisher(PublisherConfig(endpoint)).close()
+        except ValueError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        else:
+            return True
+
+
+def test_build_server_opens_the_kv_event_publisher_and_close_closes_it(
     tiny_runner: Any, one_torch_thread: None
 ) -> None:
-    spy = SpyPublisher()
-    with pytest.raises(BuildError, match=r"prefill_chunk \(24\) must be a positive multiple") as bad:
-        build_server(ServerConfig(model=tiny_runner, engine=EngineConfig(prefill_chunk=24)), spy)  # type: ignore[arg-type]
-    assert bad.value.option is None and spy.closed == 1
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config = ServerConfig(
+        model=tiny_runner,
+        engine=EngineConfig(prefill_chunk=16),
+        kv_events=KVEventsConfig(endpoint=endpoint, hash_format="bytes", buffer=64),
+    )
+    server = build_server(config)
+    try:
+        pub = server.publisher
+        assert pub is not None and pub.endpoint == endpoint and pub.config.buffer_steps == 64
+        assert f"KV events on {endpoint} (bytes hashes, CPU)" in server.describe()
+        assert not bindable(endpoint)  # bound by the server's publisher, attached to its cache
+        assert server.app.state.kv_events is pub  # attached to the engine's cache, on /metrics
+    finally:
+        server.close()
+    assert bindable(endpoint)
+    plain = build_server(ServerConfig(model=tiny_runner, engine=EngineConfig(prefill_chunk=16)))
+    try:
+        assert plain.publisher is None and "KV events" not in " ".join(plain.describe())
+    finally:
+        plain.close()
 
-    spy = SpyPublisher()
-    no_cache = ServerConfig(model=tiny_runner, engine=EngineConfig(prefill_chunk=16, enable_cache=False))
+
+def test_a_setting_that_cannot_be_built_names_its_option_and_closes_the_publisher(
+    tiny_runner: Any, one_torch_thread: None
+) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    events = KVEventsConfig(endpoint=endpoint)
+    bad_chunk = ServerConfig(model=tiny_runner, engine=EngineConfig(prefill_chunk=24), kv_events=events)
+    with pytest.raises(BuildError, match=r"prefill_chunk \(24\) must be a positive multiple") as bad:
+        build_server(bad_chunk)
+    assert bad.value.option is None and bindable(endpoint)
+
+    no_cache = ServerConfig(
+        model=tiny_runner, engine=EngineConfig(prefill_chunk=16, enable_cache=False), kv_events=events
+    )
     with pytest.raises(BuildError, match="KV events need the prompt cache") as bad:
-        build_server(no_cache, spy)  # type: ignore[arg-type]
-    assert bad.value.option == "--kv-events-endpoint" and spy.closed == 1
+        build_server(no_cache)
+    assert bad.value.option == "--kv-events-endpoint" and bindable(endpoint)
+
+    for kv, option in (
+        (KVEventsConfig(replay_endpoint=endpoint), "--kv-events-replay-endpoint"),
+        (KVEventsConfig(endpoint=endpoint, hash_format="hex"), "--kv-events-hash-format"),
+        (KVEventsConfig(endpoint=endpoint, curve_clients="keys"), "--kv-events-curve-clients"),
+        (KVEventsConfig(endpoint="tcp://0.0.0.0:0"), "--kv-events-endpoint"),
+    ):
+        with pytest.raises(BuildError) as bad:  # before the model loads
+            build_server(ServerConfig(model=tiny_runner, kv_events=kv))
+        assert bad.value.option == option
 
 
 def test_serve_flags_default_to_the_library_defaults() -> None:
@@ -153,3 +216,23 @@ def test_serve_flags_default_to_the_library_defaults() -> None:
         app.trace_keys_only,
     )
     assert (flags["host"], flags["port"], flags["log_level"]) == (config.host, config.port, config.log_level)
+    events = config.kv_events
+    assert (
+        flags["kv_events_endpoint"],
+        flags["kv_events_replay_endpoint"],
+        flags["kv_events_topic"],
+        flags["kv_events_buffer"],
+        flags["kv_events_hash_format"],
+        flags["kv_events_curve_secret_file"],
+        flags["kv_events_curve_clients"],
+        flags["kv_events_allow_unauthenticated"],
+    ) == (
+        events.endpoint,
+        events.replay_endpoint,
+        events.topic,
+        events.buffer,
+        events.hash_format,
+        events.curve_secret_file,
+        events.curve_clients,
+        events.allow_unauthenticated,
+    )

@@ -1,10 +1,11 @@
-"""The KV event flags of ``prefixcache serve`` (``--kv-events-*``): their declarations, and the
-publisher they open (bound before the model loads) and attach (once the app exists)."""
+"""The KV event flags of ``prefixcache serve`` (``--kv-events-*``): their declarations, which
+``serve`` maps to :class:`~prefixcache.server.build.KVEventsConfig` (``build_server`` opens the
+publisher), and ``prefixcache kv-keys``."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -60,76 +61,6 @@ AllowUnauthenticated = Annotated[
         "every tenant's prompt token ids: only where every host that can connect is trusted).",
     ),
 ]
-
-
-def curve_keys(secret_file: Path | None, clients: Path | None) -> tuple[bytes | None, frozenset[bytes]]:
-    """(the publisher's secret key, the admitted client keys) from the CURVE flags."""
-    from prefixcache.kvevents.security import read_public_keys, read_secret_key
-
-    if secret_file is None:
-        if clients is not None:
-            raise typer.BadParameter(
-                "client keys need --kv-events-curve-secret-file too", param_hint="--kv-events-curve-clients"
-            )
-        return None, frozenset()
-    if clients is None:
-        raise typer.BadParameter(
-            "CURVE needs the routers' public keys: add --kv-events-curve-clients FILE",
-            param_hint="--kv-events-curve-secret-file",
-        )
-    try:
-        _, secret = read_secret_key(secret_file)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--kv-events-curve-secret-file") from e
-    try:
-        return secret, read_public_keys(clients)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--kv-events-curve-clients") from e
-
-
-def open_publisher(
-    endpoint: str | None,
-    replay: str | None,
-    topic: str,
-    buffer: int,
-    hash_format: str,
-    *,
-    curve_secret_file: Path | None = None,
-    curve_clients: Path | None = None,
-    allow_unauthenticated: bool = False,
-) -> Any:
-    """The bound KV event publisher, or None without ``--kv-events-endpoint`` (typer errors that
-    say what to fix). A non-loopback address needs CURVE or ``--kv-events-allow-unauthenticated``."""
-    from prefixcache.kvevents.publisher import KVEventPublisher, PublisherConfig
-    from prefixcache.kvevents.security import exposure_refusal
-    from prefixcache.kvevents.wire import HashFormat
-
-    if endpoint is None:
-        if replay is not None:
-            raise typer.BadParameter(
-                "a replay endpoint needs --kv-events-endpoint too", param_hint="--kv-events-replay-endpoint"
-            )
-        return None
-    if hash_format not in ("int", "bytes"):
-        raise typer.BadParameter(f"'{hash_format}' is not int or bytes", param_hint="--kv-events-hash-format")
-    secret, clients = curve_keys(curve_secret_file, curve_clients)
-    refusal = exposure_refusal((endpoint, replay), secret is not None, allow_unauthenticated)
-    if refusal is not None:
-        raise typer.BadParameter(refusal, param_hint="--kv-events-endpoint")
-    try:
-        return KVEventPublisher(
-            PublisherConfig(
-                endpoint,
-                replay,
-                topic,
-                buffer,
-                hash_format=HashFormat(hash_format),
-                curve_secret=secret,
-                curve_clients=clients,
-            )
-        )
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--kv-events-endpoint") from e
 
 
 def kv_keys(

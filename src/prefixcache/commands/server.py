@@ -311,7 +311,14 @@ def serve(
     from prefixcache.engine.config import EngineConfig
     from prefixcache.server.app import DEFAULT_MODEL_NAME
     from prefixcache.server.auth import resolve_secret
-    from prefixcache.server.build import AppConfig, BuildError, ServerConfig, TierConfig, build_server
+    from prefixcache.server.build import (
+        AppConfig,
+        BuildError,
+        KVEventsConfig,
+        ServerConfig,
+        TierConfig,
+        build_server,
+    )
     from prefixcache.server.exposure import (
         RedactSecrets,
         exposure_refusal,
@@ -359,16 +366,6 @@ def serve(
         raise typer.BadParameter(f"{ttl!r} is shorter than a second", param_hint="--ttl")
     # Bound before the model loads: a taken port or a bad address fails at once.
     free_port_or_fail(host, port)
-    publisher = kv.open_publisher(
-        kv_events_endpoint,
-        kv_events_replay_endpoint,
-        kv_events_topic,
-        kv_events_buffer,
-        kv_events_hash_format,
-        curve_secret_file=kv_events_curve_secret_file,
-        curve_clients=kv_events_curve_clients,
-        allow_unauthenticated=kv_events_allow_unauthenticated,
-    )
     capacity_bytes = parse_bytes(capacity)
     config = ServerConfig(
         model=model,
@@ -412,13 +409,23 @@ def serve(
             # No keys on an exposed address: nothing tells callers apart, so no cached-side text.
             caller_text="none" if keys is None and not is_loopback(host) else None,
         ),
+        kv_events=KVEventsConfig(
+            endpoint=kv_events_endpoint,
+            replay_endpoint=kv_events_replay_endpoint,
+            topic=kv_events_topic,
+            buffer=kv_events_buffer,
+            hash_format=kv_events_hash_format,
+            curve_secret_file=kv_events_curve_secret_file,
+            curve_clients=kv_events_curve_clients,
+            allow_unauthenticated=kv_events_allow_unauthenticated,
+        ),
         host=host,
         port=port,
         max_connections=max_connections,
         log_level=log_level,
     )
     try:
-        server = build_server(config, publisher)
+        server = build_server(config)
     except BuildError as e:
         raise typer.BadParameter(str(e), param_hint=e.option) from e
     if server.engine.cache is not None:

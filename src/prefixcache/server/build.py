@@ -1,9 +1,10 @@
 """``build_server(ServerConfig)``: the engine, its cache tiers, the app, the KV event stream and
 their shutdown, wired in one library call (``prefixcache serve`` only maps its flags to the config).
 
-    from prefixcache.server.build import ServerConfig, TierConfig, build_server
+    from prefixcache.server.build import KVEventsConfig, ServerConfig, TierConfig, build_server
 
-    server = build_server(ServerConfig(port=8000, tiers=TierConfig(disk_dir="/var/cache/pc")))
+    server = build_server(ServerConfig(port=8000, tiers=TierConfig(disk_dir="/var/cache/pc"),
+                                       kv_events=KVEventsConfig(endpoint="tcp://127.0.0.1:5557")))
     try:
         server.run()          # uvicorn until Ctrl-C / SIGTERM
     finally:
@@ -95,15 +96,35 @@ class AppConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """The KV event stream (vLLM's format on ZeroMQ; :mod:`prefixcache.kvevents.publisher`):
+    off without an ``endpoint``. ``replay_endpoint``: a ROUTER socket replaying buffered batches
+    (``buffer`` of them). ``hash_format``: ``"int"`` (the key's low 64 bits, vLLM's) or
+    ``"bytes"``. A non-loopback address needs CURVE (``curve_secret_file``: the publisher's secret
+    key; ``curve_clients``: the admitted public keys, a file or a folder of ``*.pub``) or
+    ``allow_unauthenticated``: the events carry every tenant's prompt token ids."""
+
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer: int = 10_000
+    hash_format: str = "int"
+    curve_secret_file: str | os.PathLike[str] | None = None
+    curve_clients: str | os.PathLike[str] | None = None
+    allow_unauthenticated: bool = False
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """One server: ``model`` (a .gguf path, an HF folder, a loaded runner, or None for the embedded
-    SmolLM2), the engine, the tiers and the app, and where uvicorn listens (``max_connections``:
-    concurrent connections before uvicorn answers 503; None: no cap)."""
+    SmolLM2), the engine, the tiers, the app and the KV event stream, and where uvicorn listens
+    (``max_connections``: concurrent connections before uvicorn answers 503; None: no cap)."""
 
     model: str | os.PathLike[str] | ModelRunner | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     tiers: TierConfig = field(default_factory=TierConfig)
     app: AppConfig = field(default_factory=AppConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     host: str = "127.0.0.1"
     port: int = 8000
     max_connections: int | None = None
@@ -179,12 +200,13 @@ class Server:
             flush_tiers(cache)
 
 
-def build_server(config: ServerConfig, publisher: KVEventPublisher | None = None) -> Server:
-    """Load the model into an engine, attach the tiers, build the app and wire ``publisher`` (an
-    open :class:`~prefixcache.kvevents.publisher.KVEventPublisher`, closed with the server) to the
-    cache. On a :class:`BuildError` everything made so far is closed, ``publisher`` included."""
+def build_server(config: ServerConfig) -> Server:
+    """Bind the KV event sockets (before the model loads: a taken port fails at once), load the
+    model into an engine, attach the tiers, build the app and wire the publisher to the cache.
+    On a :class:`BuildError` everything made so far is closed, the publisher included."""
     from prefixcache.engine import Engine
 
+    publisher = open_publisher(config.kv_events)
     try:
         engine = Engine(config.model, config=config.engine)
     except ValueError as e:  # a missing model file, a bad chunk size or dtype: say which
@@ -205,6 +227,69 @@ def build_server(config: ServerConfig, publisher: KVEventPublisher | None = None
         engine.close()
         raise
     return Server(config, engine, app, publisher)
+
+
+def open_publisher(kv: KVEventsConfig) -> KVEventPublisher | None:
+    """The bound KV event publisher, or None without an endpoint. Raises :class:`BuildError`
+    naming the ``serve`` flag to fix: a replay endpoint alone, an unknown hash format, unreadable
+    or missing CURVE keys, a non-loopback address without CURVE or ``allow_unauthenticated``, an
+    address that cannot be bound."""
+    if kv.endpoint is None:
+        if kv.replay_endpoint is not None:
+            message = "a replay endpoint needs --kv-events-endpoint too"
+            raise BuildError(message, "--kv-events-replay-endpoint")
+        return None
+    from prefixcache.kvevents.publisher import KVEventPublisher, PublisherConfig
+    from prefixcache.kvevents.security import exposure_refusal
+    from prefixcache.kvevents.wire import HashFormat
+
+    if kv.hash_format not in ("int", "bytes"):
+        raise BuildError(f"'{kv.hash_format}' is not int or bytes", "--kv-events-hash-format")
+    secret, clients = _curve_keys(kv.curve_secret_file, kv.curve_clients)
+    endpoints = (kv.endpoint, kv.replay_endpoint)
+    refusal = exposure_refusal(endpoints, secret is not None, kv.allow_unauthenticated)
+    if refusal is not None:
+        raise BuildError(refusal, "--kv-events-endpoint")
+    try:
+        return KVEventPublisher(
+            PublisherConfig(
+                kv.endpoint,
+                kv.replay_endpoint,
+                kv.topic,
+                kv.buffer,
+                hash_format=HashFormat(kv.hash_format),
+                curve_secret=secret,
+                curve_clients=clients,
+            )
+        )
+    except ValueError as e:
+        raise BuildError(str(e), "--kv-events-endpoint") from e
+
+
+def _curve_keys(
+    secret_file: str | os.PathLike[str] | None, clients: str | os.PathLike[str] | None
+) -> tuple[bytes | None, frozenset[bytes]]:
+    """(the publisher's secret key, the admitted client keys) from the CURVE settings."""
+    from prefixcache.kvevents.security import read_public_keys, read_secret_key
+
+    if secret_file is None:
+        if clients is not None:
+            message = "client keys need --kv-events-curve-secret-file too"
+            raise BuildError(message, "--kv-events-curve-clients")
+        return None, frozenset()
+    if clients is None:
+        raise BuildError(
+            "CURVE needs the routers' public keys: add --kv-events-curve-clients FILE",
+            "--kv-events-curve-secret-file",
+        )
+    try:
+        _, secret = read_secret_key(secret_file)
+    except ValueError as e:
+        raise BuildError(str(e), "--kv-events-curve-secret-file") from e
+    try:
+        return secret, read_public_keys(clients)
+    except ValueError as e:
+        raise BuildError(str(e), "--kv-events-curve-clients") from e
 
 
 def _attach(engine: Engine, tiers: TierConfig, secret: str | bytes | None) -> None:
