@@ -73,7 +73,8 @@ def test_the_feed_is_alive_after_1000_hostile_frames(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(index, "apply", apply)
     try:
         index.start()
-        feed = index._feeds["http://r"]
+        feed = index.feed("http://r")
+        assert feed is not None
         _until(lambda: _probe(pub, index, 0), "the subscription")
         rng = random.Random(21)
         sent = 0
@@ -140,7 +141,8 @@ def test_a_dead_or_lagging_feed_is_not_trusted():
     view.apply(0, KVEventBatch(ts=time.time(), events=[]), time.monotonic())
     assert view.synced and index.snapshot()["http://r"]["synced"]
     index.start()
-    feed = index._feeds["http://r"]
+    feed = index.feed("http://r")
+    assert feed is not None
     feed.stats.lag_s = 6.0
     assert not index.snapshot()["http://r"]["synced"]  # lagging
     feed.stats.lag_s = 0.0

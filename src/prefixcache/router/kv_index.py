@@ -219,6 +219,12 @@ class KVIndex:
             feed.close()
         self._feeds.clear()
 
+    def feed(self, url: str) -> EventFeed | None:
+        """The event feed of replica ``url`` (None before :meth:`start`, after :meth:`close`, or
+        for a replica without one): its ``alive`` and ``stats`` are what routing trusts."""
+        with self._lock:
+            return self._feeds.get(url)
+
     def apply(self, url: str, seq: int, batch: KVEventBatch) -> None:
         with self._lock:
             self.replicas[url].apply(seq, batch, self.clock())
