@@ -21,10 +21,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prefixcache.cache.tiers import (
     DEFAULT_DISK_BYTES,
@@ -164,7 +164,7 @@ class Server:
         )
         return lines
 
-    def run(self, *, after_logging: Any = None) -> bool:
+    def run(self, *, after_logging: Callable[[], object] | None = None) -> bool:
         """Serve under uvicorn until Ctrl-C (or a SIGTERM the caller maps to it); True when the
         server had started (False: uvicorn's start-up failed, logged). ``after_logging``: called
         once uvicorn has set up its log handlers (to install log filters on them)."""
