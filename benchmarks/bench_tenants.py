@@ -105,9 +105,15 @@ def main() -> None:
     args = ap.parse_args()
 
     from prefixcache.engine import Engine
+
+    with Engine(None, threads=1) as engine:  # closed (its worker thread ended) on every path
+        run(engine, args)
+
+
+def run(engine: Any, args: argparse.Namespace) -> None:
+    """The three scenarios on ``engine``; the table to ``args.out``, the plot beside it."""
     from prefixcache.engine.runtime import describe_runtime
 
-    engine = Engine(None, threads=1)
     tier = SlowTier()
     engine.cache.add_tier(tier)
     questions = ["When do you sail?", "Where do you dock?", "Can I bring a bike?", "Is there a cafe?"]
@@ -183,7 +189,6 @@ def main() -> None:
     ax.set_title(f"B's TTFT while A floods (tier answers in {DELAY_S * 1000:.0f} ms)")
     fig.tight_layout()
     fig.savefig(args.out.with_suffix(".png"), dpi=120)
-    engine.close()
 
 
 if __name__ == "__main__":

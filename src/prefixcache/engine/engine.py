@@ -215,9 +215,9 @@ class Engine(PromptReader):
             self.cache.check_integrity()
         self._worker.between_steps(self._worker.check_integrity)
 
-    def close(self) -> None:
-        """Stop the worker after the requests already queued. Idempotent."""
-        self._worker.close()
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the worker after the requests already queued; wait for its thread. Idempotent."""
+        self._worker.close(timeout)
 
     def __enter__(self) -> Engine:
         return self

@@ -225,10 +225,21 @@ class Worker:
             job.post(job.terminal)
         job.post(_DONE)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Stop after the jobs already queued and wait (at most ``timeout`` seconds; None: as
+        long as they take) until the worker thread has ended. Idempotent.
+
+        The thread is a daemon (an engine never closed does not keep the process alive), so it
+        must be over before the interpreter finalizes: a daemon thread still running then (here,
+        letting go of the runner's tensors as its loop returns) is stopped by ``pthread_exit``
+        in the middle of torch's C++ code, which aborts the process ("terminate called without
+        an active exception", exit 134) after the script's own work is done."""
         with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            if self._thread is not None:
+            if not self.closed and self._thread is not None:
                 self._jobs.put(None)
+            self.closed = True
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("the engine's worker did not stop within %.0f s of close()", timeout)
