@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Header, Request
+from fastapi import Request
 
 from prefixcache.server.auth import Authenticator, Tenant
 from prefixcache.server.bridge import EngineBridge
@@ -52,10 +52,13 @@ def get_state(request: Request) -> ServerState:
     return request.app.state.prefixcache
 
 
-def get_tenant(
-    request: Request,
-    authorization: str | None = Header(None, include_in_schema=False),
-    x_api_key: str | None = Header(None, include_in_schema=False),
-) -> Tenant:
-    """FastAPI dependency: the caller's tenant (401 in the route's shape without a valid key)."""
-    return get_state(request).auth.authenticate(authorization, x_api_key)
+def get_tenant(request: Request) -> Tenant:
+    """FastAPI dependency: the caller's tenant (401 in the route's shape without a valid key).
+
+    The two headers are read from the request, not declared as ``Header`` parameters: FastAPI
+    builds a pydantic adapter for each declared parameter on a route's first request and hides
+    pydantic's warning about its ``alias`` with ``warnings.catch_warnings``, which is not
+    thread-safe, so servers starting side by side printed "The 'alias' attribute with value
+    'authorization' ... has no effect"."""
+    headers = request.headers
+    return get_state(request).auth.authenticate(headers.get("authorization"), headers.get("x-api-key"))
