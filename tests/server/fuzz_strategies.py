@@ -281,7 +281,25 @@ PIN_SOURCES = {
 }
 PIN = st.one_of(*[body({k: v}, {}) for k, v in PIN_SOURCES.items()], body({}, PIN_SOURCES))
 
-#: (method, path) -> body strategy, for every route that takes a body.
+TOKENIZE = st.one_of(
+    body({"prompt": TEXT}, {"model": st.just(MODEL), "add_special_tokens": st.booleans()}),
+    body(
+        {"messages": st.lists(CHAT_MESSAGE, min_size=1, max_size=3)},
+        {
+            "model": st.just(MODEL),
+            "tools": st.lists(TOOL, max_size=2),
+            "tool_choice": st.sampled_from(["none", "auto", "required"]),
+            "add_generation_prompt": st.booleans(),
+            "return_token_strs": st.booleans(),
+        },
+    ),
+)
+DETOKENIZE = body(
+    {"tokens": st.lists(st.integers(0, 600) | EXTREME_NUMBERS, max_size=40)}, {"model": st.just(MODEL)}
+)
+
+#: (method, path) -> body strategy, for every route that takes a body (``test_server_fuzz``
+#: checks this against the app's routes).
 BODIES: dict[tuple[str, str], st.SearchStrategy[Any]] = {
     ("POST", "/v1/chat/completions"): CHAT,
     ("POST", "/v1/completions"): COMPLETIONS,
@@ -290,14 +308,34 @@ BODIES: dict[tuple[str, str], st.SearchStrategy[Any]] = {
     ("POST", "/v1/messages/count_tokens"): COUNT_TOKENS,
     ("POST", "/v1/cache/pin"): PIN,
     ("DELETE", "/v1/cache/pin"): PIN,
+    ("POST", "/v1/cache/verify"): PIN,
+    ("POST", "/tokenize"): TOKENIZE,
+    ("POST", "/detokenize"): DETOKENIZE,
+    ("POST", "/v1/chat/completions/render"): CHAT,
+    ("POST", "/v1/completions/render"): COMPLETIONS,
+    ("POST", "/v1/messages/render"): MESSAGES,
+    ("POST", "/v1/responses/render"): RESPONSES,
 }
-#: Routes without a body; fuzzed with junk headers, queries and bodies.
+#: Routes without a body (every other route of the app, and two it does not have); fuzzed with
+#: junk headers, queries and bodies.
 BODILESS = [
     ("GET", "/health"),
     ("GET", "/metrics"),
     ("GET", "/v1/models"),
     ("GET", "/v1/cache"),
     ("DELETE", "/v1/cache"),
+    ("GET", "/v1/cache/report"),
+    ("GET", "/v1/cache/verify"),
+    ("POST", "/v1/cache/verify/ack"),
+    ("GET", "/v1/dashboard"),
+    ("GET", "/version"),
+    ("GET", "/server_info"),
+    ("GET", "/get_server_info"),
+    ("GET", "/model_info"),
+    ("GET", "/get_model_info"),
+    ("GET", "/loads"),
+    ("GET", "/get_loads"),
+    ("GET", "/v1/loads"),
     ("GET", "/v1/nowhere"),
     ("PUT", "/v1/chat/completions"),
 ]

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi.routing import APIRoute
 from fuzz_checks import FUZZ, RERUN, SEED, ErrorLog, check_answer, collecting_errors
 from fuzz_strategies import BODIES, RAW_BODIES, encode
 from hypothesis import given, seed
@@ -26,6 +27,7 @@ ROUTER_BODILESS = [
     ("GET", "/health"),
     ("GET", "/metrics"),
     ("GET", "/router/replicas"),
+    ("GET", "/router/dashboard"),
     ("GET", "/v1/models"),
     ("GET", "/v1/nowhere"),
 ]
@@ -55,6 +57,19 @@ def routed(tiny_runner: Any) -> Iterator[RunningServer]:
 def error_log(routed: RunningServer) -> Iterator[ErrorLog]:
     with collecting_errors("prefixcache", "uvicorn.error") as handler:
         yield handler
+
+
+def test_the_fuzzers_reach_every_route_of_the_router():
+    """The router's own routes are fuzzed (the replicas' routes reach it through its catch-all,
+    and are the server's: ``BODIES``)."""
+    app = create_router_app(RouterConfig(["http://127.0.0.1:9"]))
+    own = {
+        (method, route.path)
+        for route in app.routes
+        if isinstance(route, APIRoute) and route.include_in_schema and "{path" not in route.path
+        for method in route.methods
+    }
+    assert sorted(own - set(BODIES) - set(ROUTER_BODILESS)) == []
 
 
 @pytest.mark.parametrize(("method", "path"), list(BODIES), ids=[f"{m} {p}" for m, p in BODIES])
