@@ -1,6 +1,7 @@
 """``prefixcache serve``'s tier flags: the Redis URL from a file or the environment instead of argv
 (a password on argv is warned about, never logged), the Redis TTL cap, the per-tenant pin share,
-and one salt secret for the tenant salts and the tier entries' MAC key."""
+and one salt secret for the tenant salts and the tier entries' MAC key; and what the exposure
+rule hands the app and uvicorn (the connection cap, whose prompt text callers see)."""
 
 from __future__ import annotations
 
@@ -49,12 +50,34 @@ def served(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(build, "create_app", create_app)
 
     def run(self: uvicorn.Server) -> None:
+        seen["uvicorn"] = self.config
         self.started = True
 
     monkeypatch.setattr(uvicorn.Server, "run", run)
     for var in ("PREFIXCACHE_REDIS_URL", "PREFIXCACHE_REDIS_URL_FILE", "PREFIXCACHE_SALT_SECRET"):
         monkeypatch.delenv(var, raising=False)
+    for var in ("PREFIXCACHE_API_KEYS", "PREFIXCACHE_API_KEYS_FILE"):
+        monkeypatch.delenv(var, raising=False)
     return seen
+
+
+def test_serve_caps_connections_and_shows_no_cached_text_on_an_exposed_address_without_keys(
+    served, tmp_path: Path
+) -> None:
+    exposed = ["serve", "--host", "0.0.0.0", "--allow-unauthenticated"]
+    res = runner.invoke(app, [*exposed, "--max-connections", "5"])
+    assert res.exit_code == 0, res.output
+    assert served["uvicorn"].limit_concurrency == 5  # a 503 past 5 connections, before any route
+    assert served["app"]["caller_text"] == "none"  # nothing tells callers apart: no cached-side text
+    res = runner.invoke(app, ["serve"])  # loopback, no keys: the single user sees everything
+    assert res.exit_code == 0, res.output
+    assert served["uvicorn"].limit_concurrency == 1024 and served["app"]["caller_text"] is None
+    assert served["app"]["api_keys"] is None
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-alpha-0123456789: alpha\n")
+    res = runner.invoke(app, ["serve", "--host", "0.0.0.0", "--api-keys", str(keys)])
+    assert res.exit_code == 0, res.output
+    assert served["app"]["caller_text"] is None and served["app"]["api_keys"]  # keys: each its own text
 
 
 def test_redis_url_from_a_file_with_the_ttl_cap_and_pin_share(served, tmp_path: Path, caplog) -> None:
