@@ -82,6 +82,48 @@ def test_the_writer_sees_its_own_cached_text_the_other_key_only_what_it_wrote(se
     assert d["token_index"] == 20 and d["cached_text"] in (SECRET[20:28], "Y" + SECRET[21:28])
 
 
+def _streamed(server, headers, path: str, body: dict) -> str:
+    with httpx.stream("POST", server.url + path, json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        return r.read().decode()
+
+
+def test_streamed_answers_withhold_the_other_keys_text_too(serve, make_engine):
+    """Anthropic's ``message_start`` carries the miss reason from the prefill, before the
+    request finishes: it was sent unscreened (8 tokens of the other key's prompt)."""
+    server = serve(make_engine(), api_keys=KEYS, model_name=MODEL)
+    complete(server, A, SECRET)
+    guess = "\x01" * 40
+    streams = {
+        "/v1/messages": {"messages": [{"role": "user", "content": guess}], "max_tokens": 1},
+        "/v1/completions": {"prompt": guess, "max_tokens": 1, "stream_options": {"include_usage": True}},
+        "/v1/chat/completions": {
+            "messages": [{"role": "user", "content": guess}],
+            "max_tokens": 1,
+            "stream_options": {"include_usage": True},
+        },
+        "/v1/responses": {"input": guess, "max_output_tokens": 1},
+    }
+    texts = {
+        path: _streamed(server, B, path, {"model": MODEL, "stream": True, **body})
+        for path, body in streams.items()
+    }
+    assert {path: [f for f in _fragments(SECRET) if f in text] for path, text in texts.items()} == {
+        path: [] for path in streams
+    }
+    start = texts["/v1/messages"]
+    message = json.loads(next(line for line in start.splitlines() if '"message_start"' in line)[6:])
+    d = message["message"]["prefixcache"]["divergence"]
+    assert d["token_index"] == 0 and d["cached_text"] is None and d["cached_text_hidden"] is True
+    # The writer's own text is still shown there.
+    said = {"model": MODEL, "messages": [{"role": "user", "content": SECRET}], "max_tokens": 1}
+    assert httpx.post(server.url + "/v1/messages", json=said, headers=A, timeout=60).status_code == 200
+    edited = [{"role": "user", "content": SECRET[:40] + "X" + SECRET[41:]}]
+    start = _streamed(server, A, "/v1/messages", {**said, "messages": edited, "stream": True})
+    message = json.loads(next(line for line in start.splitlines() if '"message_start"' in line)[6:])
+    assert message["message"]["prefixcache"]["divergence"]["cached_text"] == SECRET[40:48]
+
+
 def test_without_keys_on_loopback_the_single_user_sees_everything(serve, make_engine):
     server = serve(make_engine(), model_name=MODEL)
     complete(server, {}, SECRET)

@@ -146,10 +146,13 @@ class TokenLogprob:
 @dataclass(frozen=True, slots=True)
 class PromptDone:
     """Streamed once, after the prompt's prefill and before any text: the cache outcome is
-    final here (``usage.completion_tokens`` is 0). Anthropic's ``message_start`` is built from it."""
+    final here (``usage.completion_tokens`` is 0). Anthropic's ``message_start`` is built from it.
+    ``prompt_token_ids``: the prompt's tokens (the server checks who wrote what its miss reason
+    shows before the answer goes out)."""
 
     usage: Usage
     outcome: str
+    prompt_token_ids: Sequence[int] = ()
 
 
 @dataclass(slots=True)

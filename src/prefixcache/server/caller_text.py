@@ -102,14 +102,19 @@ class CallerText:
             return None
         return tenant.credential if self.policy is TextPolicy.OWN else NO_CREDENTIAL
 
-    def note(self, tenant: Tenant, prompt_token_ids: Sequence[int], usage: Usage) -> None:
-        """One finished request of ``tenant``: withhold its miss reason's cached-side text when
-        another credential wrote it (``usage.cache_reason`` replaced), then record which blocks
-        this credential's prompt held. Call before the answer is rendered."""
+    def screen(self, tenant: Tenant, prompt_token_ids: Sequence[int], usage: Usage) -> None:
+        """Withhold ``usage``'s miss reason's cached-side text when another credential wrote it
+        (``usage.cache_reason`` replaced). Call before anything built from ``usage`` goes out:
+        a streamed answer's start (Anthropic's ``message_start``) as well as its end."""
         r = usage.cache_reason
-        ids = list(prompt_token_ids)
         if r is not None and r.cached_after and not self.sees_everything(tenant):
-            usage.cache_reason = self._screened(tenant, ids, r)
+            usage.cache_reason = self._screened(tenant, list(prompt_token_ids), r)
+
+    def note(self, tenant: Tenant, prompt_token_ids: Sequence[int], usage: Usage) -> None:
+        """One finished request of ``tenant``: :meth:`screen` its usage, then record which blocks
+        this credential's prompt held. Call before the answer is rendered."""
+        ids = list(prompt_token_ids)
+        self.screen(tenant, ids, usage)
         if self.policy is TextPolicy.OWN:
             try:
                 keys = self.keys(tenant, ids)

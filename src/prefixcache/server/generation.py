@@ -192,4 +192,6 @@ class Generation:
                     return
             if isinstance(item, Finished):
                 self.record(item)
+            elif isinstance(item, PromptDone) and self.state.caller_text is not None:
+                self.state.caller_text.screen(self.tenant, item.prompt_token_ids, item.usage)
             yield item

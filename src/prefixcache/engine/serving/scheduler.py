@@ -367,6 +367,7 @@ class BatchWorker(Worker):
             PromptDone(
                 Usage(group.prompt_len, cached, written, 0, m.reason if m is not None else None),
                 str(m.outcome.value) if m is not None else "miss",
+                group.request.ids,
             )
         )
         for choice in group.choices:

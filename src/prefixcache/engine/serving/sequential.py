@@ -84,7 +84,8 @@ class SequentialWorker(Worker):
             usage = m.usage if m is not None else None
             outcome = str(m.outcome.value) if m is not None else "miss"
             cached, written = (usage.cached_tokens, usage.cache_write_tokens) if usage else (0, 0)
-            job.post(PromptDone(Usage(n, cached, written, 0, usage.cache_reason if usage else None), outcome))
+            reason = usage.cache_reason if usage else None
+            job.post(PromptDone(Usage(n, cached, written, 0, reason), outcome, ids))
             prompt_kv = copy.deepcopy(past) if r.n > 1 else None  # each later choice decodes from it
             for choice in choices:
                 if choice.index:
