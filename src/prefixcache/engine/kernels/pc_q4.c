@@ -31,7 +31,7 @@
 #endif
 
 #define PC_Q4_VERSION 5
-#define Q4_TILE 4
+#define Q4_TILE 8 /* rows a tile at most (8 rows x 2 columns, or 4 x 4) */
 #define Q4_INLINE static inline __attribute__((always_inline))
 
 enum { G_GENERIC = 0, G_AVX2 = 1, G_AVX512 = 2, G_AVX512BF16 = 3, G_AMX = 4 };
@@ -366,8 +366,36 @@ Q4_INLINE void q8_col_dp_t(const int8_t *wq, const uint16_t *d, int64_t gk, cons
 #endif
 
 /* ---------------------------------------------------------------- dispatch */
-/* Rows in tiles of 4 (a constant count inside, so the lanes stay in registers). */
-#define TILES(CALL)                                                                                                \
+/* Rows in tiles of a constant count (so the lanes stay in registers): a quad of columns takes 8
+ * rows x 2 columns while 8 rows remain (each group's weights decoded once for 8 rows), then
+ * 4 x 4, then the rest; a lone column 4 x 1. CALL(r, rows, columns, first column offset). */
+#define TILES(CALL, QUAD)                                                                                          \
+    do {                                                                                                           \
+        int64_t r = 0;                                                                                             \
+        if (QUAD) {                                                                                                \
+            for (; r + 8 <= nr; r += 8) {                                                                          \
+                CALL(r, 8, 2, 0);                                                                                  \
+                CALL(r, 8, 2, 2);                                                                                  \
+            }                                                                                                      \
+            for (; r + 4 <= nr; r += 4) CALL(r, 4, 4, 0);                                                          \
+            switch (nr - r) {                                                                                      \
+            case 3: CALL(r, 3, 4, 0); break;                                                                       \
+            case 2: CALL(r, 2, 4, 0); break;                                                                       \
+            case 1: CALL(r, 1, 4, 0); break;                                                                       \
+            default: break;                                                                                        \
+            }                                                                                                      \
+        } else {                                                                                                   \
+            for (; r + 4 <= nr; r += 4) CALL(r, 4, 1, 0);                                                          \
+            switch (nr - r) {                                                                                      \
+            case 3: CALL(r, 3, 1, 0); break;                                                                       \
+            case 2: CALL(r, 2, 1, 0); break;                                                                       \
+            case 1: CALL(r, 1, 1, 0); break;                                                                       \
+            default: break;                                                                                        \
+            }                                                                                                      \
+        }                                                                                                          \
+    } while (0)
+
+#define TILES1(CALL)                                                                                               \
     do {                                                                                                           \
         int64_t r = 0;                                                                                             \
         for (; r + 4 <= nr; r += 4) CALL(4);                                                                       \
@@ -425,10 +453,10 @@ int pc_q4_linear(int dt, int isa, int64_t nr, int64_t n, int64_t k, const void *
             const int C4 = c == c0 && cw == 4; /* this call covers columns c0 .. c0 + 3 */
 #ifdef Q4_HAVE_DP
             if (mode == M_DP) {
-#define DP(t)                                                                                                      \
-    (C4 ? q4_col_dp_t(qc, dc, mc, gk, (const uint16_t *)x + r * ldx, ldx, t, 4, (uint16_t *)yc + r * ldy, ldy)       \
-        : q4_col_dp_t(qc, dc, mc, gk, (const uint16_t *)x + r * ldx, ldx, t, 1, (uint16_t *)yc + r * ldy, ldy))
-                TILES(DP);
+#define DP(r, t, cc, o)                                                                                              \
+    q4_col_dp_t(qc + (o) * gk * 16, dc + (o) * gk, mc + (o) * gk, gk, (const uint16_t *)x + (r) * ldx, ldx, t, cc,   \
+                (uint16_t *)yc + (r) * ldy + (o), ldy)
+                TILES(DP, C4);
 #undef DP
                 if (C4) break;
                 continue;
@@ -436,10 +464,10 @@ int pc_q4_linear(int dt, int isa, int64_t nr, int64_t n, int64_t k, const void *
 #endif
 #ifdef Q4_HAVE_AVX512
             if (kind == 0) {
-#define L512(t)                                                                                                    \
-    (C4 ? q4_col512_t(dt, w16, qc, dc, mc, gk, (const char *)x + r * ldx * es, ldx, t, 4, yc + r * ldy * es, ldy)     \
-        : q4_col512_t(dt, w16, qc, dc, mc, gk, (const char *)x + r * ldx * es, ldx, t, 1, yc + r * ldy * es, ldy))
-                TILES(L512);
+#define L512(r, t, cc, o)                                                                                            \
+    q4_col512_t(dt, w16, qc + (o) * gk * 16, dc + (o) * gk, mc + (o) * gk, gk, (const char *)x + (r) * ldx * es, ldx, \
+                t, cc, yc + ((r) * ldy + (o)) * es, ldy)
+                TILES(L512, C4);
 #undef L512
                 if (C4) break;
                 continue;
@@ -448,7 +476,7 @@ int pc_q4_linear(int dt, int isa, int64_t nr, int64_t n, int64_t k, const void *
 #ifdef Q4_HAVE_AVX2
             if (kind == 1) {
 #define L256(t) q4_col_avx2_t(dt, w16, qc, dc, mc, gk, (const char *)x + r * ldx * es, ldx, t, yc + r * ldy * es, ldy)
-                TILES(L256);
+                TILES1(L256);
 #undef L256
                 continue;
             }
@@ -480,10 +508,10 @@ int pc_q8_linear(int dt, int isa, int64_t nr, int64_t n, int64_t k, const void *
             const int C4 = c == c0 && cw == 4;
 #ifdef Q4_HAVE_DP
             if (mode == M_DP) {
-#define DP(t)                                                                                                      \
-    (C4 ? q8_col_dp_t(wc, dc, gk, (const uint16_t *)x + r * ldx, ldx, t, 4, (uint16_t *)yc + r * ldy, ldy)           \
-        : q8_col_dp_t(wc, dc, gk, (const uint16_t *)x + r * ldx, ldx, t, 1, (uint16_t *)yc + r * ldy, ldy))
-                TILES(DP);
+#define DP(r, t, cc, o)                                                                                              \
+    q8_col_dp_t(wc + (o) * gk * 32, dc + (o) * gk, gk, (const uint16_t *)x + (r) * ldx, ldx, t, cc,                  \
+                (uint16_t *)yc + (r) * ldy + (o), ldy)
+                TILES(DP, C4);
 #undef DP
                 if (C4) break;
                 continue;
@@ -491,10 +519,10 @@ int pc_q8_linear(int dt, int isa, int64_t nr, int64_t n, int64_t k, const void *
 #endif
 #ifdef Q4_HAVE_AVX512
             if (kind == 0) {
-#define L512(t)                                                                                                    \
-    (C4 ? q8_col512_t(dt, w16, wc, dc, gk, (const char *)x + r * ldx * es, ldx, t, 4, yc + r * ldy * es, ldy)         \
-        : q8_col512_t(dt, w16, wc, dc, gk, (const char *)x + r * ldx * es, ldx, t, 1, yc + r * ldy * es, ldy))
-                TILES(L512);
+#define L512(r, t, cc, o)                                                                                            \
+    q8_col512_t(dt, w16, wc + (o) * gk * 32, dc + (o) * gk, gk, (const char *)x + (r) * ldx * es, ldx, t, cc,        \
+                yc + ((r) * ldy + (o)) * es, ldy)
+                TILES(L512, C4);
 #undef L512
                 if (C4) break;
                 continue;
@@ -503,7 +531,7 @@ int pc_q8_linear(int dt, int isa, int64_t nr, int64_t n, int64_t k, const void *
 #ifdef Q4_HAVE_AVX2
             if (kind == 1) {
 #define L256(t) q8_col_avx2_t(dt, w16, wc, dc, gk, (const char *)x + r * ldx * es, ldx, t, yc + r * ldy * es, ldy)
-                TILES(L256);
+                TILES1(L256);
 #undef L256
                 continue;
             }
