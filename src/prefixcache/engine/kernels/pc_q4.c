@@ -207,7 +207,7 @@ Q4_INLINE void q8_col_avx2_t(int dt, int w16, const int8_t *wq, const uint16_t *
 #endif
 
 /* ---------------------------------------------------------------- AVX512 (float32 lanes; bf16 dot) */
-#if defined(Q4_HAVE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(Q4_HAVE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define Q4_HAVE_AVX512 1
 static inline float tree512(__m512 a) {
     __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
