@@ -102,3 +102,35 @@ def test_q4_smollm2_is_exact_invariant_and_in_its_own_namespace(real_runner, ker
     finally:
         for e in (q4, plain, off):
             e.close()
+
+
+def test_auto_keeps_the_float_weights_without_a_q4_gguf(tiny_runner) -> None:
+    e = Engine(tiny_runner, prefill_chunk=16)  # weights="auto", the default
+    try:
+        assert getattr(e.runner, "weights_format", None) is None  # the tiny model has no GGUF
+    finally:
+        e.close()
+
+
+@pytest.mark.model
+def test_auto_reads_the_4_bit_groups_where_they_give_the_float_bits(real_runner, monkeypatch) -> None:
+    monkeypatch.delenv("PREFIXCACHE_Q4", raising=False)
+    auto, plain = Engine(real_runner), Engine(real_runner, weights="float")
+    try:
+        exact = q4_kernel.load() is not None and plain.runner.gemm.own not in ("", "amx")
+        assert (getattr(auto.runner, "weights_format", None) == "q4_1") == exact
+        assert auto.fingerprint == plain.fingerprint  # either way: the float model's namespace
+        msgs = [{"role": "user", "content": "Name three colours."}]
+        assert (
+            auto.generate(messages=msgs, max_tokens=8).tokens
+            == plain.generate(messages=msgs, max_tokens=8).tokens
+        )
+    finally:
+        auto.close()
+        plain.close()
+    monkeypatch.setenv("PREFIXCACHE_Q4", "torch")  # torch's int4 kernel is another arithmetic: auto says no
+    torch_auto = Engine(real_runner)
+    try:
+        assert getattr(torch_auto.runner, "weights_format", None) is None
+    finally:
+        torch_auto.close()
