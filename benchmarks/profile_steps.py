@@ -1,7 +1,7 @@
 """Where the compute thread's time goes under N concurrent requests (in process, no HTTP).
 
     .venv/bin/python benchmarks/profile_steps.py --clients 1,8 --max-tokens 32
-    .venv/bin/python benchmarks/profile_steps.py --clients 8 --weights q4
+    .venv/bin/python benchmarks/profile_steps.py --clients 8 --weights float
 
 N threads each run chats (a shared ~600-token system prompt, its own question) one after another
 through ``Engine.generate_stream``; timers wrap the worker thread's phases: the model step
@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--clients", default="1,8", help="Comma-separated concurrency levels (default 1,8).")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--chats", type=int, default=2, help="Chats per client (default 2).")
-    ap.add_argument("--weights", default="float", help="float or q4.")
+    ap.add_argument("--weights", default="auto", help="auto (the default), float or q4.")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     base = ModelRunner.load(threads=args.threads)
