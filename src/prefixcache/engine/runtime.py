@@ -95,11 +95,13 @@ def quantized_runner(base: ModelRunner, runner: ModelRunner, weights: str) -> Mo
     if key not in made:
         try:
             made[key] = quantize_runner(runner, getattr(base, "source_path", None))
-        except ValueError:
-            if weights == "q4":
-                raise
-            made[key] = runner  # auto: a GGUF without Q4_1 projections keeps its float weights
+        except ValueError as exc:
+            made[key] = exc  # remembered: a later q4 says why, a later auto does not read again
     out = made[key]
+    if isinstance(out, ValueError):
+        if weights == "q4":
+            raise out
+        return runner  # auto: a GGUF without Q4_1 projections keeps its float weights
     if weights == "auto" and not getattr(out, "weights_exact", False):
         return runner
     return out
