@@ -316,6 +316,7 @@ def main() -> None:  # noqa: PLR0915 - one linear script: set up, run, classify,
 
     tmp = Path(tempfile.mkdtemp(prefix="prefixcache-soak-"))
     procs: dict[str, subprocess.Popen[bytes]] = {}
+    reference: Engine | None = None
     t_start = time.time()
     try:
         keys = {f"sk-soak-tenant-{i}-{os.urandom(8).hex()}": f"tenant-{i}" for i in range(args.tenants)}
@@ -405,6 +406,8 @@ def main() -> None:  # noqa: PLR0915 - one linear script: set up, run, classify,
                 p.wait(20)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if reference is not None:
+            reference.close()  # its worker thread joined before the interpreter exits
         shutil.rmtree(tmp, ignore_errors=True)
 
 
