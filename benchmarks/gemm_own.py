@@ -6,7 +6,7 @@ For each dtype and row count: one layer's four weight products (q/k/v, o, gate/u
 own GEMM (every row count in one call) and by the torch rule (float32 decode rows padded to 16,
 bf16 decode rows unpadded up to 32, prefill rows in zero-padded 128-row pieces). Interleaved A/B
 in one process, the minimum of ``--rounds`` rounds each (a loaded machine's noise only adds). The
-prefill figures decide ``engine/gemm.py``'s ``OWN_PREFILL``.
+prefill figures decide ``engine/gemm.py``'s ``OWN_PREFILL_ISAS``.
 """
 
 from __future__ import annotations

@@ -138,6 +138,11 @@ def test_the_environment_caps_the_isa(monkeypatch: pytest.MonkeyPatch) -> None:
     assert matmul.gemm_isa(torch.bfloat16) == "avx2" and matmul.gemm_isa(torch.float32) == "avx2"
     rule = gemm_rule(torch.bfloat16, torch.device("cpu"))
     assert rule.own == "avx2" and "-avx2-" in rule.tag()
+    # On AVX2 the own GEMM takes decode rows only: torch's 128-row pieces compute prefill rows
+    # faster there (gemm.OWN_PREFILL_ISAS), in both dtypes, and the tag says so.
+    for dtype in (torch.float32, torch.bfloat16):
+        rule = gemm_rule(dtype, torch.device("cpu"))
+        assert not rule.own_prefill and "-avx2-p128-" in rule.tag(), dtype
     monkeypatch.setenv(matmul.ENV, "auto")
     assert matmul.gemm_isa(torch.bfloat16) == best
     assert matmul.gemm_isa(torch.float32) == ("avx512" if best in ("avx512bf16", "amx") else best)
@@ -152,7 +157,7 @@ def test_the_environment_caps_the_isa(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 def test_the_default_rule_is_own_and_its_rows_are_invariant(dtype: torch.dtype) -> None:
-    """Decode rows unpadded through the own GEMM; prefill rows as OWN_PREFILL says; a mixed step
+    """Decode rows unpadded through the own GEMM; prefill rows as OWN_PREFILL_ISAS says; a mixed step
     gives each row the bits of its class alone."""
     rule = gemm_rule(dtype, torch.device("cpu"))
     assert rule.own == matmul.gemm_isa(dtype) and rule.tag().startswith(f"gemm-own-v{matmul.version()}-")

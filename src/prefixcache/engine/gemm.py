@@ -61,13 +61,15 @@ PREFILL_PIECE = 128
 BF16_DECODE_PIECE = 32
 #: float32 decode rows: padded to exactly this many (invariant on AVX2 and AVX512 machines).
 F32_DECODE_PIECE = 16
-#: Dtypes whose prefill rows the own GEMM computes at least as fast as torch's 128-row pieces
-#: (measured with ``benchmarks/gemm_own.py``). bfloat16 only on the ISAs with a bf16 dot product
-#: (``BF16_PREFILL_ISAS``): on the 2-core AMD EPYC with AVX512-BF16, 2026-12-04, 128 and 512 rows
-#: at 1.01x and 1.02x torch's time (equal), which lets those steps run the compiled layer loop;
-#: with AMX the tile path is faster still. Elsewhere bf16 is emulated and torch keeps prefill.
-OWN_PREFILL = {"float32": True, "bfloat16": False}
-BF16_PREFILL_ISAS = ("avx512bf16", "amx")
+#: The own GEMM's ISAs, per dtype, on which it computes prefill rows at least as fast as torch's
+#: 128-row pieces (measured with ``benchmarks/gemm_own.py``); elsewhere torch keeps prefill rows.
+#: bfloat16: the ISAs with a bf16 dot product (on the 2-core AMD EPYC with AVX512-BF16,
+#: 2026-12-04, 128 and 512 rows at 1.01x and 1.02x torch's time, which lets those steps run the
+#: compiled layer loop; AMX's tiles are faster still); emulated bf16 stays on torch. float32: the
+#: AVX512 paths (2.9x torch's pieces for a one-pass cold prefill on the Zen 4 machine), not AVX2:
+#: on a 2-core AMD EPYC (Zen 3) with AVX2 only, 2026-12-07, one layer's four products at 512 rows
+#: took 61 ms against torch's 25 ms, and a cold 2,112-token prefill 15.5 s against 5.8 s.
+OWN_PREFILL_ISAS = {"float32": ("avx512", "avx512bf16", "amx"), "bfloat16": ("avx512bf16", "amx")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +245,7 @@ def own_gemm(dtype: torch.dtype, kernels: str | None = None) -> tuple[str, bool,
     if isa is None:
         return "", False, 0
     name = "bfloat16" if dtype == torch.bfloat16 else "float32"
-    prefill = OWN_PREFILL[name] or (name == "bfloat16" and isa in BF16_PREFILL_ISAS)
+    prefill = isa in OWN_PREFILL_ISAS[name]
     return isa, prefill, matmul.version()
 
 
