@@ -66,7 +66,7 @@ F32_DECODE_PIECE = 16
 #: bfloat16: the ISAs with a bf16 dot product (on the 2-core AMD EPYC with AVX512-BF16,
 #: 2026-12-04, 128 and 512 rows at 1.01x and 1.02x torch's time, which lets those steps run the
 #: compiled layer loop; AMX's tiles are faster still); emulated bf16 stays on torch. float32: the
-#: AVX512 paths (2.9x torch's pieces for a one-pass cold prefill on the Zen 4 machine), not AVX2:
+#: AVX512 paths (faster than torch's pieces where measured: docs/engine.md, "The own GEMM"), not AVX2:
 #: on a 2-core AMD EPYC (Zen 3) with AVX2 only, 2026-12-07, one layer's four products at 512 rows
 #: took 61 ms against torch's 25 ms, and a cold 2,112-token prefill 15.5 s against 5.8 s.
 OWN_PREFILL_ISAS = {"float32": ("avx512", "avx512bf16", "amx"), "bfloat16": ("avx512bf16", "amx")}
