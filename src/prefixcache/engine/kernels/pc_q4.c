@@ -162,21 +162,38 @@ static inline __m256 ld8x(int dt, const void *x, int64_t i) {
     return _mm256_loadu_ps((const float *)x + i);
 }
 
-/* 8 weights from 8 bytes of nibbles (hi: the high nibbles), as the runner's float weights. */
+/* 8 weights from 8 bytes of nibbles (hi: the high nibbles), as the runner's float weights. One
+ * FMA gives q * d + m's bits: d is a float16 value (at most 11 significant bits) and q < 16, so
+ * the product q * d is exact in float32 and the product-then-sum rounds once, as the FMA does. */
 static inline __m256 q4_w8(const uint8_t *b, int hi, __m256 dg, __m256 mg, int w16) {
     __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
     v = hi ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
-    __m256 w = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v), dg), mg);
+    __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), dg, mg);
     return w16 ? round_bf16_256(w) : w;
+}
+
+#define Q4_SCALES 32 /* groups whose scales and mins are widened to float32 at once */
+
+/* n (<= Q4_SCALES) float16 values to float32, 8 at a time. */
+static inline void widen_halves(const uint16_t *h, int64_t n, float *f) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++) f[i] = _cvtsh_ss(h[i]);
 }
 
 Q4_INLINE void q4_col_avx2_t(int dt, int w16, const uint8_t *qs, const uint16_t *d, const uint16_t *m, int64_t gk,
                              const void *x, int64_t ldx, const int T, void *y, int64_t ldy) {
     __m256 acc[Q4_TILE][2];
+    float df[Q4_SCALES], mf[Q4_SCALES]; /* a run of groups' d and m as float32, broadcast from memory */
     for (int j = 0; j < T; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < gk; g++) {
         const uint8_t *b = qs + g * 16;
-        __m256 dg = _mm256_set1_ps(_cvtsh_ss(d[g])), mg = _mm256_set1_ps(_cvtsh_ss(m[g]));
+        if (g % Q4_SCALES == 0) {
+            const int64_t n = gk - g < Q4_SCALES ? gk - g : Q4_SCALES;
+            widen_halves(d + g, n, df);
+            widen_halves(m + g, n, mf);
+        }
+        __m256 dg = _mm256_broadcast_ss(df + g % Q4_SCALES), mg = _mm256_broadcast_ss(mf + g % Q4_SCALES);
         /* elements 0-7, 8-15 (low nibbles of bytes 0-15), 16-23, 24-31 (high nibbles) */
         __m256 w[4] = {q4_w8(b, 0, dg, mg, w16), q4_w8(b + 8, 0, dg, mg, w16), q4_w8(b, 1, dg, mg, w16),
                        q4_w8(b + 8, 1, dg, mg, w16)};
