@@ -95,6 +95,58 @@ def test_float32_gives_the_same_bits_on_every_isa() -> None:
     assert int(widened[0][0, 0]) == 0x7FC0  # the one NaN torch writes
 
 
+PROMPT_ISAS = [isa for isa in ISAS if isa != "generic"]
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (67, 577), (13, 40)], ids=["960x576", "67x577", "13x40"])
+def test_the_prompt_rows_gemm_is_the_product_of_f_linear(shape: tuple[int, int]) -> None:
+    """The second arithmetic (one FMA chain per output): float64's product within float32's
+    tolerance, with and without bias, on every ISA it runs, and the same bits on all of them
+    (the AVX2 register tiles over a packed panel, and the plain C chain)."""
+    x, w, b = _data(torch.float32, *shape, m=37)
+    want = F.linear(x.double(), w.double(), b.double())
+    outs = []
+    for isa in ISAS:
+        for bias in (b, None):
+            got = matmul.own_linear(x, w, bias, isa=isa, prompt=True)
+            ref = want if bias is not None else want - b.double()
+            err = (got.double() - ref).abs().max().item()
+            assert err <= TOL[torch.float32] * max(ref.abs().max().item(), 1.0), (isa, err)
+        outs.append(matmul.own_linear(x, w, b, isa=isa, prompt=True))
+    assert all(torch.equal(o, outs[0]) for o in outs[1:]), ISAS
+    # a wrong weight fails the tolerance (the check is not vacuous)
+    bad = w.clone()
+    bad[shape[0] // 2, shape[1] // 3] *= 1.02
+    got = matmul.own_linear(x, bad, b, prompt=True).double()
+    assert (got - want).abs().max().item() > TOL[torch.float32] * want.abs().max().item()
+
+
+@pytest.mark.parametrize("isa", PROMPT_ISAS)
+def test_prompt_rows_are_bitwise_invariant_and_not_the_lanes_bits(isa: str, threads: int) -> None:
+    """Every row count 1-17, 32, 64, 512 at several offsets, 1 or 2 threads: each row's bits are
+    its one-row product's. And they are another arithmetic than the lanes order of decode rows:
+    close to it, not the same bits."""
+    x, w, b = _data(torch.float32, 197, 577, 600, seed=threads)
+    ref = torch.cat(
+        [matmul.own_linear(x[i : i + 1], w, b, isa=isa, threads=1, prompt=True) for i in range(600)]
+    )
+    for m in COUNTS:
+        for off in (0, 3, 21, 88):
+            for nt in (1, 2):
+                got = matmul.own_linear(x[off : off + m], w, b, isa=isa, threads=nt, prompt=True)
+                assert torch.equal(got, ref[off : off + m]), (isa, m, off, nt)
+    lanes = matmul.own_linear(x, w, b, isa=isa)
+    assert torch.allclose(lanes, ref, atol=1e-4, rtol=0) and not torch.equal(lanes, ref)
+
+
+def test_the_prompt_rows_gemm_takes_float32_only() -> None:
+    x, w, b = _data(torch.bfloat16, 16, 32, 3)
+    with pytest.raises(TypeError, match="float32 only"):
+        matmul.own_linear(x, w, b, prompt=True)
+    with pytest.raises(TypeError, match="float32 only"):
+        matmul.bound(ISAS[-1], True)(x, w, b)
+
+
 def test_out_is_written_in_place_and_bad_shapes_are_refused() -> None:
     x, w, b = _data(torch.float32, 64, 96, 10)
     out = torch.full((12, 64), 7.0)
@@ -138,11 +190,11 @@ def test_the_environment_caps_the_isa(monkeypatch: pytest.MonkeyPatch) -> None:
     assert matmul.gemm_isa(torch.bfloat16) == "avx2" and matmul.gemm_isa(torch.float32) == "avx2"
     rule = gemm_rule(torch.bfloat16, torch.device("cpu"))
     assert rule.own == "avx2" and "-avx2-" in rule.tag()
-    # On AVX2 the own GEMM takes decode rows only: torch's 128-row pieces compute prefill rows
-    # faster there (gemm.OWN_PREFILL_ISAS), in both dtypes, and the tag says so.
-    for dtype in (torch.float32, torch.bfloat16):
-        rule = gemm_rule(dtype, torch.device("cpu"))
-        assert not rule.own_prefill and "-avx2-p128-" in rule.tag(), dtype
+    # On AVX2 float32 prefill rows take the prompt-rows arithmetic (gemm.PROMPT_ROWS_ISAS), and
+    # emulated bf16 prefill rows torch's 128-row pieces (gemm.OWN_PREFILL_ISAS); the tags say so.
+    f32, bf16 = (gemm_rule(dtype, torch.device("cpu")) for dtype in (torch.float32, torch.bfloat16))
+    assert f32.own_prefill and f32.prompt_rows and "-avx2-prows-" in f32.tag()
+    assert not bf16.own_prefill and not bf16.prompt_rows and "-avx2-p128-" in bf16.tag()
     monkeypatch.setenv(matmul.ENV, "auto")
     assert matmul.gemm_isa(torch.bfloat16) == best
     assert matmul.gemm_isa(torch.float32) == ("avx512" if best in ("avx512bf16", "amx") else best)
@@ -165,6 +217,8 @@ def test_the_default_rule_is_own_and_its_rows_are_invariant(dtype: torch.dtype) 
     x, w, b = _data(dtype, 576, 576, 300)
     got = rule.linear(x, w, b, Rows(300, ((0, 3, True), (3, 300, False))))
     assert torch.equal(got[:3], matmul.own_linear(x[:3], w, b, isa=rule.own))
+    if rule.prompt_rows:  # prefill rows: the prompt-rows arithmetic
+        assert torch.equal(got[3:], matmul.own_linear(x[3:], w, b, isa=rule.own, prompt=True))
     for i in (3, 130, 299):
         alone = rule.linear(x[i : i + 1], w, b, Rows(1, ((0, 1, False),)))
         assert torch.equal(got[i], alone[0]), i

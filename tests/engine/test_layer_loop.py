@@ -21,11 +21,13 @@ DTYPES = ["float32", "bfloat16"]
 
 
 class _Calls(list[int]):
-    """pc_layers calls: each call's row count; ``formats``: each call's weight format."""
+    """pc_layers calls: each call's row count; ``formats``: each call's weight format; ``prompt``:
+    whether it sent prompt rows through the prompt-rows GEMM."""
 
     def __init__(self) -> None:
         super().__init__()
         self.formats: list[int] = []
+        self.prompt: list[int] = []
 
 
 @pytest.fixture
@@ -39,8 +41,9 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     calls = _Calls()
 
     def counted(*args: Any) -> int:
-        calls.append(int(args[3]))  # (dt, isa, weight format, rows, ...)
+        calls.append(int(args[4]))  # (dt, isa, weight format, prompt rows, rows, ...)
         calls.formats.append(int(args[2]))
+        calls.prompt.append(int(args[3]))
         return int(real(*args))
 
     monkeypatch.setattr(k.lib, "pc_layers", counted)
@@ -57,7 +60,8 @@ def _pair(base: ModelRunner, dtype: str) -> tuple[LlamaRunner, LlamaRunner]:
 
 def _scenario(runner: LlamaRunner, seed: int, prefill: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Three prompts (lengths 37, 300 and 1 tokens past ``prefill``-token chunks), then 6 decode
-    steps of all three at once: every step's logits and the pool afterwards."""
+    steps of all three at once, then one step of their decode rows around a fourth prompt: every
+    step's logits and the pool afterwards."""
     rng = random.Random(seed)
     pool = runner.new_pool(96)
     pool.data.zero_()
@@ -75,6 +79,14 @@ def _scenario(runner: LlamaRunner, seed: int, prefill: int) -> tuple[list[torch.
             for p, end in zip(prompts, ends, strict=True)
         ]
         out.append(runner.step(pool, segs))
+    # a step mixing them: decode rows, a new prompt, a decode row (three runs of two kinds)
+    late = _Prompt(runner, pool, [rng.randrange(runner.vocab_size) for _ in range(20)])
+    segs = [
+        Segment([rng.randrange(runner.vocab_size)], end + 6, p.table, decode=True, want_logits=True)
+        for p, end in zip(prompts, ends, strict=True)
+    ]
+    segs.insert(2, Segment(late.ids, 0, late.table, want_logits=True))
+    out.append(runner.step(pool, segs))
     return out, pool.data.clone()
 
 
@@ -86,6 +98,7 @@ def test_the_compiled_loop_computes_the_python_loops_bits(
     got, got_kv = _scenario(compiled, 1, prefill=64)
     decode_calls = [r for r in spy if r == 3]
     assert len(decode_calls) == 6  # every decode step of three rows ran in compiled code
+    assert (23 in spy) == compiled.gemm.own_prefill  # the mixed step, where prefill rows may go
     spy.clear()
     want, want_kv = _scenario(python, 1, prefill=64)
     assert spy == []  # the Python loop never calls it
@@ -104,6 +117,7 @@ def test_prefill_steps_take_the_compiled_loop_only_where_the_own_gemm_computes_p
     p = _Prompt(compiled, pool, list(range(5, 45)))
     compiled.step(pool, [Segment(p.ids, 0, p.table, want_logits=True)])
     assert spy == ([40] if compiled.gemm.own_prefill else [])
+    assert spy.prompt == ([int(compiled.gemm.prompt_rows)] if compiled.gemm.own_prefill else [])  # type: ignore[attr-defined]
     # a step mixing prefill rows with a decode row follows the same rule
     spy.clear()
     q = _Prompt(compiled, pool, list(range(7, 20)))
@@ -167,7 +181,11 @@ def test_four_bit_weights_compute_the_dequantized_float_runners_bits(
     python = copy.copy(quant)
     python.layer_loop = "python"
     got, got_kv = _scenario(quant, 3, prefill=64)
-    assert list(spy)[-6:] == [3] * 6 and spy.formats[-6:] == [1] * 6  # decode steps: 4-bit, compiled
+    calls, formats = list(spy), spy.formats  # type: ignore[attr-defined]
+    if quant.gemm.own_prefill:  # the last, mixed step: compiled, on the dequantized weights
+        assert calls[-1] == 23 and formats[-1] == 0
+        calls, formats = calls[:-1], formats[:-1]
+    assert calls[-6:] == [3] * 6 and formats[-6:] == [1] * 6  # decode steps: 4-bit, compiled
     spy.clear()
     want, want_kv = _scenario(python, 3, prefill=64)
     assert spy == []

@@ -34,9 +34,12 @@ an AVX2/AVX512 GEMM path runs): dense weight products go through the engine's ow
 is one fixed sequence of operations depending on ``K`` alone: decode rows run unpadded, any
 count in one call, invariant by construction; prefill rows run there too where ``own_prefill``
 (measured faster than torch's 128-row pieces for the dtype, ``benchmarks/gemm_own.py``), else in
-torch's 128-row pieces as before. The tag names the rule, the GEMM version and ISA
-(``gemm-own-v1-avx512bf16-...``). ``PREFIXCACHE_KERNELS=torch`` (or kernels not built) keeps
-the torch rule above, which stays the numerical reference.
+torch's 128-row pieces as before. Where ``prompt_rows`` (float32 on AVX2) prefill rows take the
+own GEMM's second arithmetic (one FMA chain per output, ``own_linear(prompt=True)``), decode rows
+the lanes order: each class invariant on its own, like the two attention paths. The tag names the
+rule, the GEMM version and ISA and the prefill rows' path (``gemm-own-v1-avx2-prows-d16p``).
+``PREFIXCACHE_KERNELS=torch`` (or kernels not built) keeps the torch rule above, which stays the
+numerical reference.
 
 Weights may be dense tensors or :class:`prefixcache.engine.quant.Q4Weight` (4-bit, see that
 module): on the own quantized kernels (``any_rows``) decode rows go in one call at any count
@@ -66,10 +69,15 @@ F32_DECODE_PIECE = 16
 #: bfloat16: the ISAs with a bf16 dot product (on the 2-core AMD EPYC with AVX512-BF16,
 #: 2026-12-04, 128 and 512 rows at 1.01x and 1.02x torch's time, which lets those steps run the
 #: compiled layer loop; AMX's tiles are faster still); emulated bf16 stays on torch. float32: the
-#: AVX512 paths (faster than torch's pieces where measured: docs/engine.md, "The own GEMM"), not AVX2:
-#: on a 2-core AMD EPYC (Zen 3) with AVX2 only, 2026-12-07, one layer's four products at 512 rows
-#: took 61 ms against torch's 25 ms, and a cold 2,112-token prefill 15.5 s against 5.8 s.
-OWN_PREFILL_ISAS = {"float32": ("avx512", "avx512bf16", "amx"), "bfloat16": ("avx512bf16", "amx")}
+#: AVX512 paths (faster than torch's pieces where measured: docs/engine.md, "The own GEMM"), and
+#: AVX2 through the prompt-rows arithmetic (``PROMPT_ROWS_ISAS``).
+OWN_PREFILL_ISAS = {"float32": ("avx2", "avx512", "avx512bf16", "amx"), "bfloat16": ("avx512bf16", "amx")}
+#: Where prefill rows take the own GEMM's second arithmetic (``pc_gemm_rows``: one FMA chain per
+#: output over a packed weight panel) instead of its lanes order, which decode rows keep: float32
+#: on AVX2, where the lanes tiles ran one layer's four products at 512 rows in 61 ms against
+#: torch's 25 ms in 128-row pieces, and the prompt-rows tiles take about 0.75x torch's time at 512
+#: rows and 0.2x at a 32-row tail (a 2-core AMD EPYC, Zen 3, 2026-12-07; docs/engine.md).
+PROMPT_ROWS_ISAS = {"float32": ("avx2",), "bfloat16": ()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +99,7 @@ class GemmRule:
     own: str = ""  # the own GEMM's ISA ("" : the torch rule)
     own_prefill: bool = False  # prefill rows through the own GEMM too (else torch pieces)
     own_version: int = 0
+    prompt_rows: bool = False  # prefill rows through the own GEMM's prompt-rows arithmetic
 
     def tag(self) -> str:
         """The rule's part of the cache namespace."""
@@ -98,7 +107,9 @@ class GemmRule:
             return "gemm-pad4"
         pieces = f"p{self.prefill_piece}-d{self.decode_piece}{'p' if self.pad_decode else ''}"
         if self.own:
-            prefill = "pown" if self.own_prefill else f"p{self.prefill_piece}"
+            prefill = (
+                ("prows" if self.prompt_rows else "pown") if self.own_prefill else f"p{self.prefill_piece}"
+            )
             rest = f"d{self.decode_piece}{'p' if self.pad_decode else ''}"
             return f"gemm-own-v{self.own_version}-{self.own}-{prefill}-{rest}"
         return f"gemm-{pieces}"
@@ -180,12 +191,17 @@ class GemmRule:
         from prefixcache.engine.kernels.matmul import bound
 
         gemm = bound(self.own)
-        if self.own_prefill or all(decode for _, _, decode in rows.runs):
+        if (self.own_prefill and not self.prompt_rows) or all(decode for _, _, decode in rows.runs):
             return gemm(x, weight, bias)
+        prompt = bound(self.own, True) if self.prompt_rows else None
+        if prompt is not None and not any(decode for _, _, decode in rows.runs):
+            return prompt(x, weight, bias)
         out = x.new_empty(x.shape[0], weight.shape[0])
         for start, stop, decode in rows.runs:
             if decode:
                 gemm(x[start:stop], weight, bias, out[start:stop])
+            elif prompt is not None:
+                prompt(x[start:stop], weight, bias, out[start:stop])
             else:
                 mm = lambda a, decode: F.linear(a, weight, bias)  # noqa: E731
                 parts = self._pieces(x, start, stop, False, mm)
@@ -263,7 +279,15 @@ def gemm_rule(
     if device.type != "cpu":
         return GemmRule(prefill_piece=0, decode_piece=0, pad_decode=True, legacy=True)
     own, own_prefill, version = own_gemm(dtype, kernels)
-    extra: dict[str, Any] = {"own": own, "own_prefill": own_prefill, "own_version": version}
+    prompt_rows = (
+        own_prefill and own in PROMPT_ROWS_ISAS["bfloat16" if dtype == torch.bfloat16 else "float32"]
+    )
+    extra: dict[str, Any] = {
+        "own": own,
+        "own_prefill": own_prefill,
+        "own_version": version,
+        "prompt_rows": prompt_rows,
+    }
     if dtype == torch.bfloat16:
         ok = all(unpadded_rows_invariant(s, dtype, BF16_DECODE_PIECE) for s in shapes)
         return GemmRule(PREFILL_PIECE, BF16_DECODE_PIECE, pad_decode=not ok, **extra)

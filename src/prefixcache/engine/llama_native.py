@@ -210,13 +210,13 @@ def native_step(
         inter = runner.layers[0]["down"].shape[1]
         dims = (ctypes.c_int64 * 6)(len(layers), H, KV, D, hidden, inter)
         rc = lib.pc_layers(
-            dt, ISAS.index(gemm.own), wfmt, R, dims, weights, _ptr(runner.norm), runner.eps, runner.scaling,
-            x.data_ptr(), h.data_ptr(), data.data_ptr(), data.shape[3], B, plan.pos.data_ptr(),
-            plan.slots.data_ptr(), runner.cos.data_ptr(), runner.sin.data_ptr(), plan.nseg,
-            plan.seg.data_ptr(), plan.tables.data_ptr(), nt,
+            dt, ISAS.index(gemm.own), wfmt, int(gemm.prompt_rows), R, dims, weights, _ptr(runner.norm),
+            runner.eps, runner.scaling, x.data_ptr(), h.data_ptr(), data.data_ptr(), data.shape[3], B,
+            plan.pos.data_ptr(), plan.slots.data_ptr(), runner.cos.data_ptr(), runner.sin.data_ptr(),
+            plan.nseg, plan.seg.data_ptr(), plan.tables.data_ptr(), nt,
         )  # fmt: skip
         if rc != 0:
-            raise RuntimeError(f"pc_layers failed ({'no memory' if rc == -2 else f'GEMM ISA {gemm.own}'})")
+            raise RuntimeError(f"pc_layers failed ({'no memory' if rc == -3 else f'GEMM ISA {gemm.own}'})")
         return _logits(runner, h, plan)
     q = torch.empty(R, H, D, dtype=torch.float32)  # rows >= n are never read
     attn = torch.zeros(R, H * D, dtype=runner.dtype)  # padding rows stay zero

@@ -58,9 +58,10 @@ class NativeKernels:
         lib.pc_attention.argtypes = [i32, i64, i64, i64, p, p, p, i64, i64, i64, p, p, p, i32]
         for name in ("pc_rms_residual", "pc_rope_kv", "pc_swiglu", "pc_attention"):
             getattr(lib, name).restype = None
-        # dt, isa, weight format, rows, dims, weights, norm, eps, scaling, x, h, pool, blocks, B,
-        # pos, slots, cos, sin, segments, seg, tables, threads (pc_forward.c)
+        # dt, isa, weight format, prompt rows, rows, dims, weights, norm, eps, scaling, x, h, pool,
+        # blocks, B, pos, slots, cos, sin, segments, seg, tables, threads (pc_forward.c)
         layers: list[Any] = [
+            i32,
             i32,
             i32,
             i32,

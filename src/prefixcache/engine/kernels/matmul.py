@@ -10,6 +10,12 @@ bf16), so every row count, row position and thread count gives a row the same bi
 header). Threads split the output columns only. The weights are read where torch keeps them
 (``[N, K]`` row-major): no packed copy.
 
+``own_linear(..., prompt=True)`` is the GEMM's second arithmetic, for prompt rows (float32; the
+rule of ``engine/gemm.py`` says where it runs): each output one chain of FMAs over ``k`` in
+ascending order, then the bias, computed in register tiles over a packed 16-column weight panel
+(``pc_gemm_rows``); its AVX2 and generic paths give the same bits, and any row count gives a row
+the same bits, but not those of the lanes order above.
+
 ``PREFIXCACHE_KERNEL_ISA`` (``auto`` | ``avx2`` | ``avx512`` | ``avx512bf16`` | ``amx``) caps the GEMM's
 ISA, so the lower paths run (and are tested) on a CPU that has the higher ones; asking for one
 this build or CPU lacks is an error naming what there is. The float32 paths of every ISA compute
@@ -50,6 +56,8 @@ def _lib() -> ctypes.CDLL | None:
         i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         lib.pc_gemm.argtypes = [i32, i32, i64, i64, i64, p, i64, p, p, p, i64, i32]
         lib.pc_gemm.restype = i32
+        lib.pc_gemm_rows.argtypes = [i32, i32, i64, i64, i64, p, i64, p, p, p, i64, i32]
+        lib.pc_gemm_rows.restype = i32
         lib.pc_gemm_isas.restype = i32
         lib.pc_gemm_version.restype = i32
         _bound[id(lib)] = lib
@@ -106,16 +114,19 @@ def own_linear(
     isa: str | None = None,
     threads: int | None = None,
     out: torch.Tensor | None = None,
+    prompt: bool = False,
 ) -> torch.Tensor:
     """``x @ w.T (+ bias)`` by the own GEMM: ``x`` [M, K] and ``w`` [N, K] of one dtype (float32
     or bfloat16), ``out`` [M, N] (rows contiguous) written in place when given. ``isa`` None: the
     best this machine runs for the dtype (``generic`` is accepted here, for tests); ``threads``
-    None: torch's thread count."""
+    None: torch's thread count. ``prompt``: the prompt-rows arithmetic (float32 only; module doc)."""
     lib = _lib()
     if lib is None:
         raise kernels.KernelsUnavailableError("the own GEMM needs the native kernels (see kernels.resolve)")
     if x.dtype != w.dtype or x.dtype not in _DTYPES or x.device.type != "cpu":
         raise TypeError(f"own_linear computes float32/bfloat16 on the CPU; got x {x.dtype}, w {w.dtype}")
+    if prompt and x.dtype != torch.float32:
+        raise TypeError(f"the prompt-rows GEMM computes float32 only; got {x.dtype}")
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"own_linear: x {tuple(x.shape)} and w {tuple(w.shape)} do not multiply")
     name = isa or gemm_isa(x.dtype, "auto") or "generic"
@@ -134,15 +145,16 @@ def own_linear(
         out = torch.empty(M, N, dtype=x.dtype)
     elif out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"own_linear: out must be [{M}, {N}] {x.dtype} with contiguous rows")
-    return bound(name)(x, w, bias, out, threads)
+    return bound(name, prompt)(x, w, bias, out, threads)
 
 
 class BoundGemm:
-    """:func:`own_linear`'s product for one ISA with the library bound once, for the runner's hot
-    path (121 products a SmolLM2 step): per call only the shapes are checked, the output
-    allocated and the library called. The caller has checked the dtypes and the device."""
+    """:func:`own_linear`'s product for one ISA (and arithmetic: ``prompt``) with the library
+    bound once, for the runner's hot path (121 products a SmolLM2 step): per call only the shapes
+    are checked, the output allocated and the library called. The caller has checked the dtypes
+    and the device."""
 
-    def __init__(self, isa: str) -> None:
+    def __init__(self, isa: str, prompt: bool = False) -> None:
         lib = _lib()
         if lib is None:
             raise kernels.KernelsUnavailableError(
@@ -151,8 +163,9 @@ class BoundGemm:
         if isa not in available():
             raise IsaUnavailableError(f"the own GEMM has no {isa} path here (runs {', '.join(available())})")
         self.isa = isa
+        self.prompt = prompt
         self._code = ISAS.index(isa)
-        self._gemm = lib.pc_gemm
+        self._gemm = lib.pc_gemm_rows if prompt else lib.pc_gemm
 
     def __call__(
         self,
@@ -179,17 +192,19 @@ class BoundGemm:
             None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
             torch.get_num_threads() if threads is None else threads,
         )  # fmt: skip
+        if rc == -2:
+            raise TypeError(f"the prompt-rows GEMM computes float32 only; got {x.dtype}")
         if rc != 0:
             raise IsaUnavailableError(f"the own GEMM has no {self.isa} path here")
         return out
 
 
-_BOUND: dict[str, BoundGemm] = {}
+_BOUND: dict[tuple[str, bool], BoundGemm] = {}
 
 
-def bound(isa: str) -> BoundGemm:
-    """The :class:`BoundGemm` of ``isa`` (made once per process)."""
-    gemm = _BOUND.get(isa)
+def bound(isa: str, prompt: bool = False) -> BoundGemm:
+    """The :class:`BoundGemm` of ``isa`` and arithmetic (made once per process)."""
+    gemm = _BOUND.get((isa, prompt))
     if gemm is None:
-        gemm = _BOUND[isa] = BoundGemm(isa)
+        gemm = _BOUND[isa, prompt] = BoundGemm(isa, prompt)
     return gemm

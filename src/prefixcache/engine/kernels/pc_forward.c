@@ -8,8 +8,10 @@
  * row). What it saves is the Python between the kernels and 240 releases and re-takes of the GIL
  * a step: in a server the step thread gives the GIL up once a step instead of once a kernel.
  *
- * It runs only where every weight product of the step goes through one own kernel in one call
- * (the Python side checks the rule): pc_gemm over all rows with dense weights (wfmt 0), or, on a
+ * It runs only where every weight product of the step goes through the own kernels (the Python
+ * side checks the rule): pc_gemm over all rows with dense weights (wfmt 0), or, with `prompt`,
+ * pc_gemm over the decode rows and pc_gemm_rows (the prompt-rows arithmetic) over the prompt rows,
+ * one call per run of consecutive segments of one kind, as GemmRule.linear splits them; or, on a
  * step of decode rows alone, pc_q4_linear with 4-bit weights (wfmt 1: each projection's pointer
  * is a pc_q4w, no biases; the same bits as pc_gemm on the dequantized weights, see pc_q4.c).
  */
@@ -27,6 +29,8 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
 void pc_swiglu(int dt, int64_t rows, int64_t I, const void *gu, void *out, int nthreads);
 int pc_gemm(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void *x, int64_t ldx, const void *w,
             const void *bias, void *y, int64_t ldy, int nt);
+int pc_gemm_rows(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void *x, int64_t ldx, const void *w,
+                 const void *bias, void *y, int64_t ldy, int nt);
 int pc_q4_linear(int dt, int isa, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const uint8_t *qs,
                  const uint16_t *d, const uint16_t *m, void *y, int64_t ldy, int threads, int path);
 
@@ -36,14 +40,30 @@ typedef struct {
     const uint16_t *d, *m;
 } pc_q4w;
 
-/* y [R, N] = x [R, K] @ W^T (+ bias) by the weight's own kernel. */
+/* Runs of consecutive rows of one kind (a prompt run, a decode run), from the segments. */
+typedef struct {
+    int64_t n, (*run)[3]; /* run: first row, rows, decode */
+} pc_runs;
+
+/* y [R, N] = x [R, K] @ W^T (+ bias) by the weight's own kernel (runs: NULL, or the prompt and
+ * decode runs, each through its own arithmetic). */
 static int project(int wfmt, int dt, int isa, int64_t R, int64_t N, int64_t K, const void *x, const void *w,
-                   const void *bias, void *y, int nt) {
+                   const void *bias, void *y, int nt, const pc_runs *runs) {
     if (wfmt == 1) {
         const pc_q4w *q = (const pc_q4w *)w;
         return pc_q4_linear(dt, isa, R, N, K, x, K, q->qs, q->d, q->m, y, N, nt, 0);
     }
-    return pc_gemm(dt, isa, R, N, K, x, K, w, bias, y, N, nt);
+    if (!runs) return pc_gemm(dt, isa, R, N, K, x, K, w, bias, y, N, nt);
+    const int64_t es = dt == 1 ? 2 : 4;
+    for (int64_t i = 0; i < runs->n; i++) {
+        const int64_t r0 = runs->run[i][0], nr = runs->run[i][1];
+        const char *xr = (const char *)x + r0 * K * es;
+        char *yr = (char *)y + r0 * N * es;
+        const int rc = runs->run[i][2] ? pc_gemm(dt, isa, nr, N, K, xr, K, w, bias, yr, N, nt)
+                                       : pc_gemm_rows(dt, isa, nr, N, K, xr, K, w, bias, yr, N, nt);
+        if (rc) return rc;
+    }
+    return 0;
 }
 
 /* Weights per layer in `w`, PC_LW pointers each: input norm, qkv, qkv bias, o, o bias,
@@ -60,8 +80,10 @@ static void *buf(int64_t elems, int64_t elem_size) {
  * dims: layers, H, KV, D, hidden, inter (the MLP width). pool: [layers, 2, KV, blocks, B, D].
  * pos, slots: per row; seg, tables: pc_attention's segments and block tables.
  * wfmt: 0 dense weights (pc_gemm), 1 4-bit (pc_q4_linear; see the header).
- * Returns 0, or the first failing product's code (-1: ISA not available), or -2 (no memory). */
-int pc_layers(int dt, int isa, int wfmt, int64_t R, const int64_t *dims, const void *const *w, const void *norm, float eps,
+ * prompt: 1, prompt rows through pc_gemm_rows (wfmt 0; see the header), else 0.
+ * Returns 0, or the first failing product's code (-1: ISA not available, -2 the prompt-rows GEMM
+ * refused the dtype), or -3 (no memory). */
+int pc_layers(int dt, int isa, int wfmt, int prompt, int64_t R, const int64_t *dims, const void *const *w, const void *norm, float eps,
               float scaling, void *x, void *h, void *pool, int64_t blocks, int64_t B, const int64_t *pos,
               const int64_t *slots, const void *cos_t, const void *sin_t, int64_t nseg, const int64_t *seg,
               const int32_t *tables, int nt) {
@@ -71,26 +93,36 @@ int pc_layers(int dt, int isa, int wfmt, int64_t R, const int64_t *dims, const v
     void *qkv = buf(R * width, es), *attn = buf(R * H * D, es), *o = buf(R * hidden, es);
     void *gu = buf(R * 2 * inter, es), *act = buf(R * inter, es);
     float *q = (float *)buf(R * H * D, 4);
+    int64_t(*run)[3] = prompt && wfmt == 0 ? malloc(sizeof *run * (size_t)(nseg > 0 ? nseg : 1)) : NULL;
+    pc_runs runs = {0, run};
     int rc = 0;
-    if (!qkv || !attn || !o || !gu || !act || !q) {
-        rc = -2;
+    if (!qkv || !attn || !o || !gu || !act || !q || (prompt && wfmt == 0 && !run)) {
+        rc = -3;
         goto done;
     }
+    for (int64_t i = 0; run && i < nseg; i++) { /* seg: row0, rows, start, table offset, decode */
+        const int64_t *sg = seg + 5 * i, decode = sg[4] != 0;
+        if (runs.n && run[runs.n - 1][2] == decode && run[runs.n - 1][0] + run[runs.n - 1][1] == sg[0])
+            run[runs.n - 1][1] += sg[1];
+        else
+            run[runs.n][0] = sg[0], run[runs.n][1] = sg[1], run[runs.n][2] = decode, runs.n++;
+    }
+    const pc_runs *rp = run ? &runs : NULL;
     pc_rms_residual(dt, R, hidden, x, NULL, w[W_LN1], eps, h, nt);
     for (int64_t li = 0; li < L && rc == 0; li++) {
         const void *const *lw = w + li * PC_LW;
         char *keys = (char *)pool + li * layer_elems * es, *values = keys + KV * head_stride * es;
-        rc = project(wfmt, dt, isa, R, width, hidden, h, lw[W_QKV], lw[W_QKV_B], qkv, nt);
+        rc = project(wfmt, dt, isa, R, width, hidden, h, lw[W_QKV], lw[W_QKV_B], qkv, nt, rp);
         if (rc) break;
         pc_rope_kv(dt, R, H, KV, D, qkv, pos, slots, cos_t, sin_t, scaling, q, keys, values, head_stride, nt);
         pc_attention(dt, H, KV, D, q, keys, values, head_stride, B, nseg, seg, tables, attn, nt);
-        rc = project(wfmt, dt, isa, R, hidden, H * D, attn, lw[W_O], lw[W_O_B], o, nt);
+        rc = project(wfmt, dt, isa, R, hidden, H * D, attn, lw[W_O], lw[W_O_B], o, nt, rp);
         if (rc) break;
         pc_rms_residual(dt, R, hidden, x, o, lw[W_LN2], eps, h, nt);
-        rc = project(wfmt, dt, isa, R, 2 * inter, hidden, h, lw[W_GU], lw[W_GU_B], gu, nt);
+        rc = project(wfmt, dt, isa, R, 2 * inter, hidden, h, lw[W_GU], lw[W_GU_B], gu, nt, rp);
         if (rc) break;
         pc_swiglu(dt, R, inter, gu, act, nt);
-        rc = project(wfmt, dt, isa, R, hidden, inter, act, lw[W_DOWN], lw[W_DOWN_B], o, nt);
+        rc = project(wfmt, dt, isa, R, hidden, inter, act, lw[W_DOWN], lw[W_DOWN_B], o, nt, rp);
         if (rc) break;
         const void *next = li + 1 < L ? w[(li + 1) * PC_LW + W_LN1] : norm;
         pc_rms_residual(dt, R, hidden, x, o, next, eps, h, nt);
@@ -102,5 +134,6 @@ done:
     free(gu);
     free(act);
     free(q);
+    free(run);
     return rc;
 }
