@@ -226,6 +226,23 @@ def test_the_default_rule_is_own_and_its_rows_are_invariant(dtype: torch.dtype) 
         assert torch.equal(got[i], rule.linear(x[i : i + 1], w, b, Rows(1, ((0, 1, True),)))[0])
 
 
+def test_the_avx2_rule_gives_each_class_its_own_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the AVX2 GEMM (forced, so this runs on AVX512 machines too) float32 prefill rows take
+    the prompt-rows arithmetic and decode rows the lanes order, in a step mixing both kinds in
+    three runs as alone."""
+    monkeypatch.setenv(matmul.ENV, "avx2")
+    rule = gemm_rule(torch.float32, torch.device("cpu"))
+    assert rule.own == "avx2" and rule.prompt_rows and rule.tag().startswith("gemm-own-v1-avx2-prows-")
+    x, w, b = _data(torch.float32, 576, 576, 140)
+    got = rule.linear(x, w, b, Rows(140, ((0, 2, True), (2, 139, False), (139, 140, True))))
+    lanes = matmul.own_linear(x, w, b, isa="avx2")
+    prompt = matmul.own_linear(x, w, b, isa="avx2", prompt=True)
+    assert torch.equal(got[:2], lanes[:2]) and torch.equal(got[139:], lanes[139:])
+    assert torch.equal(got[2:139], prompt[2:139])
+    alone = rule.linear(x[2:139], w, b, Rows(137, ((0, 137, False),)))
+    assert torch.equal(alone, got[2:139])
+
+
 def test_the_torch_rule_is_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     rule = gemm_rule(torch.float32, torch.device("cpu"), kernels="torch")
     assert not rule.own and rule.tag() == "gemm-p128-d16p"

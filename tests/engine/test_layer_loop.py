@@ -108,6 +108,25 @@ def test_the_compiled_loop_computes_the_python_loops_bits(
     assert torch.equal(got_kv, want_kv)
 
 
+def test_the_compiled_loop_runs_prompt_rows_through_the_prompt_rows_gemm(
+    tiny_runner: ModelRunner, spy: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the AVX2 GEMM (forced, so AVX512 machines run it too), float32 prefill and mixed
+    steps run in compiled code with the prompt rows through pc_gemm_rows, and give the Python
+    loop's bits (which splits the runs in GemmRule.linear)."""
+    from prefixcache.engine.kernels import matmul
+
+    monkeypatch.setenv(matmul.ENV, "avx2")
+    compiled, python = _pair(tiny_runner, "float32")
+    assert compiled.gemm.prompt_rows
+    got, got_kv = _scenario(compiled, 2, prefill=64)
+    assert 23 in spy and set(spy.prompt) == {1}  # type: ignore[attr-defined]
+    want, want_kv = _scenario(python, 2, prefill=64)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), i
+    assert torch.equal(got_kv, want_kv)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_steps_take_the_compiled_loop_only_where_the_own_gemm_computes_prefill(
     tiny_runner: ModelRunner, dtype: str, spy: list[int]
