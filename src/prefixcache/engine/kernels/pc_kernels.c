@@ -553,6 +553,31 @@ static inline __attribute__((always_inline)) void prompt_tile(const int64_t D, c
 }
 
 #if defined(PC_NATIVE_AVX2)
+/* ktT[d * 16 + j] = k[j * D + d] for a 16 x D tile (D a multiple of 8), by 8 x 8 transposes. */
+static inline void transpose_tile(const float *k, int64_t D, float *ktT) {
+    for (int h = 0; h < 2; h++)
+        for (int64_t d0 = 0; d0 < D; d0 += 8) {
+            const float *s = k + (8 * h) * D + d0;
+            __m256 r[8], t[8], u[8];
+            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(s + i * D);
+            for (int i = 0; i < 4; i++) {
+                t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+                t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+            }
+            for (int i = 0; i < 2; i++) {
+                u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+                u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+                u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+                u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+            }
+            float *o = ktT + d0 * LANES + 8 * h;
+            for (int i = 0; i < 4; i++) {
+                _mm256_storeu_ps(o + i * LANES, _mm256_permute2f128_ps(u[i], u[4 + i], 0x20));
+                _mm256_storeu_ps(o + (4 + i) * LANES, _mm256_permute2f128_ps(u[i], u[4 + i], 0x31));
+            }
+        }
+}
+
 /* nq prompt queries against one tile: ktT [D][16] (lane j: key j), vt [16][D]; prompt_tile's
  * arithmetic. lv: nq rows of 16 floats. */
 static inline __attribute__((always_inline)) void prompt_tile_w(const int64_t D, const int64_t dv, const int64_t nq,
@@ -846,22 +871,34 @@ static void prompt_item(int dt, int64_t H, int64_t G, int64_t D, const float *q,
     } else
 #endif
 #if defined(PC_NATIVE_AVX2)
+    const int in_place = dt != DT_BF16 && B == LANES && D % 8 == 0; /* a tile is one pool block */
     for (int64_t t0 = 0; t0 <= last; t0 += LANES) {
         const int64_t nk = last - t0 + 1 < LANES ? last - t0 + 1 : LANES;
-        load_tile_f32(dt, keys, values, kvh, head_stride, table, B, D, t0, nk, last, w->kt, w->vt);
         float *ktT = (float *)w->ktv; /* [D][16] */
-        for (int64_t j = 0; j < LANES; j++)
-            for (int64_t d = 0; d < D; d++) ktT[d * LANES + j] = w->kt[j * D + d];
+        const float *vt = w->vt;
+        if (in_place) {
+            /* keys and values read where they lie (one block of 16 positions: the tile); lanes
+             * past nk are read but never used (their scores are replaced, their values not read) */
+            const int64_t off = kvh * head_stride + (int64_t)table[t0 / B] * B * D;
+            const float *kb = (const float *)keys + off;
+            vt = (const float *)values + off;
+            prefetch_next(dt, keys, values, kvh, head_stride, table, B, D, t0, last);
+            transpose_tile(kb, D, ktT);
+        } else {
+            load_tile_f32(dt, keys, values, kvh, head_stride, table, B, D, t0, nk, last, w->kt, w->vt);
+            for (int64_t j = 0; j < LANES; j++)
+                for (int64_t d = 0; d < D; d++) ktT[d * LANES + j] = w->kt[j * D + d];
+        }
         int64_t full = t0 + LANES - 1 - pos0;
         if (full < 0) full = 0;
         if (full * G < nq)
-            prompt_tile_w_any(D, nq - full * G, w->qbuf + full * G * D, ktT, w->vt, LANES, w->m + full * G,
+            prompt_tile_w_any(D, nq - full * G, w->qbuf + full * G * D, ktT, vt, LANES, w->m + full * G,
                               (float *)(w->lv + full * G), w->acc + full * G * D);
         for (int64_t ri = 0; ri < nr && ri < full; ri++) {
             const int64_t p = pos0 + ri;
             if (t0 > p) continue;
             const int64_t i = ri * G;
-            prompt_tile_w_any(D, G, w->qbuf + i * D, ktT, w->vt, p - t0 + 1, w->m + i, (float *)(w->lv + i),
+            prompt_tile_w_any(D, G, w->qbuf + i * D, ktT, vt, p - t0 + 1, w->m + i, (float *)(w->lv + i),
                               w->acc + i * D);
         }
     }
