@@ -626,31 +626,33 @@ static void prompt_generic(const job *j, int64_t n0, int64_t n1) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
+/* dst[c * ldd + r] = src[r * lds + c] for an 8 x 8 block of floats, by AVX shuffles (also the
+ * AVX2 attention's key transpose, pc_kernels.c). */
+void pc_transpose8(const float *src, int64_t lds, float *dst, int64_t ldd) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(u[i], u[4 + i], 0x20));
+        _mm256_storeu_ps(dst + (4 + i) * ldd, _mm256_permute2f128_ps(u[i], u[4 + i], 0x31));
+    }
+}
+
 /* P[k * 16 + c] = w[(n0 + c) * K + k] for the panel's `cols` columns, zero past them. */
 static void pack_panel(const float *w, int64_t K, int64_t n0, int cols, float *P) {
     int64_t k = 0;
     if (cols == 16)
         for (; k + 8 <= K; k += 8)
-            for (int h = 0; h < 2; h++) { /* two 8 x 8 transposes */
-                const float *s = w + (n0 + 8 * h) * K + k;
-                __m256 r[8], t[8], u[8];
-                for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(s + i * K);
-                for (int i = 0; i < 4; i++) {
-                    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-                    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-                }
-                for (int i = 0; i < 2; i++) {
-                    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-                    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-                    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-                    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-                }
-                float *d = P + k * 16 + 8 * h;
-                for (int i = 0; i < 4; i++) {
-                    _mm256_store_ps(d + i * 16, _mm256_permute2f128_ps(u[i], u[4 + i], 0x20));
-                    _mm256_store_ps(d + (4 + i) * 16, _mm256_permute2f128_ps(u[i], u[4 + i], 0x31));
-                }
-            }
+            for (int h = 0; h < 2; h++) pc_transpose8(w + (n0 + 8 * h) * K + k, K, P + k * 16 + 8 * h, 16);
     for (; k < K; k++)
         for (int c = 0; c < 16; c++) P[k * 16 + c] = c < cols ? w[(n0 + c) * K + k] : 0.0f;
 }

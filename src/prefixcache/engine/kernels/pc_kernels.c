@@ -553,29 +553,12 @@ static inline __attribute__((always_inline)) void prompt_tile(const int64_t D, c
 }
 
 #if defined(PC_NATIVE_AVX2)
+void pc_transpose8(const float *src, int64_t lds, float *dst, int64_t ldd); /* pc_gemm.c */
+
 /* ktT[d * 16 + j] = k[j * D + d] for a 16 x D tile (D a multiple of 8), by 8 x 8 transposes. */
 static inline void transpose_tile(const float *k, int64_t D, float *ktT) {
     for (int h = 0; h < 2; h++)
-        for (int64_t d0 = 0; d0 < D; d0 += 8) {
-            const float *s = k + (8 * h) * D + d0;
-            __m256 r[8], t[8], u[8];
-            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(s + i * D);
-            for (int i = 0; i < 4; i++) {
-                t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-                t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-            }
-            for (int i = 0; i < 2; i++) {
-                u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-                u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-                u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-                u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-            }
-            float *o = ktT + d0 * LANES + 8 * h;
-            for (int i = 0; i < 4; i++) {
-                _mm256_storeu_ps(o + i * LANES, _mm256_permute2f128_ps(u[i], u[4 + i], 0x20));
-                _mm256_storeu_ps(o + (4 + i) * LANES, _mm256_permute2f128_ps(u[i], u[4 + i], 0x31));
-            }
-        }
+        for (int64_t d0 = 0; d0 < D; d0 += 8) pc_transpose8(k + (8 * h) * D + d0, D, ktT + d0 * LANES + 8 * h, LANES);
 }
 
 /* nq prompt queries against one tile: ktT [D][16] (lane j: key j), vt [16][D]; prompt_tile's
