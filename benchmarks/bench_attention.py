@@ -2,9 +2,11 @@
 
     PYTHONPATH=src python benchmarks/bench_attention.py [--dtypes bfloat16,float32] [--threads 1]
 
-Two figures per dtype, one model layer each: the prompt rows of a cold 2,112-token prefill in
+Figures per dtype, one model layer each: the prompt rows of a cold 2,112-token prefill in
 512-token chunks (the prompt path), and one decode step of 8 rows at 1,100 tokens of context
-(the decode path). The pool holds random keys and values in a shuffled block table. With one
+(the decode path): each row on a context of its own, the rows in pairs on 4 shared contexts
+(decode rows on one cached prefix read each shared tile once), and the 8 rows on one context,
+also as one-row prompt segments. The pool holds random keys and values in a shuffled block table. With one
 thread the time is the calling thread's CPU time (what another process on the machine does not
 change); with more, wall time. The minimum of ``--rounds``. Prints a markdown table.
 """
@@ -31,11 +33,19 @@ class Pool:
         self.values = torch.randn(KV, blocks, B, D, generator=g).to(dtype)
         self.table = torch.randperm(blocks, generator=g).to(torch.int32)
 
-    def call(self, lib: object, q: torch.Tensor, segs: list[tuple[int, int, int]], nt: int) -> None:
+    def call(
+        self,
+        lib: object,
+        q: torch.Tensor,
+        segs: list[tuple[int, int, int]],
+        nt: int,
+        tables: list[int] | None = None,
+    ) -> None:
+        """Segments (start, rows, decode); ``tables``: each segment's offset into the block table."""
         seg: list[int] = []
         row = 0
-        for start, n, decode in segs:
-            seg.extend((row, n, start, 0, decode))
+        for i, (start, n, decode) in enumerate(segs):
+            seg.extend((row, n, start, tables[i] if tables else 0, decode))
             row += n
         seg_t = torch.tensor(seg, dtype=torch.long)
         out = torch.empty(row, H, D, dtype=self.dtype)
@@ -87,10 +97,20 @@ def main() -> None:
         ctx = 1100
         pool8 = Pool(dtype, 8 * (ctx // B + 1) + 8, seed=1)
         q8 = torch.randn(8, H, D) * D**-0.5 * 3
-        for flag, what in ((1, "decode rows, 8 at 1,100 tokens"), (0, "the same rows as prompt rows")):
+        per = ctx // B + 1  # blocks of one context
+        cases = (
+            (1, list(range(8)), "decode rows, 8 at 1,100 tokens, each its own context"),
+            (1, [i // 2 for i in range(8)], "the same, in pairs on 4 shared contexts"),
+            (1, [0] * 8, "the same, all 8 on one context"),
+            (0, [0] * 8, "the same 8 on one context as prompt rows"),
+        )
+        for flag, ctx_of, what in cases:
             segs = [(ctx - 1, 1, flag)] * 8
+            offsets = [c * per for c in ctx_of]
             t = timed(
-                functools.partial(pool8.call, k.lib, q8, segs, args.threads), args.rounds * 4, args.threads
+                functools.partial(pool8.call, k.lib, q8, segs, args.threads, offsets),
+                args.rounds * 4,
+                args.threads,
             )
             macs = 8 * ctx * H * D * 2
             print(f"| {name} | {what} | {t * 1e3:.2f} | {macs / t / 1e9:.1f} |")

@@ -211,18 +211,22 @@ def test_attention_matches_the_reference(lib: object, dtype: torch.dtype, decode
     _close(wide.run(lib, [(3, 37)], decode=decode), wide.reference(3, 37), dtype)
 
 
-@pytest.mark.parametrize("decode", PATHS, ids=["prompt", "decode"])
-def test_attention_does_not_read_keys_past_a_rows_position(lib: object, decode: bool) -> None:
-    """Poisoned (NaN) keys and values past the last row change nothing."""
+@pytest.mark.parametrize("decode", PATHS + ["rows"], ids=["prompt", "decode", "decode-rows"])
+def test_attention_does_not_read_keys_past_a_rows_position(lib: object, decode: bool | str) -> None:
+    """Poisoned (NaN) keys and values past the last row change nothing: for a chunk of prompt or
+    decode rows, and for one-row decode segments on one table (grouped: a shared tile is read
+    through the row that sees the most of it, the others' masked lanes replaced)."""
     pg = _Paged(torch.float32, 200, seed=7)
-    before = pg.run(lib, [(100, 21)], decode=decode)
+    segs = [(p, 1) for p in range(100, 121)] if decode == "rows" else [(100, 21)]
+    decode = bool(decode)
+    before = pg.run(lib, segs, decode=decode)
     flat_k = pg.keys.view(pg.KV, -1, pg.D)
     flat_v = pg.values.view(pg.KV, -1, pg.D)
     for p in range(121, 200):
         slot = int(pg.table[p // 16]) * 16 + p % 16
         flat_k[:, slot] = float("nan")
         flat_v[:, slot] = float("nan")
-    assert torch.equal(pg.run(lib, [(100, 21)], decode=decode), before)
+    assert torch.equal(pg.run(lib, segs, decode=decode), before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -311,11 +315,15 @@ def test_the_two_paths_are_two_arithmetics(lib: object) -> None:
     bits."""
     pg = _Paged(torch.float32, 300, seed=11)
     prompt, decode = pg.run(lib, [(0, 300)]), pg.run(lib, [(0, 300)], decode=True)
+    # one-row decode segments, as a step's decode rows come (grouped by block table)
+    rows = pg.run(lib, [(p, 1) for p in range(0, 300, 7)], decode=True)
     _close(prompt, decode, torch.float32)
     if lib.pc_isa().decode() == "avx2":  # type: ignore[attr-defined]
         assert torch.equal(prompt, decode)
+        assert torch.equal(rows, prompt[0:300:7])
     else:
         assert not torch.equal(prompt, decode)
+        assert torch.equal(rows, decode[0:300:7])
 
 
 def test_a_prompt_split_at_every_block_gives_the_same_rows(lib: object) -> None:

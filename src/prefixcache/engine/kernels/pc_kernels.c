@@ -994,10 +994,13 @@ static void decode_item(int dt, int64_t H, int64_t G, int64_t D, const float *q,
 #else
 #define DECODE_AS_PROMPT(dt, D) 0
 #endif
+/* Whether one-row decode segments are grouped by block table (decode_group): everywhere but on
+ * AVX2 pools that decode_group_w cannot read in place (bf16, or blocks other than 16 positions),
+ * where each row is its own prompt_item. */
 #if defined(PC_NATIVE_AVX2)
-#define GROUP_DECODE 0
+#define GROUP_DECODE(dt, B, D) ((dt) == DT_F32 && (B) == LANES && (D) % 8 == 0)
 #else
-#define GROUP_DECODE 1
+#define GROUP_DECODE(dt, B, D) 1
 #endif
 
 /* Positions [t0, t0 + n) lie in the same pool blocks for tables a and b. */
@@ -1140,15 +1143,75 @@ static void decode_group_bf16(int64_t H, int64_t G, int64_t D, const float *q, c
 }
 #endif
 
+#if defined(PC_NATIVE_AVX2)
+/* decode_group on AVX2 (float32 pools of 16-position blocks): each row's arithmetic is
+ * prompt_item's for that row alone (prompt_tile_w against each tile in ascending order, its own
+ * m, lv and acc, nv keys visible), and a tile is one pool block, transposed once for every member
+ * that reads the same block there; consecutive members that see the whole tile share one call
+ * (a query's arithmetic does not depend on the queries beside it). So grouping changes which
+ * loads and transposes are shared, never a bit. */
+static void decode_group_w(int64_t H, int64_t G, int64_t D, const float *q, const void *keys, const void *values,
+                           int64_t head_stride, const int64_t *seg, const int32_t *tables, const int64_t *members,
+                           int64_t n, int64_t kvh, void *out, attn_scratch *w) {
+    const int64_t DV = D / LANES;
+    float *ktT = (float *)w->ktv, *lv = (float *)w->lv;
+    int64_t pos[DG], row0[DG], last = 0;
+    const int32_t *tab[DG];
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *sg = seg + SEG * members[i];
+        row0[i] = sg[0];
+        pos[i] = sg[2];
+        tab[i] = tables + sg[3];
+        if (pos[i] > last) last = pos[i];
+        memcpy(w->qbuf + i * G * D, q + (row0[i] * H + kvh * G) * D, sizeof(float) * (size_t)(G * D));
+    }
+    for (int64_t i = 0; i < n * G; i++) w->m[i] = -INFINITY;
+    memset(lv, 0, sizeof(float) * (size_t)(n * G * LANES));
+    memset(w->acc, 0, sizeof(float) * (size_t)(n * G * D));
+    for (int64_t t0 = 0; t0 <= last; t0 += LANES) {
+        int32_t loaded = -1; /* the pool block in ktT */
+        const float *vt = NULL;
+        for (int64_t i = 0; i < n;) {
+            if (t0 > pos[i]) { /* fully masked for this row: never read */
+                i++;
+                continue;
+            }
+            const int32_t blk = tab[i][t0 / LANES];
+            if (blk != loaded) {
+                const int64_t off = kvh * head_stride + (int64_t)blk * LANES * D;
+                prefetch_next(DT_F32, keys, values, kvh, head_stride, tab[i], LANES, D, t0, pos[i]);
+                transpose_tile((const float *)keys + off, D, ktT);
+                vt = (const float *)values + off;
+                loaded = blk;
+            }
+            const int64_t nv = pos[i] - t0 + 1 < LANES ? pos[i] - t0 + 1 : LANES;
+            int64_t j = i + 1; /* the run of members after i that see this whole block too */
+            if (nv == LANES)
+                while (j < n && pos[j] - t0 + 1 >= LANES && tab[j][t0 / LANES] == blk) j++;
+            const int64_t qi = i * G;
+            prompt_tile_w_any(D, (j - i) * G, w->qbuf + qi * D, ktT, vt, nv, w->m + qi, lv + qi * LANES,
+                              w->acc + qi * D);
+            i = j;
+        }
+    }
+    for (int64_t i = 0; i < n * G; i++) {
+        const v16 inv = vsplat(vhsum(w->lv[i]));
+        for (int64_t c = 0; c < DV; c++) vstore(w->row + c * LANES, vload(w->acc + i * D + c * LANES) / inv);
+        store_row(DT_F32, out, (row0[i / G] * H + kvh * G + i % G) * D, w->row, D);
+    }
+}
+#endif
+
 void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, const void *keys,
                   const void *values, int64_t head_stride, int64_t B, int64_t nseg, const int64_t *seg,
                   const int32_t *tables, void *out, int nthreads) {
     const int64_t G = H / KV;
+    const int group = GROUP_DECODE(dt, B, D);
     /* work: (segment, first row) items, or (-1 - first, count) for a group of one-row decode
      * segments (order[first ...], sorted by block table, consecutive ones sharing a first block) */
     int64_t nitems = 0, ndec = 0;
     for (int64_t i = 0; i < nseg; i++) {
-        if (GROUP_DECODE && seg[SEG * i + 4] && seg[SEG * i + 1] == 1) ndec++;
+        if (group && seg[SEG * i + 4] && seg[SEG * i + 1] == 1) ndec++;
         else nitems += (seg[SEG * i + 1] + QB - 1) / QB;
     }
     int64_t *work = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)(nitems + ndec + 1));
@@ -1157,7 +1220,7 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
     {
         int64_t nd = 0;
         for (int64_t i = 0; i < nseg; i++) {
-            if (GROUP_DECODE && seg[SEG * i + 4] && seg[SEG * i + 1] == 1) {
+            if (group && seg[SEG * i + 4] && seg[SEG * i + 1] == 1) {
                 int64_t at = nd++; /* insertion sort by block table: a step has tens of decode rows */
                 while (at > 0 && table_order(seg, tables, B, order[at - 1], i) > 0) {
                     order[at] = order[at - 1];
@@ -1209,6 +1272,10 @@ void pc_attention(int dt, int64_t H, int64_t KV, int64_t D, const float *q, cons
                                       order - 1 - work[2 * item], work[2 * item + 1], kvh, out, &w);
                     continue;
                 }
+#elif defined(PC_NATIVE_AVX2)
+                decode_group_w(H, G, D, q, keys, values, head_stride, seg, tables, order - 1 - work[2 * item],
+                               work[2 * item + 1], kvh, out, &w);
+                continue;
 #endif
                 decode_group(dt, H, G, D, q, keys, values, head_stride, B, seg, tables, order - 1 - work[2 * item],
                              work[2 * item + 1], kvh, out, &w);
