@@ -245,7 +245,7 @@ def bench(
     table and write benchmarks/results/."""
 
     from prefixcache.analysis.report.tables import FORMATS, emit_markdown, report_console
-    from prefixcache.engine.bench import markdown, run_bench, write_results
+    from prefixcache.engine.bench import DECODE_TOKENS, markdown, run_bench, write_results
     from prefixcache.engine.bench_peer import peer_lines, run_llamacpp
     from prefixcache.engine.engine import quantized_runner, select_runner
     from prefixcache.engine.model import ModelRunner, env_dtype
@@ -306,6 +306,7 @@ def bench(
                 threads=own.threads,
                 vocab=min(base.vocab_size, 40_000),
                 prefill_tokens=own.prefill_tokens,
+                decode_tokens=DECODE_TOKENS + 1,
                 repeats=repeats,
             )
         q4 = getattr(res[0], "weights", "") == "q4_1"
