@@ -188,7 +188,8 @@ def test_four_bit_weights_compute_the_dequantized_float_runners_bits(
 
     if q4.load() is None:
         pytest.skip("the quantized kernels are not built here")
-    dense, _ = _pair(tiny_runner, dtype)
+    # a copy: the runner _pair returns is the one the base keeps for every later test
+    dense = copy.copy(_pair(tiny_runner, dtype)[0])
     quant = copy.copy(dense)
     dense.layers = [dict(lw) for lw in dense.layers]
     quant.layers = [dict(lw) for lw in dense.layers]
