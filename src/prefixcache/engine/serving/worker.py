@@ -7,10 +7,12 @@ the worker has finished it, so the job's cache references are released when ``cl
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -22,6 +24,22 @@ from prefixcache.engine.types import EngineClosedError, QueueFullError, Request
 log = logging.getLogger(__name__)
 
 _DONE = object()
+
+
+#: Workers whose thread was started; closed at interpreter exit (see Worker.close).
+_RUNNING: weakref.WeakSet[Worker] = weakref.WeakSet()
+#: How long exit waits for a worker still busy with queued requests.
+EXIT_TIMEOUT_S = 10.0
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """End every worker thread before the interpreter finalizes, so that a script which never
+    called ``Engine.close()`` exits 0 instead of aborting in torch's C++ code (``close``'s doc).
+    Requests still queued then get that long to finish; a thread still running after it is
+    logged and left to the old behaviour."""
+    for worker in list(_RUNNING):
+        worker.close(EXIT_TIMEOUT_S)
 
 
 class Job:
@@ -159,6 +177,7 @@ class Worker:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="prefixcache-engine", daemon=True)
             self._thread.start()
+            _RUNNING.add(self)
 
     def submit(self, job: Job) -> Iterator[Any]:
         """Admit ``job`` (or raise QueueFullError at once) and yield its items until the end."""
@@ -233,7 +252,8 @@ class Worker:
         must be over before the interpreter finalizes: a daemon thread still running then (here,
         letting go of the runner's tensors as its loop returns) is stopped by ``pthread_exit``
         in the middle of torch's C++ code, which aborts the process ("terminate called without
-        an active exception", exit 134) after the script's own work is done."""
+        an active exception", exit 134) after the script's own work is done. So an exit hook
+        closes every started worker that is still open (``_close_at_exit``)."""
         with self._lock:
             if not self.closed and self._thread is not None:
                 self._jobs.put(None)
