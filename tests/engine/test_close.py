@@ -16,9 +16,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from prefixcache.engine.engine import Engine
 from prefixcache.engine.serving import worker as worker_module
-from prefixcache.engine.types import Completion
+from prefixcache.engine.types import Completion, EngineClosedError
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 WORKER_NAME = "prefixcache-engine"
@@ -87,8 +89,10 @@ def test_the_exit_hook_closes_an_engine_nobody_closed(tiny_runner: Any) -> None:
     assert len(mine) == 1 and all(t.is_alive() for t in mine)
     worker_module._close_at_exit()
     assert not any(t.is_alive() for t in mine), "the exit hook left the worker thread running"
-    assert engine._worker.closed
-    assert not idle._worker.closed and idle._worker._thread is None
+    with pytest.raises(EngineClosedError):
+        engine.generate(prompt="after exit", max_tokens=1)
+    assert idle.generate(prompt="still open", max_tokens=1).tokens  # never started: left alone
+    idle.close()
 
 
 def test_a_script_that_never_closes_its_smollm2_engine_exits_0(tmp_path: Path) -> None:
