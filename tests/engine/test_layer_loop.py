@@ -180,9 +180,10 @@ def test_mixed_four_bit_or_strided_weights_keep_the_python_loop(
 def test_four_bit_weights_compute_the_dequantized_float_runners_bits(
     tiny_runner: ModelRunner, dtype: str, spy: list[int]
 ) -> None:
-    """A runner on 4-bit weights (decode rows on the quantized kernel, decode-only steps in
-    compiled code) gives bitwise the logits and KV of a runner whose dense weights are the same
-    values dequantized, step by step, compiled or not."""
+    """A runner on 4-bit weights (decode rows on the quantized kernel: decode-only steps in
+    compiled code, and where the own GEMM takes prefill, mixed steps too, their prompt rows on the
+    dequantized weights) gives bitwise the logits and KV of a runner whose dense weights are the
+    same values dequantized, step by step, compiled or not."""
     from prefixcache.engine.kernels import q4
     from prefixcache.engine.llama_native import PROJECTIONS
 
@@ -202,8 +203,8 @@ def test_four_bit_weights_compute_the_dequantized_float_runners_bits(
     python.layer_loop = "python"
     got, got_kv = _scenario(quant, 3, prefill=64)
     calls, formats = list(spy), spy.formats  # type: ignore[attr-defined]
-    if quant.gemm.own_prefill:  # the last, mixed step: compiled, on the dequantized weights
-        assert calls[-1] == 23 and formats[-1] == 0
+    if quant.gemm.own_prefill:  # the last, mixed step: compiled, decode runs on the 4-bit
+        assert calls[-1] == 23 and formats[-1] == 2  # weights, the prompt run on the dequantized
         calls, formats = calls[:-1], formats[:-1]
     assert calls[-6:] == [3] * 6 and formats[-6:] == [1] * 6  # decode steps: 4-bit, compiled
     spy.clear()

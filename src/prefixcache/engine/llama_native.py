@@ -100,16 +100,19 @@ PROJECTIONS = ("qkv", "o", "gu", "down")
 def layer_pointers(
     runner: LlamaRunner, decode_only: bool = False
 ) -> tuple[ctypes.Array[ctypes.c_void_p], int] | None:
-    """(every layer's weight pointers for ``pc_layers``, the weight format: 0 dense, 1 4-bit), or
-    None when the step cannot run there. Dense contiguous weights of the runner's dtype always
-    can. 4-bit weights on the own kernel (no bias) can: on a step of decode rows alone
-    (``decode_only``) as themselves, and on any other step through their dequantized ``dense``
-    values where the kernel's rows are bitwise the own GEMM's on them (every GEMM ISA but AMX, see
-    pc_q4.c), so a decode row has the same bits in either. Read each step from ``runner.layers``
+    """(every layer's weight pointers for ``pc_layers``, the weight format: 0 dense, 1 4-bit, 2
+    4-bit for decode rows and dequantized for prompt rows), or None when the step cannot run
+    there. Dense contiguous weights of the runner's dtype always can. 4-bit weights on the own
+    kernel (no bias) can: on a step of decode rows alone (``decode_only``) as themselves, and on
+    any other step as themselves for its decode rows and through their dequantized ``dense``
+    values for its prompt rows (as ``GemmRule.linear``), where the kernel's rows are bitwise the
+    own GEMM's on ``dense`` (every GEMM ISA but AMX, see pc_q4.c), so a decode row has the same
+    bits in either. Read each step from ``runner.layers``
     (about 300 pointers, a fraction of a percent of a step), so a weight swapped in place can never
     leave a stale pointer behind."""
     ptrs: list[int | None] = []
     kinds: set[int] = set()
+    q4: list[tuple[int, Any]] = []  # (index in ptrs, 4-bit weight): pointers to its pc_q4w
     for lw in runner.layers:
         for name in LAYER_WEIGHTS:
             t = lw[name]
@@ -121,18 +124,28 @@ def layer_pointers(
                     kinds.add(0)
             elif name in PROJECTIONS and getattr(t, "desc", None) is not None and lw[f"{name}_b"] is None:
                 if decode_only:
-                    ptrs.append(ctypes.addressof(t.desc))
                     kinds.add(1)
                 elif t.isa not in (None, "amx") and t.dense.dtype == runner.dtype:
-                    ptrs.append(t.dense.data_ptr())
-                    kinds.add(0)
+                    kinds.add(2)
                 else:
                     return None
+                q4.append((len(ptrs), t))
+                ptrs.append(None)
             else:
                 return None
     if len(kinds) != 1:
         return None  # dense and 4-bit projections mixed: one format a call
-    return (ctypes.c_void_p * len(ptrs))(*ptrs), kinds.pop()
+    # pc_q4w structs (qs, d, m, dense), built now: a runner's dense may be swapped for the float
+    # runner's tensor of the same values (quant.py), so a pointer kept from earlier could dangle
+    descs = (ctypes.c_void_p * (4 * len(q4)))(
+        *(p for _, t in q4 for p in (t.qs.data_ptr(), t.d.data_ptr(), t.m.data_ptr(), t.dense.data_ptr()))
+    )
+    size = 4 * ctypes.sizeof(ctypes.c_void_p)
+    for i, (at, _) in enumerate(q4):
+        ptrs[at] = ctypes.addressof(descs) + i * size
+    weights = (ctypes.c_void_p * len(ptrs))(*ptrs)
+    weights.descs = descs  # type: ignore[attr-defined]  # kept alive with the pointers to it
+    return weights, kinds.pop()
 
 
 def _compiled_loop(runner: LlamaRunner, rows: Rows) -> tuple[ctypes.Array[ctypes.c_void_p], int] | None:

@@ -56,8 +56,9 @@ class Q4Weight:
     rows, the same values dequantized into ``dtype`` (``dense``) for prefill rows.
     ``linear(x, decode)`` is ``x @ W^T``. On the own kernel (``isa``: the runner's GEMM ISA) a
     decode row's bits are the own GEMM's on ``dense``, invariant at any row count (``any_rows``:
-    decode rows go in one call); ``desc`` is the kernel's view for the compiled layer loop
-    (``pc_q4w``: nibbles, scales, mins), None on torch's kernel."""
+    decode rows go in one call); ``desc`` says the kernel's view exists (nibbles, scales, mins;
+    the compiled layer loop builds its ``pc_q4w`` each step, with ``dense`` as it is then), None
+    on torch's kernel."""
 
     def __init__(
         self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype, isa: str | None = None

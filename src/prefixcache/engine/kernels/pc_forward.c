@@ -13,7 +13,9 @@
  * pc_gemm over the decode rows and pc_gemm_rows (the prompt-rows arithmetic) over the prompt rows,
  * one call per run of consecutive segments of one kind, as GemmRule.linear splits them; or, on a
  * step of decode rows alone, pc_q4_linear with 4-bit weights (wfmt 1: each projection's pointer
- * is a pc_q4w, no biases; the same bits as pc_gemm on the dequantized weights, see pc_q4.c).
+ * is a pc_q4w, no biases; the same bits as pc_gemm on the dequantized weights, see pc_q4.c); or,
+ * on a step with both kinds, 4-bit weights for the decode runs and their dequantized values for
+ * the prompt runs (wfmt 2: the pc_q4w's `dense`), as GemmRule.linear does with a Q4Weight.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -34,10 +36,12 @@ int pc_gemm_rows(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void
 int pc_q4_linear(int dt, int isa, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const uint8_t *qs,
                  const uint16_t *d, const uint16_t *m, void *y, int64_t ldy, int threads, int path);
 
-/* A 4-bit weight as pc_q4.c reads it (nibbles, float16 scales and mins). */
+/* A 4-bit weight as pc_q4.c reads it (nibbles, float16 scales and mins), and its values
+ * dequantized into the compute dtype ([N, K], contiguous). */
 typedef struct {
     const uint8_t *qs;
     const uint16_t *d, *m;
+    const void *dense;
 } pc_q4w;
 
 /* Runs of consecutive rows of one kind (a prompt run, a decode run), from the segments. */
@@ -46,21 +50,25 @@ typedef struct {
 } pc_runs;
 
 /* y [R, N] = x [R, K] @ W^T (+ bias) by the weight's own kernel (runs: NULL, or the prompt and
- * decode runs, each through its own arithmetic). */
-static int project(int wfmt, int dt, int isa, int64_t R, int64_t N, int64_t K, const void *x, const void *w,
-                   const void *bias, void *y, int nt, const pc_runs *runs) {
-    if (wfmt == 1) {
-        const pc_q4w *q = (const pc_q4w *)w;
-        return pc_q4_linear(dt, isa, R, N, K, x, K, q->qs, q->d, q->m, y, N, nt, 0);
-    }
+ * decode runs, each through its own arithmetic; prompt: prompt runs through pc_gemm_rows). */
+static int project(int wfmt, int prompt, int dt, int isa, int64_t R, int64_t N, int64_t K, const void *x,
+                   const void *w, const void *bias, void *y, int nt, const pc_runs *runs) {
+    const pc_q4w *q = (const pc_q4w *)w;
+    if (wfmt == 1) return pc_q4_linear(dt, isa, R, N, K, x, K, q->qs, q->d, q->m, y, N, nt, 0);
     if (!runs) return pc_gemm(dt, isa, R, N, K, x, K, w, bias, y, N, nt);
+    const void *dense = wfmt == 2 ? q->dense : w;
     const int64_t es = dt == 1 ? 2 : 4;
     for (int64_t i = 0; i < runs->n; i++) {
         const int64_t r0 = runs->run[i][0], nr = runs->run[i][1];
         const char *xr = (const char *)x + r0 * K * es;
         char *yr = (char *)y + r0 * N * es;
-        const int rc = runs->run[i][2] ? pc_gemm(dt, isa, nr, N, K, xr, K, w, bias, yr, N, nt)
-                                       : pc_gemm_rows(dt, isa, nr, N, K, xr, K, w, bias, yr, N, nt);
+        int rc;
+        if (runs->run[i][2] && wfmt == 2)
+            rc = pc_q4_linear(dt, isa, nr, N, K, xr, K, q->qs, q->d, q->m, yr, N, nt, 0);
+        else if (runs->run[i][2] || !prompt)
+            rc = pc_gemm(dt, isa, nr, N, K, xr, K, dense, bias, yr, N, nt);
+        else
+            rc = pc_gemm_rows(dt, isa, nr, N, K, xr, K, dense, bias, yr, N, nt);
         if (rc) return rc;
     }
     return 0;
@@ -79,7 +87,7 @@ static void *buf(int64_t elems, int64_t elem_size) {
  * h [R, hidden]: out, the final norm of the last layer (norm: the model's final norm weight).
  * dims: layers, H, KV, D, hidden, inter (the MLP width). pool: [layers, 2, KV, blocks, B, D].
  * pos, slots: per row; seg, tables: pc_attention's segments and block tables.
- * wfmt: 0 dense weights (pc_gemm), 1 4-bit (pc_q4_linear; see the header).
+ * wfmt: 0 dense weights (pc_gemm), 1 4-bit (pc_q4_linear), 2 both (see the header).
  * prompt: 1, prompt rows through pc_gemm_rows (wfmt 0; see the header), else 0.
  * Returns 0, or the first failing product's code (-1: ISA not available, -2 the prompt-rows GEMM
  * refused the dtype), or -3 (no memory). */
@@ -93,10 +101,11 @@ int pc_layers(int dt, int isa, int wfmt, int prompt, int64_t R, const int64_t *d
     void *qkv = buf(R * width, es), *attn = buf(R * H * D, es), *o = buf(R * hidden, es);
     void *gu = buf(R * 2 * inter, es), *act = buf(R * inter, es);
     float *q = (float *)buf(R * H * D, 4);
-    int64_t(*run)[3] = prompt && wfmt == 0 ? malloc(sizeof *run * (size_t)(nseg > 0 ? nseg : 1)) : NULL;
+    const int split = (prompt && wfmt == 0) || wfmt == 2; /* runs of one kind a product */
+    int64_t(*run)[3] = split ? malloc(sizeof *run * (size_t)(nseg > 0 ? nseg : 1)) : NULL;
     pc_runs runs = {0, run};
     int rc = 0;
-    if (!qkv || !attn || !o || !gu || !act || !q || (prompt && wfmt == 0 && !run)) {
+    if (!qkv || !attn || !o || !gu || !act || !q || (split && !run)) {
         rc = -3;
         goto done;
     }
@@ -112,17 +121,17 @@ int pc_layers(int dt, int isa, int wfmt, int prompt, int64_t R, const int64_t *d
     for (int64_t li = 0; li < L && rc == 0; li++) {
         const void *const *lw = w + li * PC_LW;
         char *keys = (char *)pool + li * layer_elems * es, *values = keys + KV * head_stride * es;
-        rc = project(wfmt, dt, isa, R, width, hidden, h, lw[W_QKV], lw[W_QKV_B], qkv, nt, rp);
+        rc = project(wfmt, prompt, dt, isa, R, width, hidden, h, lw[W_QKV], lw[W_QKV_B], qkv, nt, rp);
         if (rc) break;
         pc_rope_kv(dt, R, H, KV, D, qkv, pos, slots, cos_t, sin_t, scaling, q, keys, values, head_stride, nt);
         pc_attention(dt, H, KV, D, q, keys, values, head_stride, B, nseg, seg, tables, attn, nt);
-        rc = project(wfmt, dt, isa, R, hidden, H * D, attn, lw[W_O], lw[W_O_B], o, nt, rp);
+        rc = project(wfmt, prompt, dt, isa, R, hidden, H * D, attn, lw[W_O], lw[W_O_B], o, nt, rp);
         if (rc) break;
         pc_rms_residual(dt, R, hidden, x, o, lw[W_LN2], eps, h, nt);
-        rc = project(wfmt, dt, isa, R, 2 * inter, hidden, h, lw[W_GU], lw[W_GU_B], gu, nt, rp);
+        rc = project(wfmt, prompt, dt, isa, R, 2 * inter, hidden, h, lw[W_GU], lw[W_GU_B], gu, nt, rp);
         if (rc) break;
         pc_swiglu(dt, R, inter, gu, act, nt);
-        rc = project(wfmt, dt, isa, R, hidden, inter, act, lw[W_DOWN], lw[W_DOWN_B], o, nt, rp);
+        rc = project(wfmt, prompt, dt, isa, R, hidden, inter, act, lw[W_DOWN], lw[W_DOWN_B], o, nt, rp);
         if (rc) break;
         const void *next = li + 1 < L ? w[(li + 1) * PC_LW + W_LN1] : norm;
         pc_rms_residual(dt, R, hidden, x, o, next, eps, h, nt);
