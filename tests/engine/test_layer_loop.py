@@ -6,6 +6,7 @@ prefill chunks; which steps take it (a spy on the library call), and SmolLM2."""
 from __future__ import annotations
 
 import copy
+import ctypes
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -153,6 +154,22 @@ def _q4(n: int, k: int, seed: int, dtype: torch.dtype = torch.bfloat16, isa: str
     d = (torch.rand(n, k // 32, generator=gen) / 50).half().float()  # float16 values, as in a GGUF
     m = (-torch.rand(n, k // 32, generator=gen) / 10).half().float()
     return Q4Weight(q, d, m, dtype, isa)
+
+
+def test_a_four_bit_weights_kernel_view_follows_its_dense_tensor() -> None:
+    """pc_layers reads a 4-bit projection through a pc_q4w (nibbles, scales, mins, dense): built
+    once, and again when ``dense`` is another tensor (the runner swaps in the float runner's)."""
+    from prefixcache.engine.kernels import q4
+
+    if q4.load() is None:
+        pytest.skip("the quantized kernels are not built here")
+    w = _q4(64, 64, 1)
+    at = w.kernel_view()
+    assert at == w.kernel_view()  # the same view while dense is the same tensor
+    fields = lambda a: list((ctypes.c_void_p * 4).from_address(a))  # noqa: E731
+    assert fields(at) == [w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), w.dense.data_ptr()]
+    w.dense = w.dense.clone()
+    assert fields(w.kernel_view())[3] == w.dense.data_ptr()
 
 
 def test_mixed_four_bit_or_strided_weights_keep_the_python_loop(

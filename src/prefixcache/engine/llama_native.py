@@ -112,7 +112,6 @@ def layer_pointers(
     leave a stale pointer behind."""
     ptrs: list[int | None] = []
     kinds: set[int] = set()
-    q4: list[tuple[int, Any]] = []  # (index in ptrs, 4-bit weight): pointers to its pc_q4w
     for lw in runner.layers:
         for name in LAYER_WEIGHTS:
             t = lw[name]
@@ -129,23 +128,12 @@ def layer_pointers(
                     kinds.add(2)
                 else:
                     return None
-                q4.append((len(ptrs), t))
-                ptrs.append(None)
+                ptrs.append(t.kernel_view())
             else:
                 return None
     if len(kinds) != 1:
         return None  # dense and 4-bit projections mixed: one format a call
-    # pc_q4w structs (qs, d, m, dense), built now: a runner's dense may be swapped for the float
-    # runner's tensor of the same values (quant.py), so a pointer kept from earlier could dangle
-    descs = (ctypes.c_void_p * (4 * len(q4)))(
-        *(p for _, t in q4 for p in (t.qs.data_ptr(), t.d.data_ptr(), t.m.data_ptr(), t.dense.data_ptr()))
-    )
-    size = 4 * ctypes.sizeof(ctypes.c_void_p)
-    for i, (at, _) in enumerate(q4):
-        ptrs[at] = ctypes.addressof(descs) + i * size
-    weights = (ctypes.c_void_p * len(ptrs))(*ptrs)
-    weights.descs = descs  # type: ignore[attr-defined]  # kept alive with the pointers to it
-    return weights, kinds.pop()
+    return (ctypes.c_void_p * len(ptrs))(*ptrs), kinds.pop()
 
 
 def _compiled_loop(runner: LlamaRunner, rows: Rows) -> tuple[ctypes.Array[ctypes.c_void_p], int] | None:

@@ -56,9 +56,8 @@ class Q4Weight:
     rows, the same values dequantized into ``dtype`` (``dense``) for prefill rows.
     ``linear(x, decode)`` is ``x @ W^T``. On the own kernel (``isa``: the runner's GEMM ISA) a
     decode row's bits are the own GEMM's on ``dense``, invariant at any row count (``any_rows``:
-    decode rows go in one call); ``desc`` says the kernel's view exists (nibbles, scales, mins;
-    the compiled layer loop builds its ``pc_q4w`` each step, with ``dense`` as it is then), None
-    on torch's kernel."""
+    decode rows go in one call); ``desc`` holds the kernel's pointers (nibbles, scales, mins; the
+    compiled layer loop reads ``kernel_view()``, which adds ``dense``), None on torch's kernel."""
 
     def __init__(
         self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype, isa: str | None = None
@@ -72,6 +71,7 @@ class Q4Weight:
         self.isa = isa
         self.any_rows = self.own is not None
         self.desc: ctypes.Array[ctypes.c_void_p] | None = None
+        self._view: tuple[ctypes.Array[ctypes.c_void_p], torch.Tensor] | None = None
         if self.own is not None:
             self.qs, self.d, self.m = q4_kernel.pack(q), q4_kernel.halves(d), q4_kernel.halves(m)
             self.desc = (ctypes.c_void_p * 3)(self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr())
@@ -79,6 +79,17 @@ class Q4Weight:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
             zero = m + 8 * d
             self.scales_zeros = torch.stack([d.t(), zero.t()], -1).to(dtype).contiguous()  # [K/32, N, 2]
+
+    def kernel_view(self) -> int:
+        """The address of this weight's ``pc_q4w`` (nibbles, scales, mins, ``dense``) for the
+        compiled layer loop (own kernel only). Rebuilt when ``dense`` is another tensor than at
+        the last call: a runner's dense tensors are swapped for the float runner's ones of the
+        same values after loading, and a view built before would point at freed memory."""
+        assert self.desc is not None, "torch's int4 kernel has no pc_q4w view"
+        if self._view is None or self._view[1] is not self.dense:
+            view = (ctypes.c_void_p * 4)(*self.desc, self.dense.data_ptr())
+            self._view = (view, self.dense)
+        return ctypes.addressof(self._view[0])
 
     def linear(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
         if not decode:
