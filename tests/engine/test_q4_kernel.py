@@ -22,26 +22,28 @@ def _isas(dtype: torch.dtype) -> list[str]:
     return [i for i in out if not (dtype == torch.float32 and i == "avx512bf16")]
 
 
-def _q4(seed: int = 0, k: int = 576) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _q4(
+    seed: int = 0, k: int = 576, n: int = N
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed nibbles, float16 d, float16 m, the dequantized float32 weights), some scales
     subnormal or zero, as a GGUF can hold them."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (N, k), dtype=torch.int32, generator=gen)
-    d = (torch.rand(N, k // 32, generator=gen) * 0.01).half()
-    m = (-8 * d.float() + torch.randn(N, k // 32, generator=gen) * 0.001).half()
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.01).half()
+    m = (-8 * d.float() + torch.randn(n, k // 32, generator=gen) * 0.001).half()
     d[0, 0], d[1, 0], d[2, 0] = 1e-7, 3e-6, 0.0  # float16 subnormals and a zero
     m[3, 0], m[4, 0] = -2e-7, -0.0
-    dense = (q.float().view(N, -1, 32) * d.float()[..., None] + m.float()[..., None]).view(N, k)
+    dense = (q.float().view(n, -1, 32) * d.float()[..., None] + m.float()[..., None]).view(n, k)
     return q4.pack(q), d, m, dense
 
 
-def _q8(seed: int = 0, k: int = 576) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _q8(seed: int = 0, k: int = 576, n: int = N) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    w = torch.randint(-128, 128, (N, k // 32, 32), dtype=torch.int8, generator=gen)
+    w = torch.randint(-128, 128, (n, k // 32, 32), dtype=torch.int8, generator=gen)
     w[0, 0] = -128
-    d = (torch.rand(N, k // 32, generator=gen) * 0.01).half()
+    d = (torch.rand(n, k // 32, generator=gen) * 0.01).half()
     d[1, 0] = 1e-7
-    return w, d, (w.float() * d.float()[..., None]).view(N, k)
+    return w, d, (w.float() * d.float()[..., None]).view(n, k)
 
 
 @pytest.mark.parametrize("k", [576, 1536, 96, 32], ids=lambda k: f"K{k}")
@@ -61,6 +63,25 @@ def test_outputs_are_the_own_gemms_on_the_dequantized_weights(dtype: torch.dtype
     assert torch.allclose(
         KERNEL.linear(x, qs, d, m).double(), exact, rtol=2e-2, atol=2e-2 * exact.abs().max()
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+def test_every_tile_shape_gives_the_own_gemms_bits(dtype: torch.dtype) -> None:
+    """Each row count up to 9 against N = 211 (52 whole quads of columns, then 3 lone columns),
+    so every tile a path has runs (on AVX2 a lone row takes four columns a call, more rows one;
+    the lone columns one at a time)."""
+    assert KERNEL is not None
+    qs, d, m, dense = _q4(10, 96, n=211)
+    w8, d8, dense8 = _q8(11, 96, n=211)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(12)).to(dtype)
+    for isa in _isas(dtype):
+        for rows in range(1, 10):
+            want = matmul.own_linear(x[:rows], dense.to(dtype), isa=isa)
+            want8 = matmul.own_linear(x[:rows], dense8.to(dtype), isa=isa)
+            for path in (0, 1, 2):
+                got = KERNEL.linear(x[:rows], qs, d, m, isa=isa, path=path)
+                assert torch.equal(got, want), (isa, path, rows)
+                assert torch.equal(KERNEL.linear8(x[:rows], w8, d8, isa=isa, path=path), want8), (isa, path, rows)
 
 
 def test_a_wrong_scale_moves_its_column_only() -> None:
