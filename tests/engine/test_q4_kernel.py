@@ -81,7 +81,8 @@ def test_every_tile_shape_gives_the_own_gemms_bits(dtype: torch.dtype) -> None:
             for path in (0, 1, 2):
                 got = KERNEL.linear(x[:rows], qs, d, m, isa=isa, path=path)
                 assert torch.equal(got, want), (isa, path, rows)
-                assert torch.equal(KERNEL.linear8(x[:rows], w8, d8, isa=isa, path=path), want8), (isa, path, rows)
+                got8 = KERNEL.linear8(x[:rows], w8, d8, isa=isa, path=path)
+                assert torch.equal(got8, want8), (isa, path, rows)
 
 
 def test_a_wrong_scale_moves_its_column_only() -> None:

@@ -246,7 +246,7 @@ def bench(
 
     from prefixcache.analysis.report.tables import FORMATS, emit_markdown, report_console
     from prefixcache.engine.bench import DECODE_TOKENS, markdown, run_bench, write_results
-    from prefixcache.engine.bench_peer import peer_lines, run_llamacpp
+    from prefixcache.engine.bench_peer import LlamaCppPeer, peer_lines
     from prefixcache.engine.engine import quantized_runner, select_runner
     from prefixcache.engine.model import ModelRunner, env_dtype
     from prefixcache.engine.runtime import off_this_thread
@@ -279,41 +279,46 @@ def bench(
                     lambda: quantized_runner(base, select_runner(base, kind, dtype), weights)
                 )
 
-            res = [
-                run_bench(
-                    chosen(kind),
-                    kind=kind,
-                    lengths=sizes,
-                    tail=tail,
-                    repeats=repeats,
-                    prefill_chunk=prefill_chunk,
-                    progress=lambda m: status.update(m),
+            peer = None
+            if llamacpp_python is not None:  # up for the whole run, measured in turn with the first runner
+                status.update("llama.cpp: loading the same GGUF")
+                peer = LlamaCppPeer(
+                    llamacpp_python,
+                    getattr(base, "source_path", None) or Path(),
+                    threads=base.threads,
+                    n_ctx=max(max(sizes) + tail, 32 + DECODE_TOKENS + 1) + 64,
                 )
-                for kind in kinds
-            ]
+            try:
+                res = [
+                    run_bench(
+                        chosen(kind),
+                        kind=kind,
+                        lengths=sizes,
+                        tail=tail,
+                        repeats=repeats,
+                        prefill_chunk=prefill_chunk,
+                        progress=lambda m: status.update(m),
+                        peer=peer if i == 0 else None,
+                    )
+                    for i, kind in enumerate(kinds)
+                ]
+            finally:
+                if peer is not None:
+                    peer.close()
         except ValueError as exc:
             _fail(exc)
             return
     command = "prefixcache " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     files = write_results(res, out, command)
     text = markdown(res, command)
-    if llamacpp_python is not None:
+    if peer is not None:
         own = res[0]
-        with console.status("llama.cpp: decode and cold prefill on the same GGUF"):
-            peer = run_llamacpp(
-                llamacpp_python,
-                getattr(base, "source_path", None) or Path(),
-                threads=own.threads,
-                vocab=min(base.vocab_size, 40_000),
-                prefill_tokens=own.prefill_tokens,
-                decode_tokens=DECODE_TOKENS + 1,
-                repeats=repeats,
-            )
+        figures = peer.result()
         q4 = getattr(res[0], "weights", "") == "q4_1"
-        section = "\n".join(peer_lines(peer, own.decode_tps, own.single_pass_tps, q4))
+        section = "\n".join(peer_lines(figures, own.decode_tps, own.single_pass_tps, q4))
         text += "\n" + section
         (out / "engine.md").write_text(text)
-        (out / "llamacpp.json").write_text(json.dumps(peer.as_dict(), indent=2) + "\n")
+        (out / "llamacpp.json").write_text(json.dumps(figures.as_dict(), indent=2) + "\n")
         files.append(out / "llamacpp.json")
     files.append(_keep_calibration(out))
     if fmt == "json":

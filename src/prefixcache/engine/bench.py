@@ -11,6 +11,8 @@ Hugging Face one) in one run. Ratios are measured within one run; medians of rep
   of ``prefill_chunk`` tokens (any chunking is exact). Against one pass over the whole prompt.
 - own runner only: cold prefill with torch's SDPA in place of the invariant attention (what
   invariance costs).
+- with a llama.cpp peer (``--llamacpp-python``): its one-pass prefill and decode, each measured
+  in turn with the first runner's on the same tokens (``engine/bench_peer.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixcache.cache import PrefixCache
+from prefixcache.engine.bench_peer import LlamaCppPeer
 from prefixcache.engine.engine import Engine, chunk_schedule
 from prefixcache.engine.llama import LlamaRunner, Segment
 from prefixcache.engine.model import ModelRunner
@@ -200,8 +203,11 @@ def run_bench(
     prefill_chunk: int | None = None,
     progress: Progress | None = None,
     seed: int = 0,
+    peer: LlamaCppPeer | None = None,
 ) -> BenchResult:
-    """Measure one runner (``kind``: auto, llama or hf, as ``Engine(runner=...)``)."""
+    """Measure one runner (``kind``: auto, llama or hf, as ``Engine(runner=...)``). ``peer``: a
+    running llama.cpp, measured in turn with this runner's one-pass prefill and decode (its
+    figures stay in the peer: ``peer.result()``)."""
     rng = random.Random(seed)
     vocab = min(runner.vocab_size, 40_000)
     on = Engine(runner, prefill_chunk=prefill_chunk, runner=kind)
@@ -277,20 +283,29 @@ def run_bench(
         def against_sdpa() -> tuple[list[float], list[float]]:
             sdpa = _Prefill(runner.with_attention("sdpa"))
             times: tuple[list[float], list[float]] = ([], [])
-            for _ in range(repeats):  # interleaved
+            for _ in range(repeats):  # interleaved, with the peer's pass on the same ids
                 times[0].append(prefill.run(ids, [(0, n)]))
                 times[1].append(sdpa.run(ids, [(0, n)]))
+                if peer is not None:
+                    peer.prefill(ids)
             return times
 
         times = on.run_on_worker(against_sdpa)
         res.single_pass_tps = n / statistics.median(times[0])
         res.sdpa_tps = n / statistics.median(times[1])
-    say(f"decode throughput, {repeats} generations of {DECODE_TOKENS} tokens")
+    elif peer is not None:
+        for _ in range(repeats):
+            peer.prefill(ids)
+    with_peer = " in turn with llama.cpp's" if peer is not None and not peer.skipped else ""
+    say(f"decode throughput, {repeats} generations of {DECODE_TOKENS} tokens{with_peer}")
     rates = []
     for _ in range(repeats):  # each a miss: a fresh 32-token prompt of random ids
-        r = on.generate(prompt_token_ids=_ids(rng, 32, vocab), max_tokens=DECODE_TOKENS + 1)
+        prompt = _ids(rng, 32, vocab)
+        r = on.generate(prompt_token_ids=prompt, max_tokens=DECODE_TOKENS + 1)
         if r.decode_s > 0 and len(r.tokens) > 1:  # timed from the first token (the prefill's) on
             rates.append((len(r.tokens) - 1) / r.decode_s)
+        if peer is not None:  # then the peer, on the same prompt
+            peer.decode(prompt, DECODE_TOKENS + 1)
     res.decode_tps = statistics.median(rates) if rates else 0.0
     say("hashing + lookup of a 50,000-token prompt")
     res.hash_lookup_ms = hash_lookup_ms(res.hash_tokens)

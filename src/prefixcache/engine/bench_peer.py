@@ -6,20 +6,32 @@ The peer runs in a subprocess of the interpreter given (its own venv: the projec
 on it), on the embedded GGUF (Q4_1, the file itself), with the same thread count and the same
 token counts as the own runner's figures: single-stream greedy decode after a 32-token prompt
 (the median of ``repeats`` generations of ``decode_tokens``), and a cold one-pass prefill of the
-long prompt (the best of ``repeats``). A missing interpreter or package is a skip line with
-the reason, never an error.
+long prompt (the best of ``repeats``). It stays up for the whole run (:class:`LlamaCppPeer`), so
+``run_bench`` measures it in turn with the own runner: one own generation, then the peer's on the
+same prompt, and so on; one own prefill pass, then the peer's. On a shared machine whose speed
+drifts over minutes, both columns then see the same drift (run one after the other, the ratio
+moved from 0.68x to 1.00x between two runs of the same build). A missing interpreter or package,
+or a peer that crashes or stalls, is a skip line with the reason, never an error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import select
 import signal
+import statistics
 import subprocess
+import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
-#: Run by the peer's interpreter: argv[1] is a JSON job; prints one JSON line of figures.
+#: Run by the peer's interpreter: argv[1] is a JSON job (model, threads, context). Prints the
+#: version as one JSON line, then answers each JSON command read from stdin with one JSON line:
+#: {"decode": ids, "tokens": n} -> {"rate": tok/s}; {"prefill": ids} -> {"seconds": s}.
 _SCRIPT = r"""
 import faulthandler, json, sys, time
 faulthandler.enable()  # a crash in the library names the Python frame it happened under
@@ -27,28 +39,24 @@ job = json.loads(sys.argv[1])
 from llama_cpp import Llama, __version__
 llm = Llama(model_path=job["gguf"], n_threads=job["threads"], n_threads_batch=job["threads"],
             n_ctx=job["n_ctx"], n_batch=512, verbose=False)
-out = {"version": __version__}
-# decode: greedy tokens after each prompt (first token = the prefill's), timed between tokens;
-# the median rate of the prompts
-rates = []
-for prompt in job["prompts"]:
-    times = []
-    for i, tok in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
-        times.append(time.perf_counter())
-        if i + 1 >= job["decode_tokens"]:
-            break
-    rates.append((len(times) - 1) / (times[-1] - times[0]))
-out["decode_tps"] = sorted(rates)[len(rates) // 2]
-best = None
-for _ in range(job["repeats"]):
-    llm.reset()
-    t = time.perf_counter()
-    llm.eval(job["long"])
-    dt = time.perf_counter() - t
-    best = dt if best is None else min(best, dt)
-out["prefill_tokens"] = len(job["long"])
-out["prefill_tps"] = len(job["long"]) / best
-print(json.dumps(out))
+print(json.dumps({"version": __version__}), flush=True)
+for line in sys.stdin:
+    cmd = json.loads(line)
+    if "decode" in cmd:  # greedy tokens after the prompt (the first: the prefill's), timed between tokens
+        times = []
+        for i, tok in enumerate(llm.generate(cmd["decode"], top_k=1, temp=0.0, reset=True)):
+            times.append(time.perf_counter())
+            if i + 1 >= cmd["tokens"]:
+                break
+        out = {"rate": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0}
+    elif "prefill" in cmd:
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(cmd["prefill"])
+        out = {"seconds": time.perf_counter() - t}
+    else:
+        break
+    print(json.dumps(out), flush=True)
 """
 
 
@@ -74,6 +82,166 @@ class PeerResult:
         }
 
 
+class LlamaCppPeer:
+    """llama-cpp-python kept running in its own interpreter, measured on demand: :meth:`decode`
+    and :meth:`prefill` each run one measurement and record it. The first failure (no
+    interpreter, no package, a crash, no answer within ``timeout_s``) becomes ``skipped``, with
+    the reason, and every later call does nothing. Close it (or use it as a context manager)."""
+
+    def __init__(
+        self, python: str | Path, gguf: Path, *, threads: int, n_ctx: int, timeout_s: float = 300.0
+    ) -> None:
+        self.exe = Path(python).expanduser()
+        self.timeout_s = timeout_s
+        self.version = ""
+        self.skipped = ""
+        self.decode_rates: list[float] = []
+        self.prefill_s: list[float] = []
+        self.prefill_tokens = 0
+        self._proc: subprocess.Popen[str] | None = None
+        self._err: IO[bytes] | None = None
+        if not self.exe.is_file():
+            self.skipped = (
+                f"{self.exe} does not exist (install: python3 -m venv DIR && "
+                "DIR/bin/pip install llama-cpp-python)"
+            )
+            return
+        job = {"gguf": str(gguf), "threads": threads, "n_ctx": n_ctx}
+        # stderr to a file, not a pipe: the peer's logs never block it; closed by close()
+        self._err = tempfile.TemporaryFile()  # noqa: SIM115
+        try:
+            self._proc = subprocess.Popen(
+                [str(self.exe), "-c", _SCRIPT, json.dumps(job)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._err,
+                text=True,
+            )
+        except OSError as exc:
+            self._fail(f"llama.cpp did not run: {exc}")
+            return
+        hello = self._answer()
+        if hello is not None:
+            self.version = str(hello.get("version", ""))
+
+    def decode(self, prompt: Sequence[int], tokens: int) -> float | None:
+        """Greedy ``tokens`` tokens after ``prompt`` (the first is the prefill's); tok/s between
+        the first and the last, or None when the peer is skipped."""
+        out = self._ask({"decode": list(prompt), "tokens": tokens})
+        if out is None:
+            return None
+        self.decode_rates.append(float(out["rate"]))
+        return self.decode_rates[-1]
+
+    def prefill(self, ids: Sequence[int]) -> float | None:
+        """One cold pass over ``ids`` (nothing cached); its seconds, or None when skipped."""
+        out = self._ask({"prefill": list(ids)})
+        if out is None:
+            return None
+        self.prefill_tokens = len(ids)
+        self.prefill_s.append(float(out["seconds"]))
+        return self.prefill_s[-1]
+
+    def result(self) -> PeerResult:
+        """The medians of the decode rates and the best prefill, or the skip."""
+        if not self.skipped and not (self.decode_rates and self.prefill_s):
+            self.skipped = f"llama.cpp was not measured through {self.exe}"
+        if self.skipped:
+            return PeerResult(version=self.version, skipped=self.skipped)
+        return PeerResult(
+            version=self.version,
+            decode_tps=statistics.median(self.decode_rates),
+            prefill_tokens=self.prefill_tokens,
+            prefill_tps=self.prefill_tokens / min(self.prefill_s),
+        )
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            try:
+                if proc.stdin is not None:
+                    proc.stdin.close()  # the script's loop ends at end of input
+                proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        if self._err is not None:
+            self._err.close()
+            self._err = None
+
+    def __enter__(self) -> LlamaCppPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _ask(self, cmd: dict[str, Any]) -> dict[str, Any] | None:
+        proc = self._proc
+        if self.skipped or proc is None or proc.stdin is None:
+            return None
+        try:
+            proc.stdin.write(json.dumps(cmd) + "\n")
+            proc.stdin.flush()
+        except OSError:  # it exited: _answer reads why
+            pass
+        return self._answer()
+
+    def _answer(self) -> dict[str, Any] | None:
+        """The peer's next JSON line, or None (and ``skipped``) when it ended, stalled or printed
+        something else."""
+        proc = self._proc
+        assert proc is not None and proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], self.timeout_s)
+        line = proc.stdout.readline() if ready else None
+        if line is None:
+            self._fail(f"llama.cpp gave no answer within {self.timeout_s:.0f} s through {self.exe}")
+            return None
+        if not line:  # end of output: it exited
+            self._ended(proc)
+            return None
+        try:
+            out = json.loads(line)
+        except ValueError:
+            out = None
+        if not isinstance(out, dict):
+            self._fail(f"llama.cpp printed no figures through {self.exe}")
+            return None
+        return out
+
+    def _ended(self, proc: subprocess.Popen[str]) -> None:
+        code = proc.wait()
+        err = ""
+        if self._err is not None:
+            self._err.seek(0)
+            err = self._err.read().decode(errors="replace")
+        if code < 0:  # killed by a signal: a crash inside llama.cpp, usually
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            where = next((ln.strip() for ln in err.splitlines() if 'File "' in ln), "")
+            at = f" at {where}" if where else ""
+            self._fail(f"llama.cpp crashed ({name}) through {self.exe}{at}")
+        else:
+            last = (err.strip().splitlines() or ["no output"])[-1]
+            self._fail(f"llama.cpp failed through {self.exe}: {last}")
+
+    def _fail(self, reason: str) -> None:
+        if not self.skipped:
+            self.skipped = reason
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            for f in (proc.stdin, proc.stdout):
+                if f is not None:
+                    with contextlib.suppress(OSError):  # a broken pipe to a dead peer
+                        f.close()
+
+
 def run_llamacpp(
     python: str | Path,
     gguf: Path,
@@ -86,51 +254,18 @@ def run_llamacpp(
     seed: int = 0,
     timeout_s: float = 900.0,
 ) -> PeerResult:
-    """llama.cpp's decode and cold prefill rates on ``gguf`` through ``python`` (a skip, with
-    the reason, when that interpreter or its llama_cpp package is missing or fails)."""
-    exe = Path(python).expanduser()
-    if not exe.is_file():
-        return PeerResult(
-            skipped=f"{exe} does not exist (install: python3 -m venv DIR && "
-            "DIR/bin/pip install llama-cpp-python)"
-        )
+    """llama.cpp's decode and cold prefill rates on ``gguf`` through ``python``, on their own (a
+    skip, with the reason, when that interpreter or its llama_cpp package is missing or fails).
+    ``prefixcache bench`` measures them in turn with its own instead (``run_bench(peer=...)``)."""
     rng = random.Random(seed)
-    job = {
-        "gguf": str(gguf),
-        "threads": threads,
-        "n_ctx": max(prefill_tokens, 32 + decode_tokens) + 64,
-        "prompts": [[rng.randrange(0, vocab) for _ in range(32)] for _ in range(repeats)],
-        "long": [rng.randrange(0, vocab) for _ in range(prefill_tokens)],
-        "decode_tokens": decode_tokens,
-        "repeats": repeats,
-    }
-    try:
-        done = subprocess.run(
-            [str(exe), "-c", _SCRIPT, json.dumps(job)], capture_output=True, text=True, timeout=timeout_s
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return PeerResult(skipped=f"llama.cpp did not run: {exc}")
-    if done.returncode < 0:  # killed by a signal: a crash inside llama.cpp, usually
-        try:
-            name = signal.Signals(-done.returncode).name
-        except ValueError:
-            name = f"signal {-done.returncode}"
-        where = next((ln.strip() for ln in done.stderr.splitlines() if 'File "' in ln), "")
-        at = f" at {where}" if where else ""
-        return PeerResult(skipped=f"llama.cpp crashed ({name}) through {exe}{at}")
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return PeerResult(skipped=f"llama.cpp failed through {exe}: {last}")
-    try:
-        fig = json.loads(done.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return PeerResult(skipped=f"llama.cpp printed no figures through {exe}")
-    return PeerResult(
-        version=str(fig.get("version", "")),
-        decode_tps=float(fig["decode_tps"]),
-        prefill_tokens=int(fig["prefill_tokens"]),
-        prefill_tps=float(fig["prefill_tps"]),
-    )
+    n_ctx = max(prefill_tokens, 32 + decode_tokens) + 64
+    with LlamaCppPeer(python, gguf, threads=threads, n_ctx=n_ctx, timeout_s=timeout_s) as peer:
+        for _ in range(repeats):
+            peer.decode([rng.randrange(0, vocab) for _ in range(32)], decode_tokens)
+        long = [rng.randrange(0, vocab) for _ in range(prefill_tokens)]
+        for _ in range(repeats):
+            peer.prefill(long)
+        return peer.result()
 
 
 def peer_lines(peer: PeerResult, own_decode_tps: float, own_prefill_tps: float, q4: bool) -> list[str]:
@@ -140,6 +275,8 @@ def peer_lines(peer: PeerResult, own_decode_tps: float, own_prefill_tps: float, 
     target = ">= 1x" if q4 else ">= 0.7x"
     return [
         f"## Own runner against llama.cpp (llama-cpp-python {peer.version}, the same GGUF)",
+        "",
+        "Measured in turn: each own decode and one-pass prefill, then llama.cpp's on the same tokens.",
         "",
         "| figure | own | llama.cpp | own / llama.cpp | target |",
         "|---|---:|---:|---:|---:|",
