@@ -438,13 +438,10 @@ Q4_INLINE void q8_col_dp_t(const int8_t *wq, const uint16_t *d, int64_t gk, cons
         const int cols_ = (QUAD) ? 4 : 1;                                                                          \
         for (; r + 4 <= nr; r += 4)                                                                                \
             for (int o_ = 0; o_ < cols_; o_++) CALL(r, 4, 1, o_);                                                  \
-        switch ((QUAD) ? nr - r : -(nr - r)) {                                                                     \
-        case 3: for (int o_ = 0; o_ < 4; o_++) CALL(r, 3, 1, o_); break;                                           \
-        case 2: for (int o_ = 0; o_ < 4; o_++) CALL(r, 2, 1, o_); break;                                           \
-        case 1: CALL(r, 1, 4, 0); break;                                                                           \
-        case -3: CALL(r, 3, 1, 0); break;                                                                          \
-        case -2: CALL(r, 2, 1, 0); break;                                                                          \
-        case -1: CALL(r, 1, 1, 0); break;                                                                          \
+        switch (nr - r) {                                                                                          \
+        case 3: for (int o_ = 0; o_ < cols_; o_++) CALL(r, 3, 1, o_); break;                                       \
+        case 2: for (int o_ = 0; o_ < cols_; o_++) CALL(r, 2, 1, o_); break;                                       \
+        case 1: if (QUAD) CALL(r, 1, 4, 0); else CALL(r, 1, 1, 0); break;                                          \
         default: break;                                                                                            \
         }                                                                                                          \
     } while (0)
@@ -483,7 +480,10 @@ int pc_q4_linear(int dt, int isa, int64_t nr, int64_t n, int64_t k, const void *
 #endif
     if (nr <= 0 || n <= 0) return 0;
     const int64_t gk = k / 32, es = dt == 1 ? 2 : 4, quads = (n + 3) / 4;
-    /* AVX512 takes four columns a call (their chains side by side), the other paths one */
+    /* AVX512 takes four columns a call (their chains side by side), AVX2 four for a lone row and
+     * one otherwise (TILES_AVX2), the scalar path one. On AVX2 lanes a bfloat16 row (dt 1) always
+     * has bf16-rounded weights (the dot-product mode took its own branch), so the AVX2 tiles are
+     * instantiated with dt and w16 as one constant, 0 or 1. */
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int64_t cq = 0; cq < quads; cq++) {
         const int64_t c0 = cq * 4;
