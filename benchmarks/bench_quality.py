@@ -1,4 +1,4 @@
-"""Quality of the 4-bit weights (``--weights q4``) against the float weights, on the own runner.
+"""Quality of the 4-bit weights (``--weights q4`` and ``q4a8``) against the float weights, on the own runner.
 
     .venv/bin/python benchmarks/bench_quality.py            # writes benchmarks/results/quality.{md,json}
     .venv/bin/python benchmarks/bench_quality.py --tokens 256 --windows 2   # shorter
@@ -10,7 +10,9 @@ Two figures, both on fixed inputs shipped in the repository:
   prefill rows of the 4-bit model use the same 4-bit values dequantized, which equal the float
   weights of the embedded GGUF). On the own quantized kernels both columns are equal by
   construction (their decode rows compute the float weights' bits); ``PREFIXCACHE_Q4=torch``
-  measures torch's int4 kernel instead. The text is cut into ``--windows`` windows decoded
+  measures torch's int4 kernel instead. ``q4a8`` (decode and logits rows quantized to 8 bits a
+  group of 32, integer group dot products, as llama.cpp computes Q4_1) is another model
+  numerically: this is the figure that says how far. The text is cut into ``--windows`` windows decoded
   together in one batch (rows are invariant, so batching does not change a figure).
 - **Greedy agreement**: for each of the prompts below, the share of the first ``--new`` greedy
   tokens equal to the float weights' token at the same position (up to the shorter answer when
@@ -79,7 +81,8 @@ def main() -> None:
     args = ap.parse_args()
 
     base = ModelRunner.load(threads=args.threads)
-    engines = {w: Engine(base, dtype=args.dtype, weights=w, enable_cache=False) for w in ("float", "q4")}
+    formats = ("float", "q4", "q4a8")
+    engines = {w: Engine(base, dtype=args.dtype, weights=w, enable_cache=False) for w in formats}
     ids = base.tokenizer(args.text.read_text())["input_ids"][: args.tokens]
     res: dict[str, object] = {"dtype": engines["float"].runner.dtype_name, "text_tokens": len(ids)}
     for w, e in engines.items():
@@ -91,18 +94,22 @@ def main() -> None:
             f"perplexity, {w} weights: {ppl:.3f} over {n} tokens ({time.perf_counter() - t:.0f} s)",
             flush=True,
         )
-    same, total, prefixes = 0, 0, []
-    for p in PROMPTS:
-        msgs = [{"role": "user", "content": p}]
-        a = engines["float"].generate(messages=msgs, max_tokens=args.new).tokens
-        b = engines["q4"].generate(messages=msgs, max_tokens=args.new).tokens
-        k = min(len(a), len(b))
-        same += sum(x == y for x, y in zip(a[:k], b[:k], strict=True))
-        total += k
-        prefixes.append(next((i for i in range(k) if a[i] != b[i]), k))
-    res["greedy_agreement"] = round(same / total, 4)
-    res["common_prefix_mean"] = round(sum(prefixes) / len(prefixes), 1)
-    res["common_prefixes"] = prefixes
+    answers = {
+        w: [
+            e.generate(messages=[{"role": "user", "content": p}], max_tokens=args.new).tokens for p in PROMPTS
+        ]
+        for w, e in engines.items()
+    }
+    for w in formats[1:]:
+        same, total, prefixes = 0, 0, []
+        for a, b in zip(answers["float"], answers[w], strict=True):
+            k = min(len(a), len(b))
+            same += sum(x == y for x, y in zip(a[:k], b[:k], strict=True))
+            total += k
+            prefixes.append(next((i for i in range(k) if a[i] != b[i]), k))
+        res[f"greedy_agreement_{w}"] = round(same / total, 4)
+        res[f"common_prefix_mean_{w}"] = round(sum(prefixes) / len(prefixes), 1)
+        res[f"common_prefixes_{w}"] = prefixes
     res["new_tokens"] = args.new
     for e in engines.values():
         e.close()
@@ -113,15 +120,21 @@ def main() -> None:
         "",
         f"`python {' '.join(shlex.quote(a) for a in sys.argv)}` (dtype {res['dtype']}, "
         f"{base.threads} threads), text `benchmarks/data/quality.txt`. The perplexity is of this "
-        "small, already 4-bit-derived model on short windows: compare the two columns, not the value.",
+        "small, already 4-bit-derived model on short windows: compare the columns, not the value. "
+        "q4 reads the GGUF's Q4_1 groups and computes the float weights' bits; q4a8 also quantizes "
+        "decode and logits rows to 8 bits a group of 32 (integer group dot products).",
         "",
-        "| figure | float | q4 |",
-        "|---|---:|---:|",
-        f"| perplexity, {res['scored_tokens']} tokens teacher-forced by decode steps | {res['ppl_float']} "
-        f"| {res['ppl_q4']} |",
-        f"| greedy tokens equal to float's, {len(PROMPTS)} prompts x {args.new} | 100% "
-        f"| {same / total:.1%} |",
-        f"| mean common prefix (tokens) | {args.new} | {res['common_prefix_mean']} |",
+        "| figure | " + " | ".join(formats) + " |",
+        "|---|" + "---:|" * len(formats),
+        f"| perplexity, {res['scored_tokens']} tokens teacher-forced by decode steps | "
+        + " | ".join(str(res[f"ppl_{w}"]) for w in formats)
+        + " |",
+        f"| greedy tokens equal to float's, {len(PROMPTS)} prompts x {args.new} | 100% | "
+        + " | ".join(f"{res[f'greedy_agreement_{w}']:.1%}" for w in formats[1:])
+        + " |",
+        f"| mean common prefix (tokens) | {args.new} | "
+        + " | ".join(str(res[f"common_prefix_mean_{w}"]) for w in formats[1:])
+        + " |",
         "",
     ]
     (args.out / "quality.md").write_text("\n".join(md))

@@ -146,14 +146,16 @@ def test_prefill_steps_take_the_compiled_loop_only_where_the_own_gemm_computes_p
     assert spy == ([14] if compiled.gemm.own_prefill else [])
 
 
-def _q4(n: int, k: int, seed: int, dtype: torch.dtype = torch.bfloat16, isa: str | None = None) -> Any:
+def _q4(
+    n: int, k: int, seed: int, dtype: torch.dtype = torch.bfloat16, isa: str | None = None, a8: bool = False
+) -> Any:
     from prefixcache.engine.quant import Q4Weight
 
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
     d = (torch.rand(n, k // 32, generator=gen) / 50).half().float()  # float16 values, as in a GGUF
     m = (-torch.rand(n, k // 32, generator=gen) / 10).half().float()
-    return Q4Weight(q, d, m, dtype, isa)
+    return Q4Weight(q, d, m, dtype, isa, a8)
 
 
 def test_a_four_bit_weights_kernel_view_follows_its_dense_tensor() -> None:
@@ -235,6 +237,44 @@ def test_four_bit_weights_compute_the_dequantized_float_runners_bits(
     assert torch.equal(got_kv, want_kv)
     if dense.gemm.own != "amx":
         assert torch.equal(got_kv, ref_kv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_four_bit_weights_with_8_bit_rows_compute_the_python_loops_bits(
+    tiny_runner: ModelRunner, dtype: str, spy: list[int]
+) -> None:
+    """``--weights q4a8``: decode rows in 8 bits a group (pc_q4a8_linear, through the pc_q4w's a8
+    field) give the Python loop's logits and KV in compiled code, decode steps and mixed steps
+    alike, and not the dense runner's (another arithmetic: a runner that skipped the 8-bit rows
+    would give the dense bits)."""
+    from prefixcache.engine.kernels import q4
+    from prefixcache.engine.llama_native import PROJECTIONS
+
+    if q4.load() is None:
+        pytest.skip("the quantized kernels are not built here")
+    dense = copy.copy(_pair(tiny_runner, dtype)[0])
+    quant = copy.copy(dense)
+    dense.layers = [dict(lw) for lw in dense.layers]
+    quant.layers = [dict(lw) for lw in dense.layers]
+    for i, (lw, qw) in enumerate(zip(dense.layers, quant.layers, strict=True)):
+        for j, name in enumerate(PROJECTIONS):
+            w = _q4(*lw[name].shape, seed=10 * i + j, dtype=dense.dtype, isa=dense.gemm.own, a8=True)
+            qw[name], lw[name] = w, w.dense
+            qw[f"{name}_b"] = lw[f"{name}_b"] = None
+    python = copy.copy(quant)
+    python.layer_loop = "python"
+    got, got_kv = _scenario(quant, 3, prefill=64)
+    formats = spy.formats  # type: ignore[attr-defined]
+    assert list(spy)[-6:] == [3] * 6 and formats[-6:] == [1] * 6  # decode steps: compiled, 4-bit
+    spy.clear()
+    want, want_kv = _scenario(python, 3, prefill=64)
+    assert spy == []
+    ref, _ = _scenario(dense, 3, prefill=64)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), i
+    assert torch.equal(got_kv, want_kv)
+    assert not torch.equal(got[-1], ref[-1])  # the decode rows' logits: 8-bit rows, not dense
+    assert torch.allclose(got[-1].float(), ref[-1].float(), atol=0.5, rtol=0.1)
 
 
 @pytest.mark.model

@@ -48,7 +48,7 @@ def test_the_int4_kernel_computes_the_groups_product_with_invariant_rows(
 
 
 def test_bad_weight_formats_are_refused_with_what_to_pass(tiny_runner) -> None:
-    with pytest.raises(ValueError, match="weights must be one of auto, float, q4"):
+    with pytest.raises(ValueError, match="weights must be one of auto, float, q4, q4a8"):
         Engine(tiny_runner, prefill_chunk=16, weights="q8")
     with pytest.raises(ValueError, match="needs a GGUF model with Q4_1 weights"):
         Engine(tiny_runner, prefill_chunk=16, weights="q4")
@@ -102,6 +102,65 @@ def test_q4_smollm2_is_exact_invariant_and_in_its_own_namespace(real_runner, ker
     finally:
         for e in (q4, plain, off):
             e.close()
+
+
+@pytest.mark.model
+def test_q4a8_smollm2_is_exact_invariant_and_in_its_own_namespace(real_runner, monkeypatch) -> None:
+    """``--weights q4a8`` (decode and logits rows in 8 bits a group): another model numerically,
+    so its own namespace; exact in itself (rows invariant at every count, batched under a cached
+    system prompt equals alone with the cache off). How close it stays to the float weights is
+    bench_quality.py's figure, not a test's: a greedy token flips where two logits are within the
+    8-bit rows' error."""
+    monkeypatch.delenv("PREFIXCACHE_Q4", raising=False)
+    if q4_kernel.load() is None:
+        with pytest.raises(ValueError, match="q4a8 needs the own quantized kernels"):
+            Engine(real_runner, weights="q4a8")
+        return
+    a8 = Engine(real_runner, weights="q4a8")
+    q4 = Engine(real_runner, weights="q4")
+    off = Engine(real_runner, weights="q4a8", enable_cache=False)
+    try:
+        assert isinstance(a8.runner, LlamaRunner) and a8.runner.weights_format == "q4_1a8"
+        assert not a8.runner.weights_exact and "q4_1a8-pcq4a8-v" in a8.runner.weights_id
+        assert a8.fingerprint != q4.fingerprint
+        assert isinstance(a8.runner.lm_head, Q8Weight) and a8.runner.lm_head.a8
+        assert all(a8.runner.layers[0][n].a8 for n in ("qkv", "o", "gu", "down"))
+        assert _check_invariance(a8.runner, 611, 1) == []
+        system = "You are a terse assistant for a bicycle shop. Answer in one short sentence. " * 6
+        msgs = [
+            [{"role": "system", "content": system}, {"role": "user", "content": q}]
+            for q in ("Do you fix flat tyres?", "When do you open?", "Do you sell helmets?", "Hi")
+        ]
+        alone = [off.generate(messages=m, max_tokens=12) for m in msgs]
+        a8.generate(messages=msgs[0], max_tokens=1)
+        got: dict[int, object] = {}
+
+        def ask(i: int) -> None:
+            got[i] = a8.generate(messages=msgs[i], max_tokens=12)
+
+        workers = [threading.Thread(target=ask, args=(i,)) for i in range(len(msgs))]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join(300)
+        for i, ref in enumerate(alone):
+            assert got[i].tokens == ref.tokens, i  # type: ignore[attr-defined]
+            assert got[i].usage.cached_tokens > 0  # type: ignore[attr-defined]
+    finally:
+        for e in (a8, q4, off):
+            e.close()
+
+
+def test_q4a8_without_the_own_kernels_says_what_to_use(tiny_runner, monkeypatch) -> None:
+    monkeypatch.setenv("PREFIXCACHE_Q4", "torch")
+    with pytest.raises(ValueError, match="q4a8 needs the own quantized kernels.*use --weights q4 or float"):
+        Q4Weight(
+            torch.zeros(4, 32, dtype=torch.int32),
+            torch.zeros(4, 1),
+            torch.zeros(4, 1),
+            torch.float32,
+            a8=True,
+        )
 
 
 def test_auto_keeps_the_float_weights_without_a_q4_gguf(tiny_runner) -> None:

@@ -217,8 +217,10 @@ def serve(
         str,
         typer.Option(
             help="auto (the default: q4 where it computes the float model's bits, else float), "
-            "float (the model's weights in the compute dtype) or q4 (the GGUF's 4-bit Q4_1 groups "
-            "read in place: a quarter of the bytes a decode step reads)."
+            "float (the model's weights in the compute dtype), q4 (the GGUF's 4-bit Q4_1 groups "
+            "read in place: a quarter of the bytes a decode step reads) or q4a8 (q4 with decode "
+            "rows in 8 bits a group, as llama.cpp computes Q4_1: faster single streams, another "
+            "model numerically with its own cache namespace; see docs/engine.md)."
         ),
     ] = "auto",
     max_batch: Annotated[

@@ -124,7 +124,7 @@ def layer_pointers(
             elif name in PROJECTIONS and getattr(t, "desc", None) is not None and lw[f"{name}_b"] is None:
                 if decode_only:
                     kinds.add(1)
-                elif t.isa not in (None, "amx") and t.dense.dtype == runner.dtype:
+                elif (t.a8 or t.isa not in (None, "amx")) and t.dense.dtype == runner.dtype:
                     kinds.add(2)
                 else:
                     return None

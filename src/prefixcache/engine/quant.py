@@ -38,7 +38,7 @@ from prefixcache.engine.kernels import q4 as q4_kernel
 
 log = logging.getLogger(__name__)
 
-WEIGHT_FORMATS = ("auto", "float", "q4")
+WEIGHT_FORMATS = ("auto", "float", "q4", "q4a8")
 #: The name the 4-bit format carries in ``weights_id`` (and so in the cache namespace).
 Q4_TAG = "q4_1-int4pack"
 GROUP = 32
@@ -60,20 +60,31 @@ class Q4Weight:
     compiled layer loop reads ``kernel_view()``, which adds ``dense``), None on torch's kernel."""
 
     def __init__(
-        self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype, isa: str | None = None
+        self,
+        q: torch.Tensor,
+        d: torch.Tensor,
+        m: torch.Tensor,
+        dtype: torch.dtype,
+        isa: str | None = None,
+        a8: bool = False,
     ) -> None:
-        """``q``: int32 ``[N, K]`` in 0..15; ``d``, ``m``: float32 ``[N, K / 32]`` (float16 values)."""
+        """``q``: int32 ``[N, K]`` in 0..15; ``d``, ``m``: float32 ``[N, K / 32]`` (float16 values).
+        ``a8``: decode rows quantized to 8 bits a group (``--weights q4a8``; the own kernel only)."""
         n, k = q.shape
         self.shape = (n, k)
         full = q.float().view(n, k // GROUP, GROUP) * d[..., None] + m[..., None]
         self.dense = full.view(n, k).to(dtype).contiguous()
         self.own = own_kernel()
+        if a8 and self.own is None:
+            raise ValueError(A8_NEEDS_OWN)
         self.isa = isa
+        self.a8 = a8
         self.any_rows = self.own is not None
         self.desc: ctypes.Array[ctypes.c_void_p] | None = None
         self._view: tuple[ctypes.Array[ctypes.c_void_p], torch.Tensor] | None = None
         if self.own is not None:
-            self.qs, self.d, self.m = q4_kernel.pack(q), q4_kernel.halves(d), q4_kernel.halves(m)
+            self.qs = q4_kernel.pack_pairs(q) if a8 else q4_kernel.pack(q)
+            self.d, self.m = q4_kernel.halves(d), q4_kernel.halves(m)
             self.desc = (ctypes.c_void_p * 3)(self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr())
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
@@ -87,7 +98,8 @@ class Q4Weight:
         same values after loading, and a view built before would point at freed memory."""
         assert self.desc is not None, "torch's int4 kernel has no pc_q4w view"
         if self._view is None or self._view[1] is not self.dense:
-            view = (ctypes.c_void_p * 4)(*self.desc, self.dense.data_ptr())
+            # pc_forward.c's pc_q4w: nibbles, scales, mins, dense, and a8 (non-NULL: 8-bit rows)
+            view = (ctypes.c_void_p * 5)(*self.desc, self.dense.data_ptr(), 1 if self.a8 else None)
             self._view = (view, self.dense)
         return ctypes.addressof(self._view[0])
 
@@ -95,6 +107,8 @@ class Q4Weight:
         if not decode:
             return torch.nn.functional.linear(x, self.dense)
         if self.own is not None:
+            if self.a8:
+                return self.own.linear_a8(x, self.qs, self.d, self.m)
             return self.own.linear(x, self.qs, self.d, self.m, isa=self.isa)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.contiguous(), self.packed, GROUP, self.scales_zeros
@@ -108,19 +122,28 @@ class Q8Weight:
     ``dense`` (the same values in the compute dtype), which serves any other row."""
 
     def __init__(
-        self, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype, own: q4_kernel.Q4Kernel, isa: str | None
+        self,
+        q: torch.Tensor,
+        d: torch.Tensor,
+        dtype: torch.dtype,
+        own: q4_kernel.Q4Kernel,
+        isa: str | None,
+        a8: bool = False,
     ) -> None:
-        """``q``: int8 ``[N, K / 32, 32]``; ``d``: float32 ``[N, K / 32]`` (float16 values)."""
+        """``q``: int8 ``[N, K / 32, 32]``; ``d``: float32 ``[N, K / 32]`` (float16 values).
+        ``a8``: logits rows quantized to 8 bits a group (``--weights q4a8``)."""
         n, gk, _ = q.shape
         self.shape = (n, gk * 32)
         self.dense = (q.float() * d[..., None]).view(self.shape).to(dtype).contiguous()
-        self.own, self.isa = own, isa
+        self.own, self.isa, self.a8 = own, isa, a8
         self.any_rows = True
         self.q, self.d = q.contiguous(), q4_kernel.halves(d)
 
     def linear(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
         if not decode:
             return torch.nn.functional.linear(x, self.dense)
+        if self.a8:
+            return self.own.linear8_a8(x, self.q, self.d)
         return self.own.linear8(x, self.q, self.d, isa=self.isa)
 
 
@@ -133,6 +156,11 @@ def q4_kernel_choice() -> str:
 
 
 _warned: set[str] = set()
+
+A8_NEEDS_OWN = (
+    "--weights q4a8 needs the own quantized kernels (kernels/pc_q4.c), which are not built here "
+    "(see the log) or are off (PREFIXCACHE_Q4=torch); use --weights q4 or float"
+)
 
 
 def own_kernel() -> q4_kernel.Q4Kernel | None:
@@ -193,14 +221,18 @@ def _unpermute(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.reshape(heads, n // heads // 2, 2, *x.shape[1:]).transpose(1, 2).reshape(x.shape)
 
 
-def quantize_runner(runner: Any, path: Path | None) -> Any:
-    """A copy of ``runner`` (a LlamaRunner) whose projections are the GGUF's Q4_1 groups.
+def quantize_runner(runner: Any, path: Path | None, a8: bool = False) -> Any:
+    """A copy of ``runner`` (a LlamaRunner) whose projections are the GGUF's Q4_1 groups (``a8``:
+    with decode and logits rows quantized to 8 bits a group, ``--weights q4a8``).
 
-    Raises ``ValueError`` saying what to pass when the model has no Q4_1 projections."""
+    Raises ``ValueError`` saying what to pass when the model has no Q4_1 projections, or, with
+    ``a8``, when the own kernels are not built."""
     if runner.device.type != "cpu":
         raise ValueError("--weights q4 runs on the CPU (torch's int4 kernel for CPUs); drop it on CUDA")
     if path is None or not Path(path).is_file() or Path(path).suffix.lower() != ".gguf":
         raise ValueError("--weights q4 needs a GGUF model with Q4_1 weights (the embedded SmolLM2 is one)")
+    if a8 and own_kernel() is None:
+        raise ValueError(A8_NEEDS_OWN)
     tensors, eights = read_groups(Path(path))
     heads, kv_heads, dt = runner.num_heads, runner.num_kv_heads, runner.dtype
     # the own kernel computes what the runner's own GEMM computes; without one, torch's int4 kernel
@@ -220,7 +252,7 @@ def quantize_runner(runner: Any, path: Path | None) -> Any:
 
         def fused(*keys: str, parts: dict[str, Any] = parts) -> Q4Weight:
             q, d, m = (torch.cat([parts[k][j] for k in keys]) for j in range(3))
-            return Q4Weight(q, d, m, dt, isa)
+            return Q4Weight(q, d, m, dt, isa, a8)
 
         layer = dict(lw)
         layer["qkv"] = fused("attn_q", "attn_k", "attn_v")
@@ -233,30 +265,33 @@ def quantize_runner(runner: Any, path: Path | None) -> Any:
                 layer[name].dense = lw[name]  # the same values (checked): one copy in memory
         out.layers.append(layer)
     own = own_kernel()
-    tag = Q4_TAG if own is None else f"q4_1-{own.id}"  # blocks of different kernels never mix
+    # blocks of different kernels never mix
+    tag = Q4_TAG if own is None else (f"q4_1a8-{own.id_a8}" if a8 else f"q4_1-{own.id}")
     head = eights.get("output.weight") or eights.get("token_embd.weight")
     if (
         own is not None
         and head is not None
         and tuple(head[0].shape[:2]) == (out.vocab_size, out.hidden // 32)
     ):
-        lm_head = Q8Weight(*head, dt, own, isa)
+        lm_head = Q8Weight(*head, dt, own, isa, a8)
         if torch.equal(lm_head.dense, runner.lm_head.to(dt)):  # the values the model loaded
             if runner.lm_head.dtype == dt:
                 lm_head.dense = runner.lm_head
             out.lm_head = lm_head
-            tag += "-q8_0head"
+            tag += "-q8_0a8head" if a8 else "-q8_0head"
     # On the own kernels (every GEMM ISA but AMX's tiles) a 4-bit runner computes its float twin's
     # bits, prompt rows' KV included: the same cache namespace, so the two share blocks and tiers.
-    out.weights_exact = own is not None and isa not in (None, "amx")
+    # With 8-bit rows (a8) it is another model numerically: its own namespace.
+    out.weights_exact = own is not None and isa not in (None, "amx") and not a8
     out.weights_id = runner.weights_id if out.weights_exact else f"{runner.weights_id}+{tag}"
-    out.weights_format = "q4_1"
+    out.weights_format = "q4_1a8" if a8 else "q4_1"
     out._own_runners = {}
     log.info(
-        "4-bit weights: %d layers from %s's Q4_1 groups%s",
+        "4-bit weights: %d layers from %s's Q4_1 groups%s%s",
         len(out.layers),
         Path(path).name,
-        ", lm_head in its Q8_0 groups" if tag.endswith("q8_0head") else "",
+        ", lm_head in its Q8_0 groups" if "q8_0" in tag else "",
+        ", decode rows in 8 bits a group (another model numerically: its own cache namespace)" if a8 else "",
     )
     return out
 

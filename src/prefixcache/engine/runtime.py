@@ -76,30 +76,35 @@ def select_runner(base: ModelRunner, runner: str = "auto", dtype: str | None = N
 
 def quantized_runner(base: ModelRunner, runner: ModelRunner, weights: str) -> ModelRunner:
     """``runner`` with ``weights``: ``float`` (as loaded), ``q4`` (the GGUF's Q4_1 groups read in
-    place), or ``auto`` (q4 where that computes the float model's bits: a GGUF with Q4_1
-    projections, the own runner on the CPU with the own quantized kernels and a GEMM ISA they
-    reproduce; else float). Built once per (base, runner, q4 kernel): the kernel ``PREFIXCACHE_Q4``
-    picks is part of the key, since it changes the bits a step gives and the cache namespace."""
+    place), ``q4a8`` (the same groups, decode and logits rows in 8 bits a group: another model
+    numerically, opt-in), or ``auto`` (q4 where that computes the float model's bits: a GGUF with
+    Q4_1 projections, the own runner on the CPU with the own quantized kernels and a GEMM ISA they
+    reproduce; else float). Built once per (base, runner, format, q4 kernel): the kernel
+    ``PREFIXCACHE_Q4`` picks is part of the key, since it changes the bits a step gives and the
+    cache namespace."""
     from prefixcache.engine.quant import WEIGHT_FORMATS, q4_kernel_choice, quantize_runner
 
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}; got {weights!r}")
-    if getattr(runner, "weights_format", None) == "q4_1":
+    if getattr(runner, "weights_format", None) in ("q4_1", "q4_1a8"):
         return runner  # already 4-bit (an engine handed a prepared runner)
     if weights == "float" or (weights == "auto" and not _exact_q4_possible(base, runner)):
         return runner
     if not isinstance(runner, LlamaRunner):
-        raise ValueError("--weights q4 needs the own runner (a Llama-family model, runner auto or llama)")
+        raise ValueError(
+            f"--weights {weights} needs the own runner (a Llama-family model, runner auto or llama)"
+        )
+    a8 = weights == "q4a8"
     made = base.__dict__.setdefault("_q4_runners", {})
-    key = (id(runner), runner.dtype_name, q4_kernel_choice())
+    key = (id(runner), runner.dtype_name, q4_kernel_choice(), a8)
     if key not in made:
         try:
-            made[key] = quantize_runner(runner, getattr(base, "source_path", None))
+            made[key] = quantize_runner(runner, getattr(base, "source_path", None), a8=a8)
         except ValueError as exc:
             made[key] = exc  # remembered: a later q4 says why, a later auto does not read again
     out = made[key]
     if isinstance(out, ValueError):
-        if weights == "q4":
+        if weights != "auto":
             raise out
         return runner  # auto: a GGUF without Q4_1 projections keeps its float weights
     if weights == "auto" and not getattr(out, "weights_exact", False):

@@ -13,7 +13,8 @@
  * pc_gemm over the decode rows and pc_gemm_rows (the prompt-rows arithmetic) over the prompt rows,
  * one call per run of consecutive segments of one kind, as GemmRule.linear splits them; or, on a
  * step of decode rows alone, pc_q4_linear with 4-bit weights (wfmt 1: each projection's pointer
- * is a pc_q4w, no biases; the same bits as pc_gemm on the dequantized weights, see pc_q4.c); or,
+ * is a pc_q4w, no biases; the same bits as pc_gemm on the dequantized weights, see pc_q4.c; or
+ * pc_q4a8_linear's 8-bit rows where the pc_q4w says a8, another model numerically); or,
  * on a step with both kinds, 4-bit weights for the decode runs and their dequantized values for
  * the prompt runs (wfmt 2: the pc_q4w's `dense`), as GemmRule.linear does with a Q4Weight.
  */
@@ -35,14 +36,23 @@ int pc_gemm_rows(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void
                  const void *bias, void *y, int64_t ldy, int nt);
 int pc_q4_linear(int dt, int isa, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const uint8_t *qs,
                  const uint16_t *d, const uint16_t *m, void *y, int64_t ldy, int threads, int path);
+int pc_q4a8_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const uint8_t *qs,
+                   const uint16_t *d, const uint16_t *m, void *y, int64_t ldy, int threads, int path);
 
-/* A 4-bit weight as pc_q4.c reads it (nibbles, float16 scales and mins), and its values
- * dequantized into the compute dtype ([N, K], contiguous). */
+/* A 4-bit weight as pc_q4.c reads it (nibbles, float16 scales and mins), its values dequantized
+ * into the compute dtype ([N, K], contiguous), and a8: non-NULL where its decode rows go in 8 bits
+ * a group (pc_q4a8_linear, --weights q4a8; qs then in that kernel's two-group records). */
 typedef struct {
     const uint8_t *qs;
     const uint16_t *d, *m;
-    const void *dense;
+    const void *dense, *a8;
 } pc_q4w;
+
+static int q4_rows(const pc_q4w *q, int dt, int isa, int64_t nr, int64_t N, int64_t K, const void *x, void *y,
+                   int nt) {
+    if (q->a8) return pc_q4a8_linear(dt, nr, N, K, x, K, q->qs, q->d, q->m, y, N, nt, 0);
+    return pc_q4_linear(dt, isa, nr, N, K, x, K, q->qs, q->d, q->m, y, N, nt, 0);
+}
 
 /* Runs of consecutive rows of one kind (a prompt run, a decode run), from the segments. */
 typedef struct {
@@ -54,7 +64,7 @@ typedef struct {
 static int project(int wfmt, int prompt, int dt, int isa, int64_t R, int64_t N, int64_t K, const void *x,
                    const void *w, const void *bias, void *y, int nt, const pc_runs *runs) {
     const pc_q4w *q = (const pc_q4w *)w;
-    if (wfmt == 1) return pc_q4_linear(dt, isa, R, N, K, x, K, q->qs, q->d, q->m, y, N, nt, 0);
+    if (wfmt == 1) return q4_rows(q, dt, isa, R, N, K, x, y, nt);
     if (!runs) return pc_gemm(dt, isa, R, N, K, x, K, w, bias, y, N, nt);
     const void *dense = wfmt == 2 ? q->dense : w;
     const int64_t es = dt == 1 ? 2 : 4;
@@ -64,7 +74,7 @@ static int project(int wfmt, int prompt, int dt, int isa, int64_t R, int64_t N, 
         char *yr = (char *)y + r0 * N * es;
         int rc;
         if (runs->run[i][2] && wfmt == 2)
-            rc = pc_q4_linear(dt, isa, nr, N, K, xr, K, q->qs, q->d, q->m, yr, N, nt, 0);
+            rc = q4_rows(q, dt, isa, nr, N, K, xr, yr, nt);
         else if (runs->run[i][2] || !prompt)
             rc = pc_gemm(dt, isa, nr, N, K, xr, K, dense, bias, yr, N, nt);
         else

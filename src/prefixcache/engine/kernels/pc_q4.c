@@ -594,3 +594,305 @@ int pc_q8_linear(int dt, int isa, int64_t nr, int64_t n, int64_t k, const void *
     }
     return 0;
 }
+
+/* ================================================================ 8-bit activations (--weights q4a8)
+ *
+ * pc_q4a8_linear and pc_q8a8_linear compute another model than the functions above: each row is
+ * first quantized to 8 bits per group of 32 (as llama.cpp's Q8_1 rows: amax = max |x|, a = amax /
+ * 127, x_i -> nearbyint(x_i * (1 / a)), clamped to +-127; s = a * the sum of the group's
+ * integers), then each group's dot product is exact integer arithmetic. The float arithmetic is
+ * fixed per (row, column), so a row's bits depend only on the row and K:
+ *   lane l (0-7) holds the integer sum of elements 4l .. 4l+3 of q * x_int (exact: |sum| < 2^15),
+ *   acc_l = fma(d_g * a_g, (float)sum_l, acc_l) over the groups g ascending, from +0;
+ *   Q4_1 only: mv_l = fma(m_g, s_g, mv_l) over the groups g = l, l + 8, ... ascending, from +0;
+ *   y = tree8(acc) (+ tree8(mv)), tree8(v) = ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)),
+ *   rounded once to the output dtype.
+ * The AVX2 path (also on AVX512 machines) and the scalar path give the same bits (no saturation
+ * can occur: |q4 * x| <= 15 * 127, |q8 * x| <= 128 * 127, a pair's sum fits 16 bits).
+ *
+ * Q4_1 weights come in their own layout here, two groups a 32-byte record: byte i holds element i
+ * of group 2p in its low nibble and element i of group 2p + 1 in its high nibble (an odd last
+ * group: high nibbles 0), so one load and three instructions give two groups' 64 values. A row
+ * reads 0.625 bytes a weight, as with the GGUF's layout. */
+#define PC_Q4A8_VERSION 1
+int pc_q4a8_version(void) { return PC_Q4A8_VERSION; }
+
+#define G8(gk) (((gk) + 7) / 8 * 8) /* groups rounded up to whole lanes of eight */
+
+/* One row of k floats (x float32 or bfloat16) -> k int8, and per group its scale a and a * sum
+ * (a and s hold G8(k / 32) entries, the ones past k / 32 zero). */
+static void quantize_row8(int dt, const void *x, int64_t k, int8_t *q, float *a, float *s) {
+    const int64_t gk = k / 32;
+    for (int64_t g = 0; g < gk; g++) {
+        float v[32], amax = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            v[i] = xat(dt, x, g * 32 + i);
+            const float av = v[i] < 0 ? -v[i] : v[i];
+            amax = av > amax ? av : amax; /* a NaN never wins */
+        }
+        const float d = amax / 127.0f, id = d > 0.0f && d <= 3.4e38f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < 32; i++) {
+            float t = __builtin_nearbyintf(v[i] * id);
+            t = t > 127.0f ? 127.0f : (t < -127.0f ? -127.0f : t);
+            if (t != t) t = 0.0f; /* a row with an infinity: inf * 0 */
+            q[g * 32 + i] = (int8_t)t;
+            sum += (int8_t)t;
+        }
+        a[g] = d;
+        s[g] = d * (float)sum;
+    }
+    for (int64_t g = gk; g < G8(gk); g++) a[g] = s[g] = 0.0f;
+}
+
+static inline float tree8(const float *l) {
+    const float s4[4] = {l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]};
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/* A quantized row as the kernels read it. */
+typedef struct {
+    const int8_t *q;
+    const float *a, *s;
+} row8;
+
+static inline int q4pair_at(const uint8_t *qs, int64_t g, int i) { /* element i of group g */
+    const uint8_t b = qs[(g / 2) * 32 + i];
+    return g % 2 ? b >> 4 : b & 15;
+}
+
+static void q4a8_col_scalar(const uint8_t *qs, const uint16_t *d, const uint16_t *m, int64_t gk, row8 x, int dt,
+                            void *y) {
+    float acc[8] = {0}, mv[8] = {0};
+    for (int64_t g = 0; g < gk; g++) {
+        const int8_t *xq = x.q + g * 32;
+        const float dd = half_to_float(d[g]) * x.a[g];
+        for (int l = 0; l < 8; l++) {
+            int sum = 0;
+            for (int i = 4 * l; i < 4 * l + 4; i++) sum += q4pair_at(qs, g, i) * xq[i];
+            acc[l] = __builtin_fmaf(dd, (float)sum, acc[l]);
+        }
+    }
+    for (int64_t g = 0; g < gk; g++) mv[g % 8] = __builtin_fmaf(half_to_float(m[g]), x.s[g], mv[g % 8]);
+    put(dt, y, 0, tree8(acc) + tree8(mv));
+}
+
+static void q8a8_col_scalar(const int8_t *wq, const uint16_t *d, int64_t gk, row8 x, int dt, void *y) {
+    float acc[8] = {0};
+    for (int64_t g = 0; g < gk; g++) {
+        const int8_t *b = wq + g * 32, *xq = x.q + g * 32;
+        const float dd = half_to_float(d[g]) * x.a[g];
+        for (int l = 0; l < 8; l++) {
+            int sum = 0;
+            for (int i = 4 * l; i < 4 * l + 4; i++) sum += b[i] * xq[i];
+            acc[l] = __builtin_fmaf(dd, (float)sum, acc[l]);
+        }
+    }
+    put(dt, y, 0, tree8(acc));
+}
+
+#ifdef Q4_HAVE_AVX2
+static inline float tree8_256(__m256 v) { /* tree8's order: lanes l + l+4, then (0 + 2) + (1 + 3) */
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+#define A8_MAXG 64 /* groups (k / 32) the AVX2 tiles take; longer rows take the scalar path */
+
+/* dd[j][c][g] = d_g * a_g for every group of the tile (before the loop over the weights, so the
+ * loop broadcasts each from memory, and a lane of eight is one multiply as the scalar one). */
+Q4_INLINE void a8_scales(const uint16_t *d, int64_t gk, const row8 *x, const int T, const int C,
+                         float dd[2][4][A8_MAXG]) {
+    const int64_t g8 = gk / 8 * 8;
+    for (int c = 0; c < C; c++) {
+        for (int64_t g = 0; g < g8; g += 8) {
+            const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + c * gk + g)));
+            for (int j = 0; j < T; j++) _mm256_storeu_ps(dd[j][c] + g, _mm256_mul_ps(d8, _mm256_loadu_ps(x[j].a + g)));
+        }
+        for (int64_t g = g8; g < gk; g++)
+            for (int j = 0; j < T; j++) dd[j][c][g] = _cvtsh_ss(d[c * gk + g]) * x[j].a[g];
+    }
+}
+
+/* The Q4_1 mins' term of one (row, column): tree8 of the lanes mv_l (see the block comment). */
+static inline float a8_mins(const uint16_t *m, int64_t gk, const row8 *x) {
+    const int64_t g8 = gk / 8 * 8;
+    __m256 mv = _mm256_setzero_ps();
+    for (int64_t g = 0; g < g8; g += 8)
+        mv = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g))), _mm256_loadu_ps(x->s + g), mv);
+    if (g8 == gk) return tree8_256(mv);
+    float l[8];
+    _mm256_storeu_ps(l, mv);
+    for (int64_t g = g8; g < gk; g++) l[g % 8] = __builtin_fmaf(_cvtsh_ss(m[g]), x->s[g], l[g % 8]);
+    return tree8(l);
+}
+
+#define A8_FMA(j, c, W, X, g)                                                                                      \
+    acc[j][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(&dd[j][c][g]),                                                 \
+                                _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(W, X), ones)), acc[j][c])
+
+/* T rows (1 or 2) x C columns (1 or 4; column c's records at qs + c * gp * 32, output at y + c). */
+Q4_INLINE void q4a8_avx2_t(const uint8_t *qs, const uint16_t *d, const uint16_t *m, int64_t gk, const row8 *x,
+                           const int T, const int C, int dt, void *y, int64_t ldy) {
+    const __m256i lo4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const int64_t gp = gk / 2; /* whole records (an odd last group after the loop) */
+    float dd[2][4][A8_MAXG];
+    a8_scales(d, gk, x, T, C, dd);
+    __m256 acc[2][4];
+    for (int j = 0; j < T; j++)
+        for (int c = 0; c < C; c++) acc[j][c] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < gp; p++) {
+        __m256i xa[2], xb[2];
+        for (int j = 0; j < T; j++) {
+            xa[j] = _mm256_loadu_si256((const __m256i *)(x[j].q + p * 64));
+            xb[j] = _mm256_loadu_si256((const __m256i *)(x[j].q + p * 64 + 32));
+        }
+        for (int c = 0; c < C; c++) {
+            const uint8_t *b = qs + (c * ((gk + 1) / 2) + p) * 32;
+            if (p % 2 == 0) _mm_prefetch((const char *)(b + Q4_AHEAD * 4 * ((gk + 1) / 2) * 32), _MM_HINT_T0);
+            const __m256i v = _mm256_loadu_si256((const __m256i *)b);
+            const __m256i wl = _mm256_and_si256(v, lo4), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+            for (int j = 0; j < T; j++) {
+                A8_FMA(j, c, wl, xa[j], 2 * p);
+                A8_FMA(j, c, wh, xb[j], 2 * p + 1);
+            }
+        }
+    }
+    if (gk % 2)
+        for (int c = 0; c < C; c++) {
+            const __m256i wl = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(qs + (c * (gp + 1) + gp) * 32)), lo4);
+            for (int j = 0; j < T; j++) A8_FMA(j, c, wl, _mm256_loadu_si256((const __m256i *)(x[j].q + gp * 64)), gk - 1);
+        }
+    for (int j = 0; j < T; j++)
+        for (int c = 0; c < C; c++) put(dt, y, j * ldy + c, tree8_256(acc[j][c]) + a8_mins(m + c * gk, gk, x + j));
+}
+
+Q4_INLINE void q8a8_avx2_t(const int8_t *wq, const uint16_t *d, int64_t gk, const row8 *x, const int T, const int C,
+                           int dt, void *y, int64_t ldy) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    float dd[2][4][A8_MAXG];
+    a8_scales(d, gk, x, T, C, dd);
+    __m256 acc[2][4];
+    for (int j = 0; j < T; j++)
+        for (int c = 0; c < C; c++) acc[j][c] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < gk; g++) {
+        __m256i xv[2];
+        for (int j = 0; j < T; j++) xv[j] = _mm256_loadu_si256((const __m256i *)(x[j].q + g * 32));
+        for (int c = 0; c < C; c++) {
+            const int8_t *b = wq + (c * gk + g) * 32;
+            if (g % 2 == 0) _mm_prefetch((const char *)(b + Q4_AHEAD * 4 * gk * 32), _MM_HINT_T0);
+            const __m256i w = _mm256_loadu_si256((const __m256i *)b), aw = _mm256_sign_epi8(w, w);
+            for (int j = 0; j < T; j++) A8_FMA(j, c, aw, _mm256_sign_epi8(xv[j], w), g);
+        }
+    }
+    for (int j = 0; j < T; j++)
+        for (int c = 0; c < C; c++) put(dt, y, j * ldy + c, tree8_256(acc[j][c]));
+}
+#undef A8_FMA
+#endif
+
+/* Rows quantized once a call (one allocation). */
+static row8 *quantize_rows(int dt, const void *x, int64_t ldx, int64_t nr, int64_t k, void **mem) {
+    const int64_t gk = k / 32, g8 = G8(gk), es = dt == 1 ? 2 : 4;
+    char *p = malloc((size_t)(nr * ((int64_t)sizeof(row8) + 8 * g8 + k) + 64));
+    *mem = p;
+    if (!p) return NULL;
+    row8 *rows = (row8 *)p;
+    float *f = (float *)(p + nr * sizeof(row8));
+    int8_t *q = (int8_t *)(f + 2 * nr * g8);
+    for (int64_t r = 0; r < nr; r++) {
+        float *a = f + 2 * r * g8, *s = a + g8;
+        rows[r] = (row8){q + r * k, a, s};
+        quantize_row8(dt, (const char *)x + r * ldx * es, k, q + r * k, a, s);
+    }
+    return rows;
+}
+
+/* Rows two at a time (a quad of columns' records stay in L1 between the passes), then a lone one. */
+#define A8_TILES(CALL)                                                                                             \
+    do {                                                                                                           \
+        int64_t r = 0;                                                                                             \
+        for (; r + 2 <= nr; r += 2) CALL(r, 2);                                                                    \
+        if (r < nr) CALL(r, 1);                                                                                    \
+    } while (0)
+
+/* y[nr, n] = x[nr, k] @ W^T with 8-bit rows (see above). qs: uint8 [n, (k/32 + 1) / 2, 32] in
+ * the two-group records; d, m: float16 [n, k/32]; x, y: float32 (dt 0) or bfloat16 (dt 1); path:
+ * the lanes path as pc_q4_linear's (2: scalar). Returns 0, or -3 when out of memory. */
+int pc_q4a8_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const uint8_t *qs,
+                   const uint16_t *d, const uint16_t *m, void *y, int64_t ldy, int threads, int path) {
+    if (nr <= 0 || n <= 0) return 0;
+    void *mem;
+    const row8 *rows = quantize_rows(dt, x, ldx, nr, k, &mem);
+    if (!rows) return -3;
+    const int64_t gk = k / 32, gp = (gk + 1) / 2, es = dt == 1 ? 2 : 4, quads = (n + 3) / 4;
+    const int kind = lanes_kind(path);
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int64_t cq = 0; cq < quads; cq++) {
+        const int64_t c0 = cq * 4, cw = n - c0 >= 4 ? 4 : n - c0;
+        char *yc = (char *)y + c0 * es;
+#ifdef Q4_HAVE_AVX2
+        if (kind != 2 && gk <= A8_MAXG) {
+#define Q4A8(r, t)                                                                                                   \
+    do {                                                                                                             \
+        if (cw == 4)                                                                                                 \
+            q4a8_avx2_t(qs + c0 * gp * 32, d + c0 * gk, m + c0 * gk, gk, rows + (r), t, 4, dt, yc + (r) * ldy * es,  \
+                        ldy);                                                                                        \
+        else                                                                                                         \
+            for (int64_t c = 0; c < cw; c++)                                                                         \
+                q4a8_avx2_t(qs + (c0 + c) * gp * 32, d + (c0 + c) * gk, m + (c0 + c) * gk, gk, rows + (r), t, 1, dt,  \
+                            yc + ((r) * ldy + c) * es, ldy);                                                         \
+    } while (0)
+            A8_TILES(Q4A8);
+#undef Q4A8
+            continue;
+        }
+#endif
+        (void)kind;
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t c = c0; c < c0 + cw; c++)
+                q4a8_col_scalar(qs + c * gp * 32, d + c * gk, m + c * gk, gk, rows[r], dt,
+                                (char *)y + (r * ldy + c) * es);
+    }
+    free(mem);
+    return 0;
+}
+
+/* The same for Q8_0 weights (wq int8 [n, k/32, 32], d float16 [n, k/32]; no mins). */
+int pc_q8a8_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const int8_t *wq,
+                   const uint16_t *d, void *y, int64_t ldy, int threads, int path) {
+    if (nr <= 0 || n <= 0) return 0;
+    void *mem;
+    const row8 *rows = quantize_rows(dt, x, ldx, nr, k, &mem);
+    if (!rows) return -3;
+    const int64_t gk = k / 32, es = dt == 1 ? 2 : 4, quads = (n + 3) / 4;
+    const int kind = lanes_kind(path);
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int64_t cq = 0; cq < quads; cq++) {
+        const int64_t c0 = cq * 4, cw = n - c0 >= 4 ? 4 : n - c0;
+        char *yc = (char *)y + c0 * es;
+#ifdef Q4_HAVE_AVX2
+        if (kind != 2 && gk <= A8_MAXG) {
+#define Q8A8(r, t)                                                                                                   \
+    do {                                                                                                             \
+        if (cw == 4)                                                                                                 \
+            q8a8_avx2_t(wq + c0 * gk * 32, d + c0 * gk, gk, rows + (r), t, 4, dt, yc + (r) * ldy * es, ldy);         \
+        else                                                                                                         \
+            for (int64_t c = 0; c < cw; c++)                                                                         \
+                q8a8_avx2_t(wq + (c0 + c) * gk * 32, d + (c0 + c) * gk, gk, rows + (r), t, 1, dt,                    \
+                            yc + ((r) * ldy + c) * es, ldy);                                                         \
+    } while (0)
+            A8_TILES(Q8A8);
+#undef Q8A8
+            continue;
+        }
+#endif
+        (void)kind;
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t c = c0; c < c0 + cw; c++)
+                q8a8_col_scalar(wq + c * gk * 32, d + c * gk, gk, rows[r], dt, (char *)y + (r * ldy + c) * es);
+    }
+    free(mem);
+    return 0;
+}

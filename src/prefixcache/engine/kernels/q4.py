@@ -50,6 +50,16 @@ class Q4Kernel:
         self.paths = {p: lib.pc_q4_path(p).decode() for p in (0, 1, 2)}
         #: What the cache namespace records (the kernel's version and the path compiled here).
         self.id = f"pcq4-v{self.version}-{self.paths[0]}"
+        lib.pc_q4a8_linear.argtypes = [i32, i64, i64, i64, p, i64, p, p, p, p, i64, i32, i32]
+        lib.pc_q4a8_linear.restype = i32
+        lib.pc_q8a8_linear.argtypes = [i32, i64, i64, i64, p, i64, p, p, p, i64, i32, i32]
+        lib.pc_q8a8_linear.restype = i32
+        lib.pc_q4a8_version.restype = i32
+        self._fn_a8 = lib.pc_q4a8_linear
+        self._fn8_a8 = lib.pc_q8a8_linear
+        #: The 8-bit-activation kernels' arithmetic is one on every path (see pc_q4.c): their
+        #: version alone names it.
+        self.id_a8 = f"pcq4a8-v{int(lib.pc_q4a8_version())}"
 
     def linear(
         self,
@@ -86,6 +96,35 @@ class Q4Kernel:
             raise ValueError("8-bit weights and scales must be contiguous")
         return self._call(self._fn8, x, n, gk * 32, (q, d), isa, path)
 
+    def linear_a8(
+        self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, path: int | None = None
+    ) -> torch.Tensor:
+        """Q4_1 with 8-bit rows (``--weights q4a8``, pc_q4.c): ``qs`` uint8 ``[N, (K/32 + 1) // 2,
+        32]`` in two-group records (:func:`pack_pairs`), ``d`` and ``m`` float16 ``[N, K/32]``."""
+        n, gp, _ = qs.shape
+        gk = d.shape[1] if d.dim() == 2 else -1
+        if d.dtype != torch.float16 or m.dtype != torch.float16 or qs.dtype != torch.uint8:
+            raise TypeError("pc_q4a8_linear takes uint8 records and float16 scales and mins")
+        if not (qs.is_contiguous() and d.is_contiguous() and m.is_contiguous()) or (
+            d.shape != (n, gk) or m.shape != (n, gk) or gp != (gk + 1) // 2
+        ):
+            raise ValueError(
+                "4-bit records [N, (K/32 + 1) // 2, 32], d and m [N, K/32]; "
+                f"got {tuple(qs.shape)}, {tuple(d.shape)}"
+            )
+        return self._call(self._fn_a8, x, n, gk * 32, (qs, d, m), None, path)
+
+    def linear8_a8(
+        self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, path: int | None = None
+    ) -> torch.Tensor:
+        """Q8_0 with 8-bit rows: ``q`` int8 ``[N, K/32, 32]``, ``d`` float16 ``[N, K/32]``."""
+        n, gk, _ = q.shape
+        if d.dtype != torch.float16 or q.dtype != torch.int8 or d.shape != (n, gk):
+            raise TypeError("pc_q8a8_linear takes int8 weights [N, K/32, 32] and float16 scales [N, K/32]")
+        if not (q.is_contiguous() and d.is_contiguous()):
+            raise ValueError("8-bit weights and scales must be contiguous")
+        return self._call(self._fn8_a8, x, n, gk * 32, (q, d), None, path)
+
     def _call(
         self,
         fn: Any,
@@ -102,14 +141,18 @@ class Q4Kernel:
         y = torch.empty(xs.shape[0], n, dtype=xs.dtype)
         if path is None:
             path = _PATHS.get(os.environ.get(ISA_ENV, "").strip().lower(), 0)
-        code = ISAS.index(isa if isa is not None else _default_isa(xs.dtype))
+        lead: tuple[int, ...] = ()  # the 8-bit-row kernels: one arithmetic on every ISA, no GEMM ISA
+        if fn is not self._fn_a8 and fn is not self._fn8_a8:
+            lead = (ISAS.index(isa if isa is not None else _default_isa(xs.dtype)),)
         rc = fn(
-            int(xs.dtype == torch.bfloat16), code, xs.shape[0], n, k, xs.data_ptr(), k,
+            int(xs.dtype == torch.bfloat16), *lead, xs.shape[0], n, k, xs.data_ptr(), k,
             *(w.data_ptr() for w in weights), y.data_ptr(), n, torch.get_num_threads(), path,
         )  # fmt: skip
+        if rc == -3:
+            raise MemoryError("the quantized kernel could not allocate its 8-bit rows")
         if rc != 0:
             raise kernels.KernelsUnavailableError(
-                f"the quantized kernel has no {ISAS[code]} path in this build"
+                f"the quantized kernel has no {ISAS[lead[0]] if lead else 'such'} path in this build"
             )
         return y.reshape(*x.shape[:-1], n)
 
@@ -146,6 +189,19 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     g = q.to(torch.uint8).view(n, k // 32, 32)
     return (g[..., :16] | (g[..., 16:] << 4)).contiguous()
+
+
+def pack_pairs(q: torch.Tensor) -> torch.Tensor:
+    """int 0..15 ``[N, K]`` -> uint8 ``[N, (K/32 + 1) // 2, 32]``, the 8-bit-activation kernels'
+    records: byte i of record p holds element i of group 2p (low nibble) and of group 2p + 1 (high
+    nibble; 0 past the last group)."""
+    n, k = q.shape
+    gk = k // 32
+    g = q.to(torch.uint8).view(n, gk, 32)
+    if gk % 2:
+        g = torch.cat([g, g.new_zeros(n, 1, 32)], 1)
+    g = g.view(n, -1, 2, 32)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).contiguous()
 
 
 def halves(t: torch.Tensor) -> torch.Tensor:
