@@ -316,7 +316,7 @@ def bench(
     if peer is not None:
         own = res[0]
         figures = peer.result()
-        q4 = getattr(res[0], "weights", "") == "q4_1"
+        q4 = getattr(res[0], "weights", "") in ("q4_1", "q4_1a8")  # 4-bit weights: the >= 1x target
         section = "\n".join(peer_lines(figures, own.decode_tps, own.single_pass_tps, q4))
         text += "\n" + section
         (out / "engine.md").write_text(text)

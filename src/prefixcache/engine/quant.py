@@ -1,25 +1,33 @@
-"""4-bit weights (``--weights q4``): the GGUF's own Q4_1 groups, computed by the own 4-bit kernel.
+"""4-bit weights (``--weights q4`` and ``q4a8``): the GGUF's own Q4_1 groups, computed by the own 4-bit kernel.
 
-    runner = quantize_runner(LlamaRunner.from_model_runner(base), base.source_path)
+    runner = quantize_runner(LlamaRunner.from_model_runner(base), base.source_path)          # q4
+    runner = quantize_runner(LlamaRunner.from_model_runner(base), base.source_path, a8=True)  # q4a8
 
 The embedded SmolLM2 GGUF stores every projection as Q4_1: groups of 32 input weights, each
 ``w = d * q + m`` with a 4-bit ``q`` and float16 ``d``, ``m``. Those groups are read from the file
 (the ``gguf`` package). Decode rows (and so single-stream decode, which reads every weight once a
-token) go through the own kernel (``kernels/pc_q4.c``: the nibbles and float16 scales as stored,
-rows quantized to 8 bits per group, exact integer group dot products; a quarter of the bf16
-bytes), whose rows are invariant by construction at every row count, so decode rows go in one
-call whatever their number, and a step of decode rows alone runs the compiled layer loop. Where
-the native kernels are not built (or ``PREFIXCACHE_Q4=torch``), torch's int4 kernel
-(``torch.ops.aten._weight_int4pack_mm_for_cpu``, ``scale = d``, ``zero = m + 8 d``, rows
-invariant for every count measured, in the runner's fixed-shape pieces) takes them, with a log
-line saying so. Prefill rows use the same 4-bit values dequantized once into the compute dtype
-(a dense GEMM's cost barely grows with the rows), in the runner's fixed-shape pieces
-(``engine/gemm.py``). The embedding and ``lm_head`` (Q8_0 in the file) stay in the compute dtype.
+token) go through the own kernel (``kernels/pc_q4.c``), which reads the nibbles and float16 scales
+as stored (a quarter of the bf16 bytes) and whose rows are invariant by construction at every row
+count, so decode rows go in one call whatever their number, and a step of decode rows alone runs
+the compiled layer loop. Prefill rows use the same 4-bit values dequantized once into the compute
+dtype (a dense GEMM's cost barely grows with the rows), in the runner's fixed-shape pieces
+(``engine/gemm.py``). The lm_head (Q8_0 in the file) is read in its groups the same way.
 
-It is another model numerically (decode rows see 8-bit activations, prefill rows do not), so the
-runner's ``weights_id`` names the format and kernel and its cache namespace differs from the
-float weights'. ``benchmarks/bench_quality.py`` reports its greedy agreement with the float
-weights and the perplexity of both on ``benchmarks/data/quality.txt``.
+- ``q4``: the kernel makes each weight's float value in registers and runs the own GEMM's
+  arithmetic on it, so a decode row's bits are the float weights' (``weights_exact``: the float
+  runner's cache namespace; ``auto`` picks it wherever that holds).
+- ``q4a8`` (opt-in): decode and logits rows are quantized to 8 bits a group of 32 and each group's
+  dot product is integer arithmetic, as llama.cpp computes Q4_1 (``pc_q4a8_linear``). About a
+  third of the instructions: faster single streams, but another model numerically, so its
+  ``weights_id`` (and cache namespace) names it; it is exact in itself (rows invariant, a hit
+  equals recomputing: prompt rows' KV comes from the dequantized weights either way).
+
+Where the native kernels are not built (or ``PREFIXCACHE_Q4=torch``), torch's int4 kernel
+(``torch.ops.aten._weight_int4pack_mm_for_cpu``, ``scale = d``, ``zero = m + 8 d``, rows invariant
+for every count measured, in the runner's fixed-shape pieces) takes ``q4``'s decode rows, with a
+log line saying so, in a namespace of its own; ``q4a8`` is then refused with what to use instead.
+``benchmarks/bench_quality.py`` reports both formats' greedy agreement with the float weights and
+the perplexity of each on ``benchmarks/data/quality.txt``.
 """
 
 from __future__ import annotations

@@ -617,10 +617,7 @@ int pc_q8_linear(int dt, int isa, int64_t nr, int64_t n, int64_t k, const void *
 #define PC_Q4A8_VERSION 1
 int pc_q4a8_version(void) { return PC_Q4A8_VERSION; }
 
-#define G8(gk) (((gk) + 7) / 8 * 8) /* groups rounded up to whole lanes of eight */
-
-/* One row of k floats (x float32 or bfloat16) -> k int8, and per group its scale a and a * sum
- * (a and s hold G8(k / 32) entries, the ones past k / 32 zero). */
+/* One row of k floats (x float32 or bfloat16) -> k int8, and per group its scale a and a * sum. */
 static void quantize_row8(int dt, const void *x, int64_t k, int8_t *q, float *a, float *s) {
     const int64_t gk = k / 32;
     for (int64_t g = 0; g < gk; g++) {
@@ -642,7 +639,6 @@ static void quantize_row8(int dt, const void *x, int64_t k, int8_t *q, float *a,
         a[g] = d;
         s[g] = d * (float)sum;
     }
-    for (int64_t g = gk; g < G8(gk); g++) a[g] = s[g] = 0.0f;
 }
 
 static inline float tree8(const float *l) {
@@ -794,15 +790,15 @@ Q4_INLINE void q8a8_avx2_t(const int8_t *wq, const uint16_t *d, int64_t gk, cons
 
 /* Rows quantized once a call (one allocation). */
 static row8 *quantize_rows(int dt, const void *x, int64_t ldx, int64_t nr, int64_t k, void **mem) {
-    const int64_t gk = k / 32, g8 = G8(gk), es = dt == 1 ? 2 : 4;
-    char *p = malloc((size_t)(nr * ((int64_t)sizeof(row8) + 8 * g8 + k) + 64));
+    const int64_t gk = k / 32, es = dt == 1 ? 2 : 4;
+    char *p = malloc((size_t)(nr * ((int64_t)sizeof(row8) + 8 * gk + k) + 64));
     *mem = p;
     if (!p) return NULL;
     row8 *rows = (row8 *)p;
     float *f = (float *)(p + nr * sizeof(row8));
-    int8_t *q = (int8_t *)(f + 2 * nr * g8);
+    int8_t *q = (int8_t *)(f + 2 * nr * gk);
     for (int64_t r = 0; r < nr; r++) {
-        float *a = f + 2 * r * g8, *s = a + g8;
+        float *a = f + 2 * r * gk, *s = a + gk;
         rows[r] = (row8){q + r * k, a, s};
         quantize_row8(dt, (const char *)x + r * ldx * es, k, q + r * k, a, s);
     }
