@@ -1,4 +1,4 @@
-"""4-bit weights (``--weights q4`` and ``q4a8``): the GGUF's own Q4_1 groups, computed by the own 4-bit kernel.
+"""4-bit weights (``--weights q4`` and ``q4a8``): the GGUF's own Q4_1 groups on the own 4-bit kernel.
 
     runner = quantize_runner(LlamaRunner.from_model_runner(base), base.source_path)          # q4
     runner = quantize_runner(LlamaRunner.from_model_runner(base), base.source_path, a8=True)  # q4a8
