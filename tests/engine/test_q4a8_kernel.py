@@ -60,11 +60,11 @@ def _reference8(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor) -> torch.Tens
     return (dots * (d.double()[None] * a.double()[:, None])).sum(-1)
 
 
-@pytest.mark.parametrize("k", [576, 1536, 96, 32, 2080], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("k", [576, 1536, 96, 32, 2080, 32800], ids=lambda k: f"K{k}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 def test_outputs_follow_the_8_bit_rows_arithmetic_on_every_path(dtype: torch.dtype, k: int) -> None:
     """K: whole and partial sets of eight groups, an odd group count (the last record half
-    empty), one group, and 65 groups (past the AVX2 tiles' limit: the scalar path)."""
+    empty), one group, 65 groups, and 1,025 (past the AVX2 tiles' 1,024: the scalar path)."""
     assert KERNEL is not None
     q, d, m, dense = _q4(1, k, 52)
     w8, d8, dense8 = _q8(2, k, 52)

@@ -694,20 +694,23 @@ static inline float tree8_256(__m256 v) { /* tree8's order: lanes l + l+4, then 
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-#define A8_MAXG 64 /* groups (k / 32) the AVX2 tiles take; longer rows take the scalar path */
+/* Groups (k / 32) the AVX2 tiles take: K <= 32,768, at most 32 KB of scale products on the stack
+ * (a tile's own size: T x C x gk rounded up to eight); longer rows take the scalar path. */
+#define A8_MAXG 1024
 
-/* dd[j][c][g] = d_g * a_g for every group of the tile (before the loop over the weights, so the
- * loop broadcasts each from memory, and a lane of eight is one multiply as the scalar one). */
-Q4_INLINE void a8_scales(const uint16_t *d, int64_t gk, const row8 *x, const int T, const int C,
-                         float dd[2][4][A8_MAXG]) {
+/* dd[(j C + c) gs + g] = d_g * a_g for every group of the tile (before the loop over the weights,
+ * so the loop broadcasts each from memory, and a lane of eight is one multiply as the scalar one). */
+Q4_INLINE void a8_scales(const uint16_t *d, int64_t gk, const row8 *x, const int T, const int C, float *dd,
+                         int64_t gs) {
     const int64_t g8 = gk / 8 * 8;
     for (int c = 0; c < C; c++) {
         for (int64_t g = 0; g < g8; g += 8) {
             const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + c * gk + g)));
-            for (int j = 0; j < T; j++) _mm256_storeu_ps(dd[j][c] + g, _mm256_mul_ps(d8, _mm256_loadu_ps(x[j].a + g)));
+            for (int j = 0; j < T; j++)
+                _mm256_storeu_ps(dd + (j * C + c) * gs + g, _mm256_mul_ps(d8, _mm256_loadu_ps(x[j].a + g)));
         }
         for (int64_t g = g8; g < gk; g++)
-            for (int j = 0; j < T; j++) dd[j][c][g] = _cvtsh_ss(d[c * gk + g]) * x[j].a[g];
+            for (int j = 0; j < T; j++) dd[(j * C + c) * gs + g] = _cvtsh_ss(d[c * gk + g]) * x[j].a[g];
     }
 }
 
@@ -725,7 +728,7 @@ static inline float a8_mins(const uint16_t *m, int64_t gk, const row8 *x) {
 }
 
 #define A8_FMA(j, c, W, X, g)                                                                                      \
-    acc[j][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(&dd[j][c][g]),                                                 \
+    acc[j][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(dd + ((j) * C + (c)) * gs + (g)),                              \
                                 _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(W, X), ones)), acc[j][c])
 
 /* T rows (1 or 2) x C columns (1 or 4; column c's records at qs + c * gp * 32, output at y + c). */
@@ -733,8 +736,9 @@ Q4_INLINE void q4a8_avx2_t(const uint8_t *qs, const uint16_t *d, const uint16_t 
                            const int T, const int C, int dt, void *y, int64_t ldy) {
     const __m256i lo4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     const int64_t gp = gk / 2; /* whole records (an odd last group after the loop) */
-    float dd[2][4][A8_MAXG];
-    a8_scales(d, gk, x, T, C, dd);
+    const int64_t gs = (gk + 7) / 8 * 8;
+    float dd[T * C * gs];
+    a8_scales(d, gk, x, T, C, dd, gs);
     __m256 acc[2][4];
     for (int j = 0; j < T; j++)
         for (int c = 0; c < C; c++) acc[j][c] = _mm256_setzero_ps();
@@ -767,8 +771,9 @@ Q4_INLINE void q4a8_avx2_t(const uint8_t *qs, const uint16_t *d, const uint16_t 
 Q4_INLINE void q8a8_avx2_t(const int8_t *wq, const uint16_t *d, int64_t gk, const row8 *x, const int T, const int C,
                            int dt, void *y, int64_t ldy) {
     const __m256i ones = _mm256_set1_epi16(1);
-    float dd[2][4][A8_MAXG];
-    a8_scales(d, gk, x, T, C, dd);
+    const int64_t gs = (gk + 7) / 8 * 8;
+    float dd[T * C * gs];
+    a8_scales(d, gk, x, T, C, dd, gs);
     __m256 acc[2][4];
     for (int j = 0; j < T; j++)
         for (int c = 0; c < C; c++) acc[j][c] = _mm256_setzero_ps();
