@@ -6,6 +6,7 @@ own quantized kernels, gives the float weights' tokens."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -56,6 +57,33 @@ def test_bad_weight_formats_are_refused_with_what_to_pass(tiny_runner) -> None:
         Engine(tiny_runner, prefill_chunk=16, weights="q4", runner="hf")
 
 
+def _batched_under_a_cached_prompt_equals_alone(engine: Engine, off: Engine) -> tuple[list[Any], list[Any]]:
+    """Four chats on one system prompt, sent together to ``engine`` once the prompt's blocks are
+    cached, answer what ``off`` (the same weights, cache off) answers each alone, with hits.
+    Returns (the chats, the answers alone)."""
+    system = "You are a terse assistant for a bicycle shop. Answer in one short sentence. " * 6
+    msgs = [
+        [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        for q in ("Do you fix flat tyres?", "When do you open?", "Do you sell helmets?", "Hi")
+    ]
+    alone = [off.generate(messages=m, max_tokens=12) for m in msgs]
+    engine.generate(messages=msgs[0], max_tokens=1)  # the system prompt's blocks are now cached
+    got: dict[int, Any] = {}
+
+    def ask(i: int) -> None:
+        got[i] = engine.generate(messages=msgs[i], max_tokens=12)
+
+    workers = [threading.Thread(target=ask, args=(i,)) for i in range(len(msgs))]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(300)
+    for i, ref in enumerate(alone):
+        assert got[i].tokens == ref.tokens, i
+        assert got[i].usage.cached_tokens > 0
+    return msgs, alone
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("kernel", ["torch", "own"])
 def test_q4_smollm2_is_exact_invariant_and_in_its_own_namespace(real_runner, kernel, monkeypatch) -> None:
@@ -73,27 +101,7 @@ def test_q4_smollm2_is_exact_invariant_and_in_its_own_namespace(real_runner, ker
         assert ("q4_1-int4pack" in q4.runner.weights_id) == (not own)
         assert isinstance(q4.runner.lm_head, Q8Weight) == own  # the lm_head in the file's Q8_0 groups
         assert _check_invariance(q4.runner, 611, 1) == []
-        system = "You are a terse assistant for a bicycle shop. Answer in one short sentence. " * 6
-        msgs = [
-            [{"role": "system", "content": system}, {"role": "user", "content": q}]
-            for q in ("Do you fix flat tyres?", "When do you open?", "Do you sell helmets?", "Hi")
-        ]
-        alone = [off.generate(messages=m, max_tokens=12) for m in msgs]
-        q4.generate(messages=msgs[0], max_tokens=1)  # the system prompt's blocks are now cached
-        got: dict[int, object] = {}
-
-        def ask(i: int) -> None:
-            got[i] = q4.generate(messages=msgs[i], max_tokens=12)
-
-        workers = [threading.Thread(target=ask, args=(i,)) for i in range(len(msgs))]
-        for t in workers:
-            t.start()
-        for t in workers:
-            t.join(300)
-        for i, ref in enumerate(alone):
-            r = got[i]
-            assert r.tokens == ref.tokens, i  # type: ignore[attr-defined]
-            assert r.usage.cached_tokens > 0  # type: ignore[attr-defined]
+        msgs, alone = _batched_under_a_cached_prompt_equals_alone(q4, off)
         shared = plain.generate(messages=msgs[0], max_tokens=1).usage.cached_tokens
         assert shared == 0  # each engine has its own cache; a namespace is what a shared tier keys on
         if exact:  # the quantized kernels compute the float model's bits
@@ -126,26 +134,7 @@ def test_q4a8_smollm2_is_exact_invariant_and_in_its_own_namespace(real_runner, m
         assert isinstance(a8.runner.lm_head, Q8Weight) and a8.runner.lm_head.a8
         assert all(a8.runner.layers[0][n].a8 for n in ("qkv", "o", "gu", "down"))
         assert _check_invariance(a8.runner, 611, 1) == []
-        system = "You are a terse assistant for a bicycle shop. Answer in one short sentence. " * 6
-        msgs = [
-            [{"role": "system", "content": system}, {"role": "user", "content": q}]
-            for q in ("Do you fix flat tyres?", "When do you open?", "Do you sell helmets?", "Hi")
-        ]
-        alone = [off.generate(messages=m, max_tokens=12) for m in msgs]
-        a8.generate(messages=msgs[0], max_tokens=1)
-        got: dict[int, object] = {}
-
-        def ask(i: int) -> None:
-            got[i] = a8.generate(messages=msgs[i], max_tokens=12)
-
-        workers = [threading.Thread(target=ask, args=(i,)) for i in range(len(msgs))]
-        for t in workers:
-            t.start()
-        for t in workers:
-            t.join(300)
-        for i, ref in enumerate(alone):
-            assert got[i].tokens == ref.tokens, i  # type: ignore[attr-defined]
-            assert got[i].usage.cached_tokens > 0  # type: ignore[attr-defined]
+        _batched_under_a_cached_prompt_equals_alone(a8, off)
     finally:
         for e in (a8, q4, off):
             e.close()

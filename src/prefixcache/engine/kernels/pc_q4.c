@@ -810,90 +810,70 @@ static row8 *quantize_rows(int dt, const void *x, int64_t ldx, int64_t nr, int64
     return rows;
 }
 
-/* Rows two at a time (a quad of columns' records stay in L1 between the passes), then a lone one. */
-#define A8_TILES(CALL)                                                                                             \
-    do {                                                                                                           \
-        int64_t r = 0;                                                                                             \
-        for (; r + 2 <= nr; r += 2) CALL(r, 2);                                                                    \
-        if (r < nr) CALL(r, 1);                                                                                    \
-    } while (0)
-
-/* y[nr, n] = x[nr, k] @ W^T with 8-bit rows (see above). qs: uint8 [n, (k/32 + 1) / 2, 32] in
- * the two-group records; d, m: float16 [n, k/32]; x, y: float32 (dt 0) or bfloat16 (dt 1); path:
- * the lanes path as pc_q4_linear's (2: scalar). Returns 0, or -3 when out of memory. */
-int pc_q4a8_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const uint8_t *qs,
-                   const uint16_t *d, const uint16_t *m, void *y, int64_t ldy, int threads, int path) {
-    if (nr <= 0 || n <= 0) return 0;
-    void *mem;
-    const row8 *rows = quantize_rows(dt, x, ldx, nr, k, &mem);
-    if (!rows) return -3;
-    const int64_t gk = k / 32, gp = (gk + 1) / 2, es = dt == 1 ? 2 : 4, quads = (n + 3) / 4;
-    const int kind = lanes_kind(path);
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-    for (int64_t cq = 0; cq < quads; cq++) {
-        const int64_t c0 = cq * 4, cw = n - c0 >= 4 ? 4 : n - c0;
-        char *yc = (char *)y + c0 * es;
-#ifdef Q4_HAVE_AVX2
-        if (kind != 2 && gk <= A8_MAXG) {
-#define Q4A8(r, t)                                                                                                   \
-    do {                                                                                                             \
-        if (cw == 4)                                                                                                 \
-            q4a8_avx2_t(qs + c0 * gp * 32, d + c0 * gk, m + c0 * gk, gk, rows + (r), t, 4, dt, yc + (r) * ldy * es,  \
-                        ldy);                                                                                        \
-        else                                                                                                         \
-            for (int64_t c = 0; c < cw; c++)                                                                         \
-                q4a8_avx2_t(qs + (c0 + c) * gp * 32, d + (c0 + c) * gk, m + (c0 + c) * gk, gk, rows + (r), t, 1, dt,  \
-                            yc + ((r) * ldy + c) * es, ldy);                                                         \
-    } while (0)
-            A8_TILES(Q4A8);
-#undef Q4A8
-            continue;
-        }
-#endif
-        (void)kind;
-        for (int64_t r = 0; r < nr; r++)
-            for (int64_t c = c0; c < c0 + cw; c++)
-                q4a8_col_scalar(qs + c * gp * 32, d + c * gk, m + c * gk, gk, rows[r], dt,
-                                (char *)y + (r * ldy + c) * es);
-    }
-    free(mem);
-    return 0;
-}
-
-/* The same for Q8_0 weights (wq int8 [n, k/32, 32], d float16 [n, k/32]; no mins). */
-int pc_q8a8_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const int8_t *wq,
-                   const uint16_t *d, void *y, int64_t ldy, int threads, int path) {
+/* The two entry points' one driver: wq is Q4_1's two-group records (m its mins) or, where m is
+ * NULL, Q8_0's int8 groups. Rows quantized once (one allocation), then the columns split across
+ * threads in quads. */
+static int a8_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const void *wq,
+                     const uint16_t *d, const uint16_t *m, void *y, int64_t ldy, int threads, int path) {
     if (nr <= 0 || n <= 0) return 0;
     void *mem;
     const row8 *rows = quantize_rows(dt, x, ldx, nr, k, &mem);
     if (!rows) return -3;
     const int64_t gk = k / 32, es = dt == 1 ? 2 : 4, quads = (n + 3) / 4;
+    const int64_t stride = m ? (gk + 1) / 2 * 32 : gk * 32; /* a column's bytes of weights */
+    const uint8_t *w = (const uint8_t *)wq;
     const int kind = lanes_kind(path);
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int64_t cq = 0; cq < quads; cq++) {
         const int64_t c0 = cq * 4, cw = n - c0 >= 4 ? 4 : n - c0;
-        char *yc = (char *)y + c0 * es;
 #ifdef Q4_HAVE_AVX2
         if (kind != 2 && gk <= A8_MAXG) {
-#define Q8A8(r, t)                                                                                                   \
-    do {                                                                                                             \
-        if (cw == 4)                                                                                                 \
-            q8a8_avx2_t(wq + c0 * gk * 32, d + c0 * gk, gk, rows + (r), t, 4, dt, yc + (r) * ldy * es, ldy);         \
-        else                                                                                                         \
-            for (int64_t c = 0; c < cw; c++)                                                                         \
-                q8a8_avx2_t(wq + (c0 + c) * gk * 32, d + (c0 + c) * gk, gk, rows + (r), t, 1, dt,                    \
-                            yc + ((r) * ldy + c) * es, ldy);                                                         \
-    } while (0)
-            A8_TILES(Q8A8);
-#undef Q8A8
+            /* a quad's rows two at a time (its weights stay in L1 between the passes), a lone one;
+             * a quad's columns in one call, the last columns of a ragged n one a call */
+            for (int64_t r = 0; r < nr; r += 2) {
+                const int t = nr - r >= 2 ? 2 : 1;
+                for (int64_t c = c0; c < c0 + cw; c += cw == 4 ? 4 : 1) {
+                    const int C = cw == 4 ? 4 : 1;
+                    char *yc = (char *)y + (r * ldy + c) * es;
+#define A8_CALL(T, CC)                                                                                               \
+    (m ? q4a8_avx2_t(w + c * stride, d + c * gk, m + c * gk, gk, rows + r, T, CC, dt, yc, ldy)                       \
+       : q8a8_avx2_t((const int8_t *)w + c * stride, d + c * gk, gk, rows + r, T, CC, dt, yc, ldy))
+                    if (t == 2 && C == 4) A8_CALL(2, 4);
+                    else if (t == 2) A8_CALL(2, 1);
+                    else if (C == 4) A8_CALL(1, 4);
+                    else A8_CALL(1, 1);
+#undef A8_CALL
+                }
+            }
             continue;
         }
 #endif
         (void)kind;
         for (int64_t r = 0; r < nr; r++)
-            for (int64_t c = c0; c < c0 + cw; c++)
-                q8a8_col_scalar(wq + c * gk * 32, d + c * gk, gk, rows[r], dt, (char *)y + (r * ldy + c) * es);
+            for (int64_t c = c0; c < c0 + cw; c++) {
+                char *yc = (char *)y + (r * ldy + c) * es;
+                if (m)
+                    q4a8_col_scalar(w + c * stride, d + c * gk, m + c * gk, gk, rows[r], dt, yc);
+                else
+                    q8a8_col_scalar((const int8_t *)w + c * stride, d + c * gk, gk, rows[r], dt, yc);
+            }
     }
     free(mem);
     return 0;
+}
+
+/* y[nr, n] = x[nr, k] @ W^T with 8-bit rows (see above). qs: uint8 [n, (k/32 + 1) / 2, 32] in
+ * the two-group records; d, m: float16 [n, k/32]; x, y: float32 (dt 0) or bfloat16 (dt 1); path:
+ * the lanes path as pc_q4_linear's (2: scalar). Returns 0, -2 without mins, or -3 when out of
+ * memory. */
+int pc_q4a8_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const uint8_t *qs,
+                   const uint16_t *d, const uint16_t *m, void *y, int64_t ldy, int threads, int path) {
+    if (!m) return -2; /* Q4_1 has mins (a NULL would read the records as Q8_0 groups) */
+    return a8_linear(dt, nr, n, k, x, ldx, qs, d, m, y, ldy, threads, path);
+}
+
+/* The same for Q8_0 weights (wq int8 [n, k/32, 32], d float16 [n, k/32]; no mins). */
+int pc_q8a8_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const int8_t *wq,
+                   const uint16_t *d, void *y, int64_t ldy, int threads, int path) {
+    return a8_linear(dt, nr, n, k, x, ldx, wq, d, NULL, y, ldy, threads, path);
 }
