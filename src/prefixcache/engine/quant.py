@@ -17,8 +17,9 @@ dtype (a dense GEMM's cost barely grows with the rows), in the runner's fixed-sh
   arithmetic on it, so a decode row's bits are the float weights' (``weights_exact``: the float
   runner's cache namespace; ``auto`` picks it wherever that holds).
 - ``q4a8`` (opt-in): decode and logits rows are quantized to 8 bits a group of 32 and each group's
-  dot product is integer arithmetic, as llama.cpp computes Q4_1 (``pc_q4a8_linear``). About a
-  third of the instructions: faster single streams, but another model numerically, so its
+  dot product is integer arithmetic, as llama.cpp computes Q4_1 (``pc_q4a8_linear``). About half
+  the exact kernel's time a weight at one row: faster single streams, but another model
+  numerically, so its
   ``weights_id`` (and cache namespace) names it; it is exact in itself (rows invariant, a hit
   equals recomputing: prompt rows' KV comes from the dequantized weights either way).
 

@@ -78,7 +78,7 @@ class Q4Kernel:
             raise ValueError(
                 f"4-bit weights: contiguous qs [N, K/32, 16], d and m [N, K/32]; got d {tuple(d.shape)}"
             )
-        return self._call(self._fn, x, n, gk * 32, (qs, d, m), isa, path)
+        return self._call(self._fn, x, n, gk * 32, (qs, d, m), _isa_arg(isa, x.dtype), path)
 
     def linear8(
         self,
@@ -94,7 +94,7 @@ class Q4Kernel:
             raise TypeError("pc_q8_linear takes int8 weights [N, K/32, 32] and float16 scales [N, K/32]")
         if not (q.is_contiguous() and d.is_contiguous()):
             raise ValueError("8-bit weights and scales must be contiguous")
-        return self._call(self._fn8, x, n, gk * 32, (q, d), isa, path)
+        return self._call(self._fn8, x, n, gk * 32, (q, d), _isa_arg(isa, x.dtype), path)
 
     def linear_a8(
         self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, path: int | None = None
@@ -112,7 +112,7 @@ class Q4Kernel:
                 "4-bit records [N, (K/32 + 1) // 2, 32], d and m [N, K/32]; "
                 f"got {tuple(qs.shape)}, {tuple(d.shape)}"
             )
-        return self._call(self._fn_a8, x, n, gk * 32, (qs, d, m), None, path)
+        return self._call(self._fn_a8, x, n, gk * 32, (qs, d, m), (), path)
 
     def linear8_a8(
         self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, path: int | None = None
@@ -123,7 +123,7 @@ class Q4Kernel:
             raise TypeError("pc_q8a8_linear takes int8 weights [N, K/32, 32] and float16 scales [N, K/32]")
         if not (q.is_contiguous() and d.is_contiguous()):
             raise ValueError("8-bit weights and scales must be contiguous")
-        return self._call(self._fn8_a8, x, n, gk * 32, (q, d), None, path)
+        return self._call(self._fn8_a8, x, n, gk * 32, (q, d), (), path)
 
     def _call(
         self,
@@ -132,18 +132,17 @@ class Q4Kernel:
         n: int,
         k: int,
         weights: tuple[torch.Tensor, ...],
-        isa: str | None,
+        lead: tuple[int, ...],
         path: int | None,
     ) -> torch.Tensor:
+        """``fn`` on ``x``; ``lead``: the GEMM ISA's code for the exact kernels, () for the
+        8-bit-row ones (one arithmetic on every ISA)."""
         if x.dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"quantized products take float32 or bfloat16 rows; got {x.dtype}")
         xs = x.reshape(-1, k).contiguous()
         y = torch.empty(xs.shape[0], n, dtype=xs.dtype)
         if path is None:
             path = _PATHS.get(os.environ.get(ISA_ENV, "").strip().lower(), 0)
-        lead: tuple[int, ...] = ()  # the 8-bit-row kernels: one arithmetic on every ISA, no GEMM ISA
-        if fn is not self._fn_a8 and fn is not self._fn8_a8:
-            lead = (ISAS.index(isa if isa is not None else _default_isa(xs.dtype)),)
         rc = fn(
             int(xs.dtype == torch.bfloat16), *lead, xs.shape[0], n, k, xs.data_ptr(), k,
             *(w.data_ptr() for w in weights), y.data_ptr(), n, torch.get_num_threads(), path,
@@ -158,6 +157,11 @@ class Q4Kernel:
 
 
 _isa: dict[torch.dtype, str] = {}
+
+
+def _isa_arg(isa: str | None, dtype: torch.dtype) -> tuple[int]:
+    """The exact kernels' leading GEMM ISA argument: ``isa``, else the own GEMM's for ``dtype``."""
+    return (ISAS.index(isa if isa is not None else _default_isa(dtype)),)
 
 
 def _default_isa(dtype: torch.dtype) -> str:
