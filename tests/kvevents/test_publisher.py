@@ -136,6 +136,22 @@ def test_a_bad_endpoint_says_what_to_write() -> None:
         pub.close()
 
 
+def test_a_closed_publishers_ports_are_free_when_close_returns() -> None:
+    """ZeroMQ releases a closed socket's address later, on its I/O thread; the publisher's close
+    waits for that, so a restart in the same process binds the same ports at once (a suite's run
+    once failed there with 'Address already in use')."""
+    import socket
+
+    for _ in range(20):
+        pub = KVEventPublisher(PublisherConfig("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"))
+        assert pub.replay_endpoint is not None
+        ports = [int(e.rsplit(":", 1)[1]) for e in (pub.endpoint, pub.replay_endpoint)]
+        pub.close()
+        for port in ports:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", port))  # OSError while ZeroMQ still holds it
+
+
 def test_blocks_promoted_from_the_disk_tier_are_stored_again(tiny_runner, tmp_path) -> None:  # noqa: ANN001
     from prefixcache.cache.tiers import attach_tiers, flush_tiers
     from prefixcache.engine.engine import Engine

@@ -130,6 +130,12 @@ class KVEventPublisher:
             # Its own context: the ZAP handler then governs these sockets only.
             self._own_ctx = context = zmq.Context()
             self._curve = CurveServer(context, config.curve_secret, config.curve_clients)
+        elif context is None and not config.endpoint.startswith("inproc://"):
+            # Its own context too, terminated by close(): ZeroMQ releases a closed socket's
+            # address later, on its I/O thread, and term() waits for that, so the ports are
+            # free when close() returns (a restart in the same process can bind them again).
+            # inproc:// peers must share a context: those use the process's.
+            self._own_ctx = context = zmq.Context()
         self._ctx = context or zmq.Context.instance()
         self._allowance = float(config.replay_per_s)
         self._allowance_at = time.monotonic()
