@@ -174,6 +174,36 @@ def test_a_four_bit_weights_kernel_view_follows_its_dense_tensor() -> None:
     assert fields(w.kernel_view())[3] == w.dense.data_ptr()
 
 
+def test_the_weight_pointers_are_kept_until_a_weight_object_changes(tiny_runner: ModelRunner) -> None:
+    """layer_pointers reads the ~300 pointers once per runner and step kind, and again at the
+    step after any weight in ``layers`` (or a 4-bit weight's ``dense``) is another object."""
+    from prefixcache.engine.kernels import q4
+    from prefixcache.engine.llama_native import layer_pointers
+
+    compiled, _ = _pair(tiny_runner, "float32")
+    first = layer_pointers(compiled)
+    assert first is not None and layer_pointers(compiled) is first  # the same array, not re-read
+    assert layer_pointers(compiled, decode_only=True) is not first  # each step kind its own
+    down = compiled.layers[1]["down"]
+    compiled.layers[1]["down"] = down.clone()  # a weight replaced in place, between steps
+    again = layer_pointers(compiled)
+    assert again is not None and again is not first
+    at = list(again[0]).index(compiled.layers[1]["down"].data_ptr())  # the new tensor's memory
+    assert first[0][at] == down.data_ptr() != again[0][at]
+    assert layer_pointers(copy.copy(compiled)) is not again  # another runner reads its own
+    if q4.load() is None:
+        return
+    compiled.layers = [dict(lw) for lw in compiled.layers]
+    for lw in compiled.layers:
+        for name in ("qkv", "o", "gu", "down"):
+            lw[name] = _q4(lw[name].shape[0], lw[name].shape[1], 1, torch.float32, compiled.gemm.own)
+    four = layer_pointers(compiled, decode_only=True)
+    assert four is not None and four[1] == 1 and layer_pointers(compiled, decode_only=True) is four
+    w = compiled.layers[0]["qkv"]
+    w.dense = w.dense.clone()  # the 4-bit weight's dense swapped: its view is rebuilt
+    assert layer_pointers(compiled, decode_only=True) is not four
+
+
 def test_mixed_four_bit_or_strided_weights_keep_the_python_loop(
     tiny_runner: ModelRunner, spy: list[int]
 ) -> None:
