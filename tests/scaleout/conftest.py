@@ -17,11 +17,7 @@ from pathlib import Path
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from prefixcache.commands.redis_process import free_port
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from prefixcache.commands.redis_process import redacted_url, redis_password_from, start_redis
+from prefixcache.commands.redis_process import free_port, redacted_url, redis_password_from, start_redis
 
 
 def test_the_started_redis_is_capped_evicts_lru_and_needs_its_password(
@@ -63,3 +63,22 @@ def test_cluster_refuses_an_unknown_eviction_policy_or_a_bad_password_file(tmp_p
     bad.write_text("two words\n")
     res = CliRunner().invoke(app, ["cluster", "--redis-password-file", str(bad)])
     assert res.exit_code == 2 and "without spaces, quotes or backslashes" in said(res.output)
+
+
+def test_a_free_port_is_free_and_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ports the cluster hands its children (redis-server, replicas, KV event sockets) come
+    from below the range the kernel draws bind(0) and outgoing connections from, so no other
+    socket is given one between the pick and the child's bind; a port in use is skipped."""
+    import random
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports) and len(ports) > 1  # spread, not one fixed port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port()))
+        held, other = taken.getsockname()[1], free_port()
+        assert other != held
+        draws = iter([held, held, other])
+        monkeypatch.setattr(random, "randrange", lambda *_: next(draws))
+        assert free_port() == other  # the held port drawn twice, refused twice

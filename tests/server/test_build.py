@@ -12,6 +12,7 @@ import openai
 import pytest
 from server_helpers import RunningServer
 
+from prefixcache.commands.redis_process import free_port
 from prefixcache.engine.config import EngineConfig
 from prefixcache.server.build import (
     AppConfig,
@@ -74,29 +75,6 @@ def test_a_built_server_serves_and_after_close_a_rebuilt_one_hits_its_disk_tier(
         second.close()
     assert warm.usage.prompt_tokens_details.cached_tokens == full_blocks > 0
     assert warm.choices[0].message.content == cold.choices[0].message.content
-
-
-def free_port() -> int:
-    """A loopback port that is free now, below the kernel's ephemeral range: a port from bind(0)
-    could be handed to another socket of the suite (a client's connect, a server's bind(0))
-    between this call and the publisher's bind, which then fails with 'Address already in use'."""
-    import random
-    import socket
-
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768  # Linux's default
-    for _ in range(200):
-        port = random.randrange(max(1024, low - 12000), low)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 def bindable(endpoint: str) -> bool:

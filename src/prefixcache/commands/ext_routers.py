@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+from prefixcache.commands.redis_process import free_port
 
 #: ``--router`` values: the own router, or one of the binaries of the ``routers`` extra.
 ROUTERS = ("prefixcache", "smg", "vllm-router")
@@ -78,7 +79,7 @@ def router_command(
     otherwise take 29000, and a second router on the machine would fail to start)."""
     policy = policy or DEFAULT_POLICY[name]
     level = {"warning": "warn", "critical": "error"}.get(log_level, log_level)
-    exporter = ["--prometheus-host", host, "--prometheus-port", str(metrics_port or _free_port(host))]
+    exporter = ["--prometheus-host", host, "--prometheus-port", str(metrics_port or free_port(host))]
     if name == "smg":
         cmd = [binary, "launch", "--host", host, "--port", str(port), *exporter, "--worker-urls", *replicas]
         cmd += ["--policy", policy, "--disable-tokenizer-autoload", "--log-level", level]
@@ -98,12 +99,6 @@ def router_command(
     if api_key:
         cmd += ["--api-key", api_key]
     return cmd
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def wait_models(

@@ -21,7 +21,28 @@ import typer
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port free on ``host`` now, for a child process (or a socket) to bind a moment later.
+
+    Below the kernel's ephemeral range: a port from ``bind(0)`` comes from that range, which
+    every outgoing connection also draws from, so it can be handed to another socket (a client's
+    connect, another ``bind(0)``) before the child binds it, which then fails with 'Address
+    already in use' (the suite lost a run to that)."""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything below the range taken: the kernel's pick
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
