@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from prefixcache.cli import app
 from prefixcache.commands import router_security
+from prefixcache.commands.redis_process import free_port
 
 runner = CliRunner()
 
@@ -65,16 +66,10 @@ def test_route_on_all_interfaces_starts_with_keys_or_the_opt_out(no_uvicorn, tmp
     assert no_uvicorn[0]["app"].state.router is not None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_route_caps_connections_and_gates_the_replica_list(tmp_path: Path):
     keys = tmp_path / "keys.txt"
     keys.write_text("sk-router-0123456789: alpha\n")
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "prefixcache", "route", "-r", "http://127.0.0.1:9", "--port", str(port)]
     cmd += ["--api-keys", str(keys), "--max-connections", "3", "--log-level", "warning"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_API_KEYS")}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,6 +11,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from prefixcache.commands.redis_process import free_port
 from prefixcache.engine.types import ChoiceDelta, Completion, PromptDone, Usage
 
 
@@ -19,9 +19,7 @@ class RunningServer:
     def __init__(self, app: Any, engine: Any) -> None:
         self.app = app
         self.engine = engine
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()  # below the ephemeral range: no other socket takes it first
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)
