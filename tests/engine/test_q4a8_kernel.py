@@ -64,18 +64,19 @@ def _reference8(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor) -> torch.Tens
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 def test_outputs_follow_the_8_bit_rows_arithmetic_on_every_path(dtype: torch.dtype, k: int) -> None:
     """K: whole and partial sets of eight groups, an odd group count (the last record half
-    empty), one group, 65 groups, and 1,025 (past the AVX2 tiles' 1,024: the scalar path)."""
+    empty), one group, 65 groups, and 1,025 (past the AVX2 tiles' 1,024: the scalar path).
+    N = 54: 13 quads of columns (their records interleaved), then two lone columns."""
     assert KERNEL is not None
-    q, d, m, dense = _q4(1, k, 52)
-    w8, d8, dense8 = _q8(2, k, 52)
+    q, d, m, dense = _q4(1, k, 54)
+    w8, d8, dense8 = _q8(2, k, 54)
     x = torch.randn(11, k, generator=torch.Generator().manual_seed(3)).to(dtype)
-    qs = q4.pack_pairs(q)
+    qs, p8 = q4.pack_pairs(q), q4.pack_q8(w8)
     got = KERNEL.linear_a8(x, qs, d, m)
-    got8 = KERNEL.linear8_a8(x, w8, d8)
+    got8 = KERNEL.linear8_a8(x, p8, d8)
     assert got.dtype == got8.dtype == dtype
     for path in (1, 2):  # AVX2, scalar: the same bits
         assert torch.equal(KERNEL.linear_a8(x, qs, d, m, path=path), got), path
-        assert torch.equal(KERNEL.linear8_a8(x, w8, d8, path=path), got8), path
+        assert torch.equal(KERNEL.linear8_a8(x, p8, d8, path=path), got8), path
     rounding = 0.0 if dtype == torch.float32 else 2.0**-8  # bfloat16 output: half an ulp at most
     for have, want in ((got, _reference4(x, q, d, m)), (got8, _reference8(x, w8, d8))):
         bound = 1e-5 * want.abs().max() + rounding * want.abs()  # float32 sums of the exact terms
@@ -93,7 +94,7 @@ def test_every_tile_shape_gives_the_scalar_paths_bits(dtype: torch.dtype) -> Non
     assert KERNEL is not None
     q, d, m, _ = _q4(10, 96, 211)
     w8, d8, _ = _q8(11, 96, 211)
-    qs = q4.pack_pairs(q)
+    qs, w8 = q4.pack_pairs(q), q4.pack_q8(w8)
     x = torch.randn(9, 96, generator=torch.Generator().manual_seed(12)).to(dtype)
     for rows in range(1, 10):
         xs = x[:rows]
@@ -111,7 +112,7 @@ def test_rows_are_bitwise_invariant_across_counts_offsets_and_threads(
     assert KERNEL is not None
     q, d, m, _ = _q4(4, 576, 64)
     w8, d8, _ = _q8(5, 576, 64)
-    qs = q4.pack_pairs(q)
+    qs, w8 = q4.pack_pairs(q), q4.pack_q8(w8)
     x = torch.randn(600, 576, generator=torch.Generator().manual_seed(6)).to(dtype)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -152,6 +153,24 @@ def test_pack_pairs_puts_two_groups_in_a_record() -> None:
     assert torch.equal(rec[0, 0] >> 4, q[0, 32:64].to(torch.uint8))
     assert torch.equal(rec[0, 1] & 15, q[0, 64:].to(torch.uint8))
     assert int((rec[0, 1] >> 4).sum()) == 0  # the odd last group's record: high nibbles empty
+
+
+def test_whole_quads_of_columns_interleave_their_records() -> None:
+    """Record r of column 4j + c at quad j's start + 4 r + c records; the last N mod 4 columns
+    as they are. Both formats (pack_pairs' Q4_1 records, pack_q8's Q8_0 groups)."""
+    n, r = 7, 3
+    rec = torch.arange(n * r * 32, dtype=torch.int32).remainder(127).to(torch.int8).view(n, r, 32)
+    got = q4.interleave_quads(rec)
+    assert got.shape == rec.shape and torch.equal(q4.pack_q8(rec), got)
+    flat = got.view(-1, 32)
+    for col in range(4):
+        for i in range(r):
+            assert torch.equal(flat[4 * i + col], rec[col, i]), (col, i)
+    assert torch.equal(got[4:], rec[4:])  # the three lone columns
+    q = torch.randint(0, 16, (5, 96), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    pairs = q4.pack_pairs(q).view(-1, 32)
+    one = q4.pack_pairs(q[2:3])[0]  # column 2's records alone (a lone column: as they are)
+    assert torch.equal(pairs[2], one[0]) and torch.equal(pairs[4 + 2], one[1])
 
 
 def test_misshapen_records_are_refused() -> None:

@@ -146,7 +146,8 @@ class Q8Weight:
         self.dense = (q.float() * d[..., None]).view(self.shape).to(dtype).contiguous()
         self.own, self.isa, self.a8 = own, isa, a8
         self.any_rows = True
-        self.q, self.d = q.contiguous(), q4_kernel.halves(d)
+        # the 8-bit-row kernel reads the groups with the columns in quads; the exact one, as they are
+        self.q, self.d = (q4_kernel.pack_q8(q) if a8 else q.contiguous()), q4_kernel.halves(d)
 
     def linear(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
         if not decode:

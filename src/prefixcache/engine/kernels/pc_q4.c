@@ -613,8 +613,15 @@ int pc_q8_linear(int dt, int isa, int64_t nr, int64_t n, int64_t k, const void *
  * Q4_1 weights come in their own layout here, two groups a 32-byte record: byte i holds element i
  * of group 2p in its low nibble and element i of group 2p + 1 in its high nibble (an odd last
  * group: high nibbles 0), so one load and three instructions give two groups' 64 values. A row
- * reads 0.625 bytes a weight, as with the GGUF's layout. */
-#define PC_Q4A8_VERSION 1
+ * reads 0.625 bytes a weight, as with the GGUF's layout.
+ *
+ * Both formats keep the columns in quads, as the kernels read them: the 32-byte records (Q4_1's
+ * pairs, Q8_0's groups) of each whole quad of columns interleaved, record r of column 4j + c at
+ * quad j's start + (4 r + c) * 32, and the last n mod 4 columns one after the other as they are.
+ * A tile of four columns then reads one sequential stream instead of four at a column's stride,
+ * and the hardware prefetcher keeps up: the Q8_0 head (49,152 x 576) from DRAM, 2 threads, in 0.99
+ * against 1.57 ms, the time of a plain read of its bytes. */
+#define PC_Q4A8_VERSION 1 /* the arithmetic's version (the layout of the weights is not in it: the same bits) */
 int pc_q4a8_version(void) { return PC_Q4A8_VERSION; }
 
 /* One row of k floats (x float32 or bfloat16) -> k int8, and per group its scale a and a * sum. */
@@ -652,20 +659,22 @@ typedef struct {
     const float *a, *s;
 } row8;
 
-static inline int q4pair_at(const uint8_t *qs, int64_t g, int i) { /* element i of group g */
-    const uint8_t b = qs[(g / 2) * 32 + i];
+static inline int q4pair_at(const uint8_t *qs, int64_t step, int64_t g, int i) { /* element i of group g */
+    const uint8_t b = qs[(g / 2) * step + i];
     return g % 2 ? b >> 4 : b & 15;
 }
 
-static void q4a8_col_scalar(const uint8_t *qs, const uint16_t *d, const uint16_t *m, int64_t gk, row8 x, int dt,
-                            void *y) {
+/* One (row, column); step: bytes from one of the column's records to the next (128 in a whole
+ * quad, 32 in the last columns). */
+static void q4a8_col_scalar(const uint8_t *qs, int64_t step, const uint16_t *d, const uint16_t *m, int64_t gk,
+                            row8 x, int dt, void *y) {
     float acc[8] = {0}, mv[8] = {0};
     for (int64_t g = 0; g < gk; g++) {
         const int8_t *xq = x.q + g * 32;
         const float dd = half_to_float(d[g]) * x.a[g];
         for (int l = 0; l < 8; l++) {
             int sum = 0;
-            for (int i = 4 * l; i < 4 * l + 4; i++) sum += q4pair_at(qs, g, i) * xq[i];
+            for (int i = 4 * l; i < 4 * l + 4; i++) sum += q4pair_at(qs, step, g, i) * xq[i];
             acc[l] = __builtin_fmaf(dd, (float)sum, acc[l]);
         }
     }
@@ -673,10 +682,11 @@ static void q4a8_col_scalar(const uint8_t *qs, const uint16_t *d, const uint16_t
     put(dt, y, 0, tree8(acc) + tree8(mv));
 }
 
-static void q8a8_col_scalar(const int8_t *wq, const uint16_t *d, int64_t gk, row8 x, int dt, void *y) {
+static void q8a8_col_scalar(const int8_t *wq, int64_t step, const uint16_t *d, int64_t gk, row8 x, int dt,
+                            void *y) {
     float acc[8] = {0};
     for (int64_t g = 0; g < gk; g++) {
-        const int8_t *b = wq + g * 32, *xq = x.q + g * 32;
+        const int8_t *b = wq + g * step, *xq = x.q + g * 32;
         const float dd = half_to_float(d[g]) * x.a[g];
         for (int l = 0; l < 8; l++) {
             int sum = 0;
@@ -731,7 +741,9 @@ static inline float a8_mins(const uint16_t *m, int64_t gk, const row8 *x) {
     acc[j][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(dd + ((j) * C + (c)) * gs + (g)),                              \
                                 _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(W, X), ones)), acc[j][c])
 
-/* T rows (1 or 2) x C columns (1 or 4; column c's records at qs + c * gp * 32, output at y + c). */
+/* T rows (1 or 2) x C columns: a whole quad (C = 4, its records interleaved: record r of column c
+ * at qs + (4 r + c) * 32) or one of the last columns (C = 1, its records one after the other);
+ * output at y + c. */
 Q4_INLINE void q4a8_avx2_t(const uint8_t *qs, const uint16_t *d, const uint16_t *m, int64_t gk, const row8 *x,
                            const int T, const int C, int dt, void *y, int64_t ldy) {
     const __m256i lo4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -749,8 +761,9 @@ Q4_INLINE void q4a8_avx2_t(const uint8_t *qs, const uint16_t *d, const uint16_t 
             xb[j] = _mm256_loadu_si256((const __m256i *)(x[j].q + p * 64 + 32));
         }
         for (int c = 0; c < C; c++) {
-            const uint8_t *b = qs + (c * ((gk + 1) / 2) + p) * 32;
-            if (p % 2 == 0) _mm_prefetch((const char *)(b + Q4_AHEAD * 4 * ((gk + 1) / 2) * 32), _MM_HINT_T0);
+            const uint8_t *b = qs + (p * C + c) * 32; /* C = 1: qs + p * 32 */
+            if (c % 2 == 0 && (C == 4 || p % 2 == 0))
+                _mm_prefetch((const char *)(b + Q4_AHEAD * 4 * ((gk + 1) / 2) * 32), _MM_HINT_T0);
             const __m256i v = _mm256_loadu_si256((const __m256i *)b);
             const __m256i wl = _mm256_and_si256(v, lo4), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
             for (int j = 0; j < T; j++) {
@@ -761,7 +774,7 @@ Q4_INLINE void q4a8_avx2_t(const uint8_t *qs, const uint16_t *d, const uint16_t 
     }
     if (gk % 2)
         for (int c = 0; c < C; c++) {
-            const __m256i wl = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(qs + (c * (gp + 1) + gp) * 32)), lo4);
+            const __m256i wl = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(qs + (gp * C + c) * 32)), lo4);
             for (int j = 0; j < T; j++) A8_FMA(j, c, wl, _mm256_loadu_si256((const __m256i *)(x[j].q + gp * 64)), gk - 1);
         }
     for (int j = 0; j < T; j++)
@@ -781,8 +794,8 @@ Q4_INLINE void q8a8_avx2_t(const int8_t *wq, const uint16_t *d, int64_t gk, cons
         __m256i xv[2];
         for (int j = 0; j < T; j++) xv[j] = _mm256_loadu_si256((const __m256i *)(x[j].q + g * 32));
         for (int c = 0; c < C; c++) {
-            const int8_t *b = wq + (c * gk + g) * 32;
-            if (g % 2 == 0) _mm_prefetch((const char *)(b + Q4_AHEAD * 4 * gk * 32), _MM_HINT_T0);
+            const int8_t *b = wq + (g * C + c) * 32; /* as q4a8_avx2_t's records */
+            if (c % 2 == 0 && (C == 4 || g % 2 == 0)) _mm_prefetch((const char *)(b + Q4_AHEAD * 4 * gk * 32), _MM_HINT_T0);
             const __m256i w = _mm256_loadu_si256((const __m256i *)b), aw = _mm256_sign_epi8(w, w);
             for (int j = 0; j < T; j++) A8_FMA(j, c, aw, _mm256_sign_epi8(xv[j], w), g);
         }
@@ -852,10 +865,13 @@ static int a8_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, in
         for (int64_t r = 0; r < nr; r++)
             for (int64_t c = c0; c < c0 + cw; c++) {
                 char *yc = (char *)y + (r * ldy + c) * es;
+                /* a whole quad's column: its records every 128 bytes from the quad's start + c mod 4 */
+                const uint8_t *wc = cw == 4 ? w + c0 * stride + (c - c0) * 32 : w + c * stride;
+                const int64_t step = cw == 4 ? 128 : 32;
                 if (m)
-                    q4a8_col_scalar(w + c * stride, d + c * gk, m + c * gk, gk, rows[r], dt, yc);
+                    q4a8_col_scalar(wc, step, d + c * gk, m + c * gk, gk, rows[r], dt, yc);
                 else
-                    q8a8_col_scalar((const int8_t *)w + c * stride, d + c * gk, gk, rows[r], dt, yc);
+                    q8a8_col_scalar((const int8_t *)wc, step, d + c * gk, gk, rows[r], dt, yc);
             }
     }
     free(mem);
@@ -863,7 +879,7 @@ static int a8_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, in
 }
 
 /* y[nr, n] = x[nr, k] @ W^T with 8-bit rows (see above). qs: uint8 [n, (k/32 + 1) / 2, 32] in
- * the two-group records; d, m: float16 [n, k/32]; x, y: float32 (dt 0) or bfloat16 (dt 1); path:
+ * the two-group records, columns in quads (see above); d, m: float16 [n, k/32]; x, y: float32 (dt 0) or bfloat16 (dt 1); path:
  * the lanes path as pc_q4_linear's (2: scalar). Returns 0, -2 without mins, or -3 when out of
  * memory. */
 int pc_q4a8_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const uint8_t *qs,
@@ -872,7 +888,7 @@ int pc_q4a8_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, int6
     return a8_linear(dt, nr, n, k, x, ldx, qs, d, m, y, ldy, threads, path);
 }
 
-/* The same for Q8_0 weights (wq int8 [n, k/32, 32], d float16 [n, k/32]; no mins). */
+/* The same for Q8_0 weights (wq int8 [n, k/32, 32], columns in quads; d float16 [n, k/32]; no mins). */
 int pc_q8a8_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const int8_t *wq,
                    const uint16_t *d, void *y, int64_t ldy, int threads, int path) {
     return a8_linear(dt, nr, n, k, x, ldx, wq, d, NULL, y, ldy, threads, path);

@@ -100,7 +100,8 @@ class Q4Kernel:
         self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, path: int | None = None
     ) -> torch.Tensor:
         """Q4_1 with 8-bit rows (``--weights q4a8``, pc_q4.c): ``qs`` uint8 ``[N, (K/32 + 1) // 2,
-        32]`` in two-group records (:func:`pack_pairs`), ``d`` and ``m`` float16 ``[N, K/32]``."""
+        32]`` in two-group records, the columns in quads (:func:`pack_pairs`), ``d`` and ``m``
+        float16 ``[N, K/32]``."""
         n, gp, _ = qs.shape
         gk = d.shape[1] if d.dim() == 2 else -1
         if d.dtype != torch.float16 or m.dtype != torch.float16 or qs.dtype != torch.uint8:
@@ -117,7 +118,8 @@ class Q4Kernel:
     def linear8_a8(
         self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, path: int | None = None
     ) -> torch.Tensor:
-        """Q8_0 with 8-bit rows: ``q`` int8 ``[N, K/32, 32]``, ``d`` float16 ``[N, K/32]``."""
+        """Q8_0 with 8-bit rows: ``q`` int8 ``[N, K/32, 32]``, the columns in quads
+        (:func:`pack_q8`), ``d`` float16 ``[N, K/32]``."""
         n, gk, _ = q.shape
         if d.dtype != torch.float16 or q.dtype != torch.int8 or d.shape != (n, gk):
             raise TypeError("pc_q8a8_linear takes int8 weights [N, K/32, 32] and float16 scales [N, K/32]")
@@ -196,16 +198,34 @@ def pack(q: torch.Tensor) -> torch.Tensor:
 
 
 def pack_pairs(q: torch.Tensor) -> torch.Tensor:
-    """int 0..15 ``[N, K]`` -> uint8 ``[N, (K/32 + 1) // 2, 32]``, the 8-bit-activation kernels'
+    """int 0..15 ``[N, K]`` -> uint8 ``[N, (K/32 + 1) // 2, 32]``, the 8-bit-row kernels' Q4_1
     records: byte i of record p holds element i of group 2p (low nibble) and of group 2p + 1 (high
-    nibble; 0 past the last group)."""
+    nibble; 0 past the last group), the columns in quads (:func:`interleave_quads`)."""
     n, k = q.shape
     gk = k // 32
     g = q.to(torch.uint8).view(n, gk, 32)
     if gk % 2:
         g = torch.cat([g, g.new_zeros(n, 1, 32)], 1)
     g = g.view(n, -1, 2, 32)
-    return (g[:, :, 0] | (g[:, :, 1] << 4)).contiguous()
+    return interleave_quads(g[:, :, 0] | (g[:, :, 1] << 4))
+
+
+def pack_q8(q: torch.Tensor) -> torch.Tensor:
+    """int8 ``[N, K/32, 32]`` (Q8_0's groups) -> the same groups, the columns in quads, as the
+    8-bit-row kernel reads them (:func:`interleave_quads`)."""
+    return interleave_quads(q)
+
+
+def interleave_quads(records: torch.Tensor) -> torch.Tensor:
+    """``[N, R, 32]`` records -> the same shape with each whole quad of columns interleaved: record
+    r of column 4j + c at quad j's start + (4 r + c) records; the last N mod 4 columns as they are
+    (pc_q4.c: a tile of four columns then reads one sequential stream, which the hardware
+    prefetcher keeps up with, instead of four at a column's stride)."""
+    n, r, w = records.shape
+    n4 = n // 4 * 4
+    out = records.contiguous().clone()
+    out[:n4] = records[:n4].reshape(n4 // 4, 4, r, w).transpose(1, 2).reshape(n4, r, w)
+    return out
 
 
 def halves(t: torch.Tensor) -> torch.Tensor:
