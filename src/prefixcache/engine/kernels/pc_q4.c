@@ -879,9 +879,9 @@ static int a8_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, in
 }
 
 /* y[nr, n] = x[nr, k] @ W^T with 8-bit rows (see above). qs: uint8 [n, (k/32 + 1) / 2, 32] in
- * the two-group records, columns in quads (see above); d, m: float16 [n, k/32]; x, y: float32 (dt 0) or bfloat16 (dt 1); path:
- * the lanes path as pc_q4_linear's (2: scalar). Returns 0, -2 without mins, or -3 when out of
- * memory. */
+ * the two-group records, the columns in quads (see above); d, m: float16 [n, k/32]; x, y: float32
+ * (dt 0) or bfloat16 (dt 1); path: the lanes path as pc_q4_linear's (2: scalar). Returns 0, -2
+ * without mins, or -3 when out of memory. */
 int pc_q4a8_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, int64_t ldx, const uint8_t *qs,
                    const uint16_t *d, const uint16_t *m, void *y, int64_t ldy, int threads, int path) {
     if (!m) return -2; /* Q4_1 has mins (a NULL would read the records as Q8_0 groups) */
