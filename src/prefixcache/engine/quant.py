@@ -147,7 +147,7 @@ class Q8Weight:
         self.own, self.isa, self.a8 = own, isa, a8
         self.any_rows = True
         # the 8-bit-row kernel reads the groups with the columns in quads; the exact one, as they are
-        self.q, self.d = (q4_kernel.pack_q8(q) if a8 else q.contiguous()), q4_kernel.halves(d)
+        self.q, self.d = (q4_kernel.interleave_quads(q) if a8 else q.contiguous()), q4_kernel.halves(d)
 
     def linear(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
         if not decode:

@@ -119,7 +119,7 @@ class Q4Kernel:
         self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, path: int | None = None
     ) -> torch.Tensor:
         """Q8_0 with 8-bit rows: ``q`` int8 ``[N, K/32, 32]``, the columns in quads
-        (:func:`pack_q8`), ``d`` float16 ``[N, K/32]``."""
+        (:func:`interleave_quads`), ``d`` float16 ``[N, K/32]``."""
         n, gk, _ = q.shape
         if d.dtype != torch.float16 or q.dtype != torch.int8 or d.shape != (n, gk):
             raise TypeError("pc_q8a8_linear takes int8 weights [N, K/32, 32] and float16 scales [N, K/32]")
@@ -210,17 +210,11 @@ def pack_pairs(q: torch.Tensor) -> torch.Tensor:
     return interleave_quads(g[:, :, 0] | (g[:, :, 1] << 4))
 
 
-def pack_q8(q: torch.Tensor) -> torch.Tensor:
-    """int8 ``[N, K/32, 32]`` (Q8_0's groups) -> the same groups, the columns in quads, as the
-    8-bit-row kernel reads them (:func:`interleave_quads`)."""
-    return interleave_quads(q)
-
-
 def interleave_quads(records: torch.Tensor) -> torch.Tensor:
-    """``[N, R, 32]`` records -> the same shape with each whole quad of columns interleaved: record
-    r of column 4j + c at quad j's start + (4 r + c) records; the last N mod 4 columns as they are
-    (pc_q4.c: a tile of four columns then reads one sequential stream, which the hardware
-    prefetcher keeps up with, instead of four at a column's stride)."""
+    """``[N, R, 32]`` records (Q4_1's pairs, Q8_0's groups) -> the same shape with each whole quad
+    of columns interleaved: record r of column 4j + c at quad j's start + (4 r + c) records; the
+    last N mod 4 columns as they are (pc_q4.c: a tile of four columns then reads one sequential
+    stream, which the hardware prefetcher keeps up with, instead of four at a column's stride)."""
     n, r, w = records.shape
     n4 = n // 4 * 4
     out = records.contiguous().clone()
