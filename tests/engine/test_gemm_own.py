@@ -263,6 +263,25 @@ def test_the_runners_namespace_names_the_gemm(tiny_runner) -> None:
     assert other.fingerprint(16) != own.fingerprint(16)
 
 
+def test_a_runner_built_under_another_isa_cap_is_not_handed_back(
+    tiny_runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """from_model_runner reuses a runner per (dtype, kernels) only under the same
+    PREFIXCACHE_KERNEL_ISA: capped to AVX2 after an uncapped build, it gives an AVX2 runner (on
+    an AVX512 machine the uncapped one computes AVX512, and a stale reuse kept it)."""
+    from prefixcache.engine.llama import LlamaRunner
+
+    monkeypatch.delenv(matmul.ENV, raising=False)
+    best = LlamaRunner.from_model_runner(tiny_runner, dtype="float32", kernels="native")
+    assert best.gemm.own == matmul.gemm_isa(torch.float32, "auto")
+    monkeypatch.setenv(matmul.ENV, "avx2")
+    capped = LlamaRunner.from_model_runner(tiny_runner, dtype="float32", kernels="native")
+    assert capped.gemm.own == "avx2" and capped.gemm.prompt_rows
+    assert LlamaRunner.from_model_runner(tiny_runner, dtype="float32", kernels="native") is capped
+    monkeypatch.delenv(matmul.ENV)
+    assert LlamaRunner.from_model_runner(tiny_runner, dtype="float32", kernels="native") is best
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_smollm2_weights_through_the_own_gemm(real_runner, dtype: str) -> None:

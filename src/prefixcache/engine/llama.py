@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from prefixcache.cache.keys import KV_LAYOUT_VERSION, model_fingerprint
 from prefixcache.engine.gemm import gemm_rule
+from prefixcache.engine.kernels import matmul
 from prefixcache.engine.kernels import mode as kernels_mode
 from prefixcache.engine.llama_native import native_step, pick_kernels
 from prefixcache.engine.model import ModelRunner
@@ -199,8 +200,9 @@ class LlamaRunner(ModelRunner):
     def from_model_runner(
         cls, base: ModelRunner, *, dtype: str | None = None, kernels: str | None = None
     ) -> LlamaRunner:
-        """The own runner for ``base``'s model, built once per (base, dtype, kernels) and reused
-        (``kernels`` None: ``PREFIXCACHE_KERNELS``, default ``auto``)."""
+        """The own runner for ``base``'s model, built once per (base, dtype, kernels, GEMM ISA
+        asked for) and reused (``kernels`` None: ``PREFIXCACHE_KERNELS``, default ``auto``; the
+        ISA: ``PREFIXCACHE_KERNEL_ISA``, so a runner built under another cap is not handed back)."""
         if isinstance(base, LlamaRunner):
             if (dtype is None or dtype == base.dtype_name) and kernels is None:
                 return base
@@ -209,7 +211,7 @@ class LlamaRunner(ModelRunner):
                 f"build another one from the ModelRunner"
             )
         mode = kernels_mode() if kernels is None else kernels
-        key = (dtype or base.dtype_name, mode)
+        key = (dtype or base.dtype_name, mode, matmul.requested())
         made = base.__dict__.setdefault("_own_runners", {})
         if key not in made:
             made[key] = cls(base, dtype=key[0], kernels=mode)
