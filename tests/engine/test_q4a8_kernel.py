@@ -2,10 +2,12 @@
 pc_q8a8_linear): another arithmetic than the float weights', so each output is checked against a
 float64 reference of the documented one (rows quantized to 8 bits a group of 32, integer group
 dot products) within a tight tolerance and against the float product within the quantization's;
-the AVX2 and scalar paths give the same bits at every tile shape; a row's bits do not depend on
-the row count, its offset or the thread count."""
+the AVX512-VNNI, AVX2 and scalar paths give the same bits at every tile shape; a row's bits do
+not depend on the row count, its offset or the thread count."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,7 +76,7 @@ def test_outputs_follow_the_8_bit_rows_arithmetic_on_every_path(dtype: torch.dty
     got = KERNEL.linear_a8(x, qs, d, m)
     got8 = KERNEL.linear8_a8(x, p8, d8)
     assert got.dtype == got8.dtype == dtype
-    for path in (1, 2):  # AVX2, scalar: the same bits
+    for path in (1, 2):  # AVX2, scalar: the best path's bits (AVX512-VNNI's where it runs)
         assert torch.equal(KERNEL.linear_a8(x, qs, d, m, path=path), got), path
         assert torch.equal(KERNEL.linear8_a8(x, p8, d8, path=path), got8), path
     rounding = 0.0 if dtype == torch.float32 else 2.0**-8  # bfloat16 output: half an ulp at most
@@ -98,10 +100,20 @@ def test_every_tile_shape_gives_the_scalar_paths_bits(dtype: torch.dtype) -> Non
     x = torch.randn(9, 96, generator=torch.Generator().manual_seed(12)).to(dtype)
     for rows in range(1, 10):
         xs = x[:rows]
-        assert torch.equal(KERNEL.linear_a8(xs, qs, d, m, path=1), KERNEL.linear_a8(xs, qs, d, m, path=2)), (
-            rows
-        )
-        assert torch.equal(KERNEL.linear8_a8(xs, w8, d8, path=1), KERNEL.linear8_a8(xs, w8, d8, path=2)), rows
+        want, want8 = KERNEL.linear_a8(xs, qs, d, m, path=2), KERNEL.linear8_a8(xs, w8, d8, path=2)
+        for path in (0, 1):  # the best tiles (AVX512-VNNI's where the CPU has it), AVX2's
+            assert torch.equal(KERNEL.linear_a8(xs, qs, d, m, path=path), want), (rows, path)
+            assert torch.equal(KERNEL.linear8_a8(xs, w8, d8, path=path), want8), (rows, path)
+
+
+def test_the_best_path_takes_avx512_vnni_where_the_cpu_has_it() -> None:
+    """An AVX512 build on a CPU with AVX512-VNNI runs the tiles with its dot product (the tests
+    above then pin its bits to the AVX2 and scalar paths'); elsewhere the AVX2 tiles."""
+    assert KERNEL is not None
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    vnni = KERNEL.paths[0] == "avx512" and {"avx512_vnni", "avx512vl"} <= flags
+    best = "avx512vnni" if vnni else KERNEL.paths[1]
+    assert KERNEL.paths_a8 == {0: best, 1: KERNEL.paths[1], 2: "scalar"}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])

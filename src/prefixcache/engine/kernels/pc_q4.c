@@ -607,8 +607,10 @@ int pc_q8_linear(int dt, int isa, int64_t nr, int64_t n, int64_t k, const void *
  *   Q4_1 only: mv_l = fma(m_g, s_g, mv_l) over the groups g = l, l + 8, ... ascending, from +0;
  *   y = tree8(acc) (+ tree8(mv)), tree8(v) = ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)),
  *   rounded once to the output dtype.
- * The AVX2 path (also on AVX512 machines) and the scalar path give the same bits (no saturation
- * can occur: |q4 * x| <= 15 * 127, |q8 * x| <= 128 * 127, a pair's sum fits 16 bits).
+ * The AVX2 path (maddubs and madd, also on AVX512 machines), the same tiles with AVX512-VNNI's
+ * dot product (vpdpbusd on 256 bits: the best path where the CPU has it) and the scalar path give
+ * the same bits (no saturation can occur: |q4 * x| <= 15 * 127, |q8 * x| <= 128 * 127, a pair's
+ * sum fits 16 bits, so maddubs's pairs are exact and every lane sum is the integer one).
  *
  * Q4_1 weights come in their own layout here, two groups a 32-byte record: byte i holds element i
  * of group 2p in its low nibble and element i of group 2p + 1 in its high nibble (an odd last
@@ -737,15 +739,22 @@ static inline float a8_mins(const uint16_t *m, int64_t gk, const row8 *x) {
     return tree8(l);
 }
 
+/* A group's eight lane sums (unsigned W times signed X, four products a lane): AVX2's maddubs and
+ * madd, or with V one AVX512-VNNI dot product (the same integers: no pair saturates, see above). */
+#ifdef __AVX512VNNI__
+#define A8_DOT(W, X) (V ? _mm256_dpbusd_epi32(_mm256_setzero_si256(), W, X) : _mm256_madd_epi16(_mm256_maddubs_epi16(W, X), ones))
+#else
+#define A8_DOT(W, X) _mm256_madd_epi16(_mm256_maddubs_epi16(W, X), ones)
+#endif
 #define A8_FMA(j, c, W, X, g)                                                                                      \
-    acc[j][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(dd + ((j) * C + (c)) * gs + (g)),                              \
-                                _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(W, X), ones)), acc[j][c])
+    acc[j][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(dd + ((j) * C + (c)) * gs + (g)), _mm256_cvtepi32_ps(A8_DOT(W, X)), \
+                                acc[j][c])
 
 /* T rows (1 or 2) x C columns: a whole quad (C = 4, its records interleaved: record r of column c
  * at qs + (4 r + c) * 32) or one of the last columns (C = 1, its records one after the other);
  * output at y + c. */
 Q4_INLINE void q4a8_avx2_t(const uint8_t *qs, const uint16_t *d, const uint16_t *m, int64_t gk, const row8 *x,
-                           const int T, const int C, int dt, void *y, int64_t ldy) {
+                           const int T, const int C, const int V, int dt, void *y, int64_t ldy) {
     const __m256i lo4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     const int64_t gp = gk / 2; /* whole records (an odd last group after the loop) */
     const int64_t gs = (gk + 7) / 8 * 8;
@@ -782,7 +791,7 @@ Q4_INLINE void q4a8_avx2_t(const uint8_t *qs, const uint16_t *d, const uint16_t 
 }
 
 Q4_INLINE void q8a8_avx2_t(const int8_t *wq, const uint16_t *d, int64_t gk, const row8 *x, const int T, const int C,
-                           int dt, void *y, int64_t ldy) {
+                           const int V, int dt, void *y, int64_t ldy) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t gs = (gk + 7) / 8 * 8;
     float dd[T * C * gs];
@@ -804,7 +813,24 @@ Q4_INLINE void q8a8_avx2_t(const int8_t *wq, const uint16_t *d, int64_t gk, cons
         for (int c = 0; c < C; c++) put(dt, y, j * ldy + c, tree8_256(acc[j][c]));
 }
 #undef A8_FMA
+#undef A8_DOT
+
 #endif
+
+/* Whether the best path's AVX512-VNNI dot product is compiled here and this CPU runs it. */
+static int a8_vnni(void) {
+#if defined(Q4_HAVE_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return __builtin_cpu_supports("avx512vnni");
+#else
+    return 0;
+#endif
+}
+
+/* The tiles a q4a8/q8a8 call with lanes path `path` runs (0 the best here, 1 AVX2, 2 scalar). */
+const char *pc_q4a8_path(int path) {
+    const int kind = lanes_kind(path);
+    return kind == 2 ? "scalar" : (kind == 0 && a8_vnni() ? "avx512vnni" : "avx2");
+}
 
 /* Rows quantized once a call (one allocation). */
 static row8 *quantize_rows(int dt, const void *x, int64_t ldx, int64_t nr, int64_t k, void **mem) {
@@ -836,6 +862,7 @@ static int a8_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, in
     const int64_t stride = m ? (gk + 1) / 2 * 32 : gk * 32; /* a column's bytes of weights */
     const uint8_t *w = (const uint8_t *)wq;
     const int kind = lanes_kind(path);
+    const int vnni = kind == 0 && a8_vnni(); /* the best path: AVX512-VNNI's dot product where it runs */
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int64_t cq = 0; cq < quads; cq++) {
         const int64_t c0 = cq * 4, cw = n - c0 >= 4 ? 4 : n - c0;
@@ -848,20 +875,29 @@ static int a8_linear(int dt, int64_t nr, int64_t n, int64_t k, const void *x, in
                 for (int64_t c = c0; c < c0 + cw; c += cw == 4 ? 4 : 1) {
                     const int C = cw == 4 ? 4 : 1;
                     char *yc = (char *)y + (r * ldy + c) * es;
-#define A8_CALL(T, CC)                                                                                               \
-    (m ? q4a8_avx2_t(w + c * stride, d + c * gk, m + c * gk, gk, rows + r, T, CC, dt, yc, ldy)                       \
-       : q8a8_avx2_t((const int8_t *)w + c * stride, d + c * gk, gk, rows + r, T, CC, dt, yc, ldy))
-                    if (t == 2 && C == 4) A8_CALL(2, 4);
-                    else if (t == 2) A8_CALL(2, 1);
-                    else if (C == 4) A8_CALL(1, 4);
-                    else A8_CALL(1, 1);
+#define A8_CALL(T, CC, V)                                                                                            \
+    (m ? q4a8_avx2_t(w + c * stride, d + c * gk, m + c * gk, gk, rows + r, T, CC, V, dt, yc, ldy)                    \
+       : q8a8_avx2_t((const int8_t *)w + c * stride, d + c * gk, gk, rows + r, T, CC, V, dt, yc, ldy))
+#define A8_CALLS(V)                                                                                                  \
+    do {                                                                                                             \
+        if (t == 2 && C == 4) A8_CALL(2, 4, V);                                                                      \
+        else if (t == 2) A8_CALL(2, 1, V);                                                                           \
+        else if (C == 4) A8_CALL(1, 4, V);                                                                           \
+        else A8_CALL(1, 1, V);                                                                                       \
+    } while (0)
+#ifdef __AVX512VNNI__
+                    if (vnni) A8_CALLS(1);
+                    else
+#endif
+                        A8_CALLS(0);
+#undef A8_CALLS
 #undef A8_CALL
                 }
             }
             continue;
         }
 #endif
-        (void)kind;
+        (void)kind, (void)vnni;
         for (int64_t r = 0; r < nr; r++)
             for (int64_t c = c0; c < c0 + cw; c++) {
                 char *yc = (char *)y + (r * ldy + c) * es;

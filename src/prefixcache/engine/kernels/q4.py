@@ -55,6 +55,11 @@ class Q4Kernel:
         lib.pc_q8a8_linear.argtypes = [i32, i64, i64, i64, p, i64, p, p, p, i64, i32, i32]
         lib.pc_q8a8_linear.restype = i32
         lib.pc_q4a8_version.restype = i32
+        lib.pc_q4a8_path.argtypes = [i32]
+        lib.pc_q4a8_path.restype = ctypes.c_char_p
+        #: The tiles the 8-bit-row kernels run on each path (0 the best: ``avx512vnni`` where the
+        #: CPU has AVX512-VNNI, else ``avx2``; 1 ``avx2``; 2 ``scalar``), all of the same bits.
+        self.paths_a8 = {p: lib.pc_q4a8_path(p).decode() for p in (0, 1, 2)}
         self._fn_a8 = lib.pc_q4a8_linear
         self._fn8_a8 = lib.pc_q8a8_linear
         #: The 8-bit-activation kernels' arithmetic is one on every path (see pc_q4.c): their
