@@ -62,11 +62,12 @@ def _reference8(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor) -> torch.Tens
     return (dots * (d.double()[None] * a.double()[:, None])).sum(-1)
 
 
-@pytest.mark.parametrize("k", [576, 1536, 96, 32, 2080, 32800], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("k", [576, 1536, 96, 416, 32, 2080, 32800], ids=lambda k: f"K{k}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 def test_outputs_follow_the_8_bit_rows_arithmetic_on_every_path(dtype: torch.dtype, k: int) -> None:
     """K: whole and partial sets of eight groups, an odd group count (the last record half
-    empty), one group, 65 groups, and 1,025 (past the AVX2 tiles' 1,024: the scalar path).
+    empty), 13 groups (eight, four and one: each part of the mins' four-column loop), one group,
+    65 groups, and 1,025 (past the AVX2 tiles' 1,024: the scalar path).
     N = 54: 13 quads of columns (their records interleaved), then two lone columns."""
     assert KERNEL is not None
     q, d, m, dense = _q4(1, k, 54)

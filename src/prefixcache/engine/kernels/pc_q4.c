@@ -739,6 +739,57 @@ static inline float a8_mins(const uint16_t *m, int64_t gk, const row8 *x) {
     return tree8(l);
 }
 
+/* The same term for T rows (1 or 2) x a whole quad's four columns (m: the quad's first column's
+ * mins, the others gk apart), a vector over the four columns: four groups' mins of the four
+ * columns transposed, then each lane's fma chain and tree8 as a8_mins's. out[4 j + c]. */
+Q4_INLINE void a8_mins4(const uint16_t *m, int64_t gk, const row8 *x, const int T, float *out) {
+    __m128 mv[2][8];
+    for (int j = 0; j < T; j++)
+        for (int l = 0; l < 8; l++) mv[j][l] = _mm_setzero_ps();
+#define M4_LOAD(g)                                                                                                 \
+    __m128 s0 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(m + (g))));                                         \
+    __m128 s1 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(m + gk + (g))));                                    \
+    __m128 s2 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(m + 2 * gk + (g))));                                \
+    __m128 s3 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(m + 3 * gk + (g))));                                \
+    _MM_TRANSPOSE4_PS(s0, s1, s2, s3)
+#define M4_FMA(L, g)                                                                                               \
+    for (int j = 0; j < T; j++) {                                                                                  \
+        mv[j][L] = _mm_fmadd_ps(s0, _mm_set1_ps(x[j].s[(g)]), mv[j][L]);                                           \
+        mv[j][L + 1] = _mm_fmadd_ps(s1, _mm_set1_ps(x[j].s[(g) + 1]), mv[j][L + 1]);                               \
+        mv[j][L + 2] = _mm_fmadd_ps(s2, _mm_set1_ps(x[j].s[(g) + 2]), mv[j][L + 2]);                               \
+        mv[j][L + 3] = _mm_fmadd_ps(s3, _mm_set1_ps(x[j].s[(g) + 3]), mv[j][L + 3]);                               \
+    }
+    const int64_t g8 = gk / 8 * 8;
+    for (int64_t g = 0; g < g8; g += 8) {
+        {
+            M4_LOAD(g);
+            M4_FMA(0, g);
+        }
+        {
+            M4_LOAD(g + 4);
+            M4_FMA(4, g + 4);
+        }
+    }
+    int64_t g = g8;
+    if (gk - g >= 4) {
+        M4_LOAD(g);
+        M4_FMA(0, g);
+        g += 4;
+    }
+#undef M4_FMA
+#undef M4_LOAD
+    for (int j = 0; j < T; j++) {
+        float l[8][4];
+        for (int i = 0; i < 8; i++) _mm_storeu_ps(l[i], mv[j][i]);
+        for (int64_t h = g; h < gk; h++) /* the last groups (at most three), lane h mod 8 */
+            for (int c = 0; c < 4; c++) l[h % 8][c] = __builtin_fmaf(_cvtsh_ss(m[c * gk + h]), x[j].s[h], l[h % 8][c]);
+        const __m128 v0 = _mm_loadu_ps(l[0]), v1 = _mm_loadu_ps(l[1]), v2 = _mm_loadu_ps(l[2]), v3 = _mm_loadu_ps(l[3]);
+        const __m128 v4 = _mm_loadu_ps(l[4]), v5 = _mm_loadu_ps(l[5]), v6 = _mm_loadu_ps(l[6]), v7 = _mm_loadu_ps(l[7]);
+        _mm_storeu_ps(out + 4 * j, _mm_add_ps(_mm_add_ps(_mm_add_ps(v0, v4), _mm_add_ps(v2, v6)),
+                                              _mm_add_ps(_mm_add_ps(v1, v5), _mm_add_ps(v3, v7))));
+    }
+}
+
 /* A group's eight lane sums (unsigned W times signed X, four products a lane): AVX2's maddubs and
  * madd, or with V one AVX512-VNNI dot product (the same integers: no pair saturates, see above). */
 #ifdef __AVX512VNNI__
@@ -760,6 +811,8 @@ Q4_INLINE void q4a8_avx2_t(const uint8_t *qs, const uint16_t *d, const uint16_t 
     const int64_t gs = (gk + 7) / 8 * 8;
     float dd[T * C * gs];
     a8_scales(d, gk, x, T, C, dd, gs);
+    float mins[8];
+    if (C == 4) a8_mins4(m, gk, x, T, mins);
     __m256 acc[2][4];
     for (int j = 0; j < T; j++)
         for (int c = 0; c < C; c++) acc[j][c] = _mm256_setzero_ps();
@@ -787,7 +840,7 @@ Q4_INLINE void q4a8_avx2_t(const uint8_t *qs, const uint16_t *d, const uint16_t 
             for (int j = 0; j < T; j++) A8_FMA(j, c, wl, _mm256_loadu_si256((const __m256i *)(x[j].q + gp * 64)), gk - 1);
         }
     for (int j = 0; j < T; j++)
-        for (int c = 0; c < C; c++) put(dt, y, j * ldy + c, tree8_256(acc[j][c]) + a8_mins(m + c * gk, gk, x + j));
+        for (int c = 0; c < C; c++) put(dt, y, j * ldy + c, tree8_256(acc[j][c]) + (C == 4 ? mins[4 * j + c] : a8_mins(m + c * gk, gk, x + j)));
 }
 
 Q4_INLINE void q8a8_avx2_t(const int8_t *wq, const uint16_t *d, int64_t gk, const row8 *x, const int T, const int C,
