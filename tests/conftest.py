@@ -52,12 +52,24 @@ def find_required_binary(name: str, install: str) -> str:
     pytest.skip(message)
 
 
-def pytest_report_header(config: pytest.Config) -> str:
-    """The dtype the engines under test compute in (``$PREFIXCACHE_DTYPE`` or the machine's)."""
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The dtype the engines under test compute in (``$PREFIXCACHE_DTYPE`` or the machine's), and
+    the CPU with the flags that pick the kernels' paths: a failure seen on one machine kind only
+    says which kind it was."""
     from prefixcache.engine.model import DTYPE_ENV, default_dtype, machine_dtype
 
     source = f"${DTYPE_ENV}" if os.environ.get(DTYPE_ENV, "").strip() else "this machine's default"
-    return f"prefixcache dtype: {default_dtype()} ({source}; the machine's: {machine_dtype()})"
+    lines = [f"prefixcache dtype: {default_dtype()} ({source}; the machine's: {machine_dtype()})"]
+    try:
+        info = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return lines
+    rows = info.splitlines()
+    model = next((ln.split(":", 1)[1].strip() for ln in rows if ln.startswith("model name")), "?")
+    words = set(next((ln for ln in rows if ln.startswith("flags")), "").split())
+    picked = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if f in words]
+    lines.append(f"cpu: {model}; {os.cpu_count()} cores; flags: {' '.join(picked) or 'none of avx2/avx512'}")
+    return lines
 
 
 @pytest.fixture(scope="session")

@@ -180,7 +180,12 @@ def test_the_weight_pointers_are_kept_until_a_weight_object_changes(tiny_runner:
     from prefixcache.engine.kernels import q4
     from prefixcache.engine.llama_native import layer_pointers
 
-    compiled, _ = _pair(tiny_runner, "float32")
+    shared, _ = _pair(tiny_runner, "float32")
+    # its own copy with its own layer dicts: the runner from_model_runner hands out is shared by
+    # the session's later tests, which must not meet the weights swapped below
+    compiled = copy.copy(shared)
+    compiled.layers = [dict(lw) for lw in shared.layers]
+    downs = [lw["down"] for lw in shared.layers]
     first = layer_pointers(compiled)
     assert first is not None and layer_pointers(compiled) is first  # the same array, not re-read
     assert layer_pointers(compiled, decode_only=True) is not first  # each step kind its own
@@ -202,6 +207,7 @@ def test_the_weight_pointers_are_kept_until_a_weight_object_changes(tiny_runner:
     w = compiled.layers[0]["qkv"]
     w.dense = w.dense.clone()  # the 4-bit weight's dense swapped: its view is rebuilt
     assert layer_pointers(compiled, decode_only=True) is not four
+    assert all(lw["down"] is down_ for lw, down_ in zip(shared.layers, downs, strict=True))
 
 
 def test_mixed_four_bit_or_strided_weights_keep_the_python_loop(

@@ -806,6 +806,7 @@ Q4_INLINE void a8_mins4(const uint16_t *m, int64_t gk, const row8 *x, const int 
  * output at y + c. */
 Q4_INLINE void q4a8_avx2_t(const uint8_t *qs, const uint16_t *d, const uint16_t *m, int64_t gk, const row8 *x,
                            const int T, const int C, const int V, int dt, void *y, int64_t ldy) {
+    (void)V; /* read only where the build has AVX512-VNNI (A8_DOT) */
     const __m256i lo4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     const int64_t gp = gk / 2; /* whole records (an odd last group after the loop) */
     const int64_t gs = (gk + 7) / 8 * 8;
@@ -845,6 +846,7 @@ Q4_INLINE void q4a8_avx2_t(const uint8_t *qs, const uint16_t *d, const uint16_t 
 
 Q4_INLINE void q8a8_avx2_t(const int8_t *wq, const uint16_t *d, int64_t gk, const row8 *x, const int T, const int C,
                            const int V, int dt, void *y, int64_t ldy) {
+    (void)V; /* read only where the build has AVX512-VNNI (A8_DOT) */
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t gs = (gk + 7) / 8 * 8;
     float dd[T * C * gs];
