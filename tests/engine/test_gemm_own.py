@@ -226,6 +226,20 @@ def test_the_default_rule_is_own_and_its_rows_are_invariant(dtype: torch.dtype) 
         assert torch.equal(got[i], rule.linear(x[i : i + 1], w, b, Rows(1, ((0, 1, True),)))[0])
 
 
+def test_float32_prefill_rows_take_the_prompt_rows_tiles_of_the_machines_isa() -> None:
+    """float32 prefill rows go through the prompt-rows arithmetic on the ISA the own GEMM runs
+    here (AVX2, or AVX512 where the CPU has it, bf16 CPUs included), and the tag says which."""
+    isa = matmul.gemm_isa(torch.float32)  # $PREFIXCACHE_KERNEL_ISA may cap it
+    if isa is None:
+        pytest.skip("the own GEMM has no SIMD path here")
+    rule = gemm_rule(torch.float32, torch.device("cpu"))
+    assert rule.own == isa and rule.own_prefill and rule.prompt_rows
+    assert rule.tag() == f"gemm-own-v{matmul.version()}-{isa}-prows-d16p"
+    x, w, b = _data(torch.float32, 197, 577, 70)
+    got = rule.linear(x, w, b, Rows(70, ((0, 70, False),)))
+    assert torch.equal(got, matmul.own_linear(x, w, b, isa="generic", prompt=True))
+
+
 def test_the_avx2_rule_gives_each_class_its_own_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the AVX2 GEMM (forced, so this runs on AVX512 machines too) float32 prefill rows take
     the prompt-rows arithmetic and decode rows the lanes order, in a step mixing both kinds in

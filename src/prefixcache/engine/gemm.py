@@ -34,7 +34,7 @@ an AVX2/AVX512 GEMM path runs): dense weight products go through the engine's ow
 is one fixed sequence of operations depending on ``K`` alone: decode rows run unpadded, any
 count in one call, invariant by construction; prefill rows run there too where ``own_prefill``
 (measured faster than torch's 128-row pieces for the dtype, ``benchmarks/gemm_own.py``), else in
-torch's 128-row pieces as before. Where ``prompt_rows`` (float32 on AVX2) prefill rows take the
+torch's 128-row pieces as before. Where ``prompt_rows`` (float32 on AVX2 and AVX512) prefill rows take the
 own GEMM's second arithmetic (one FMA chain per output, ``own_linear(prompt=True)``), decode rows
 the lanes order: each class invariant on its own, like the two attention paths. The tag names the
 rule, the GEMM version and ISA and the prefill rows' path (``gemm-own-v1-avx2-prows-d16p``).
@@ -69,15 +69,17 @@ F32_DECODE_PIECE = 16
 #: bfloat16: the ISAs with a bf16 dot product (on the 2-core AMD EPYC with AVX512-BF16,
 #: 2026-12-04, 128 and 512 rows at 1.01x and 1.02x torch's time, which lets those steps run the
 #: compiled layer loop; AMX's tiles are faster still); emulated bf16 stays on torch. float32: the
-#: AVX512 paths (faster than torch's pieces where measured: docs/engine.md, "The own GEMM"), and
-#: AVX2 through the prompt-rows arithmetic (``PROMPT_ROWS_ISAS``).
+#: AVX2 and AVX512 paths, through the prompt-rows arithmetic (``PROMPT_ROWS_ISAS``).
 OWN_PREFILL_ISAS = {"float32": ("avx2", "avx512", "avx512bf16", "amx"), "bfloat16": ("avx512bf16", "amx")}
 #: Where prefill rows take the own GEMM's second arithmetic (``pc_gemm_rows``: one FMA chain per
 #: output over a packed weight panel) instead of its lanes order, which decode rows keep: float32
 #: on AVX2, where the lanes tiles ran one layer's four products at 512 rows in 61 ms against
 #: torch's 25 ms in 128-row pieces, and the prompt-rows tiles take about 0.75x torch's time at 512
-#: rows and 0.2x at a 32-row tail (a 2-core AMD EPYC, Zen 3, 2026-12-07; docs/engine.md).
-PROMPT_ROWS_ISAS = {"float32": ("avx2",), "bfloat16": ()}
+#: rows and 0.2x at a 32-row tail (a 2-core AMD EPYC, Zen 3, 2026-12-07; docs/engine.md); and
+#: float32 on AVX512 (also where the CPU has bf16, whose float32 products are the AVX512 path),
+#: where its 512-bit tiles took 15.3 ms at 512 rows against the lanes tiles' 24-39 ms and torch's
+#: 17-24 ms in 128-row pieces (a 2-core Ice Lake Xeon, 2026-12-08; docs/engine.md).
+PROMPT_ROWS_ISAS = {"float32": ("avx2", "avx512"), "bfloat16": ()}
 
 
 @dataclass(frozen=True, slots=True)

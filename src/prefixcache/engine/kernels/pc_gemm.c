@@ -728,8 +728,100 @@ static void prompt_avx2(const job *j, int64_t p0, int64_t p1) {
 }
 #endif
 
-/* y[m * ldy + n] = the prompt-rows chain above, float32 (dtype 0) only, on `isa`: G_GENERIC (C)
- * or G_AVX2 and up (the AVX2 tiles; the same bits). Threads split whole 16-column panels.
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* AVX512: a register tile of PZ_RT rows x two packed panels (32 columns), 2 x PZ_RT zmm chains:
+ * two panel loads and PZ_RT broadcasts per 2 x PZ_RT FMAs (the AVX2 tile: 2 loads and 6
+ * broadcasts per 12). Each lane is still one output's chain over k ascending from +0, then its
+ * bias: the AVX2 tiles' and the C chain's bits. The last panel of a thread's share, when its
+ * count is odd, goes alone (`two` 0). */
+#define PZ_RT 8
+#define PZ_DECL(r) __m512 z##r##0 = _mm512_setzero_ps(), z##r##1 = _mm512_setzero_ps();
+#define PZ_STEP(r)                                                                                                 \
+    if (R > r) {                                                                                                   \
+        const __m512 xa = _mm512_set1_ps(x[r * ldx + k]);                                                          \
+        z##r##0 = _mm512_fmadd_ps(xa, b0, z##r##0);                                                                \
+        if (two) z##r##1 = _mm512_fmadd_ps(xa, b1, z##r##1);                                                       \
+    }
+#define PZ_OUT(r)                                                                                                  \
+    if (R > r) out[r][0] = z##r##0, out[r][1] = z##r##1;
+
+/* Stores one output row's panel (`cols` columns at y; bias at the panel's first column). */
+static inline __attribute__((always_inline)) void pz_store(float *y, __m512 v, const float *bias, int cols) {
+    const __mmask16 mask = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1u);
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
+    _mm512_mask_storeu_ps(y, mask, v);
+}
+
+static inline __attribute__((always_inline)) void prompt_tile512(const float *x, int64_t ldx, const float *P0,
+                                                                  const float *P1, int64_t K, const int R, const int two,
+                                                                  float *y, int64_t ldy, const float *bias, int cols0,
+                                                                  int cols1) {
+    PZ_DECL(0) PZ_DECL(1) PZ_DECL(2) PZ_DECL(3) PZ_DECL(4) PZ_DECL(5) PZ_DECL(6) PZ_DECL(7)
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 b0 = _mm512_load_ps(P0 + k * 16), b1 = two ? _mm512_load_ps(P1 + k * 16) : b0;
+        PZ_STEP(0) PZ_STEP(1) PZ_STEP(2) PZ_STEP(3) PZ_STEP(4) PZ_STEP(5) PZ_STEP(6) PZ_STEP(7)
+    }
+    __m512 out[PZ_RT][2];
+    PZ_OUT(0) PZ_OUT(1) PZ_OUT(2) PZ_OUT(3) PZ_OUT(4) PZ_OUT(5) PZ_OUT(6) PZ_OUT(7)
+    for (int r = 0; r < R; r++) {
+        pz_store(y + r * ldy, out[r][0], bias, cols0);
+        if (two) pz_store(y + r * ldy + 16, out[r][1], bias ? bias + 16 : NULL, cols1);
+    }
+}
+
+#define PZ_ROWS(two)                                                                                               \
+    do {                                                                                                           \
+        int64_t m = 0;                                                                                             \
+        for (; m + PZ_RT <= M; m += PZ_RT)                                                                         \
+            prompt_tile512(x + m * ldx, ldx, P0, P1, K, PZ_RT, two, y + m * ldy + n0, ldy, b, c0, c1);             \
+        switch (M - m) {                                                                                           \
+        case 7: prompt_tile512(x + m * ldx, ldx, P0, P1, K, 7, two, y + m * ldy + n0, ldy, b, c0, c1); break;      \
+        case 6: prompt_tile512(x + m * ldx, ldx, P0, P1, K, 6, two, y + m * ldy + n0, ldy, b, c0, c1); break;      \
+        case 5: prompt_tile512(x + m * ldx, ldx, P0, P1, K, 5, two, y + m * ldy + n0, ldy, b, c0, c1); break;      \
+        case 4: prompt_tile512(x + m * ldx, ldx, P0, P1, K, 4, two, y + m * ldy + n0, ldy, b, c0, c1); break;      \
+        case 3: prompt_tile512(x + m * ldx, ldx, P0, P1, K, 3, two, y + m * ldy + n0, ldy, b, c0, c1); break;      \
+        case 2: prompt_tile512(x + m * ldx, ldx, P0, P1, K, 2, two, y + m * ldy + n0, ldy, b, c0, c1); break;      \
+        case 1: prompt_tile512(x + m * ldx, ldx, P0, P1, K, 1, two, y + m * ldy + n0, ldy, b, c0, c1); break;      \
+        default: break;                                                                                            \
+        }                                                                                                          \
+    } while (0)
+
+static void prompt_avx512(const job *j, int64_t p0, int64_t p1) {
+    static __thread float *zbuf; /* this thread's two packed panels, grown as K asks */
+    static __thread int64_t zcap;
+    const int64_t K = j->K, M = j->M, ldx = j->ldx, ldy = j->ldy;
+    if (zcap < K) {
+        free(zbuf);
+        zbuf = (float *)aligned_alloc(64, (size_t)K * 128);
+        zcap = zbuf ? K : 0;
+    }
+    if (!zbuf) { /* no memory for the panels: the same chains, unpacked */
+        prompt_generic(j, p0 * 16, p1 * 16 < j->N ? p1 * 16 : j->N);
+        return;
+    }
+    const float *x = (const float *)j->x, *bias = (const float *)j->bias;
+    float *y = (float *)j->y;
+    float *P0 = zbuf, *P1 = zbuf + K * 16;
+    for (int64_t p = p0; p < p1; p += 2) {
+        const int64_t n0 = p * 16;
+        const int c0 = j->N - n0 < 16 ? (int)(j->N - n0) : 16;
+        const float *b = bias ? bias + n0 : NULL;
+        pack_panel((const float *)j->w, K, n0, c0, P0);
+        if (p + 1 < p1) {
+            const int c1 = j->N - n0 - 16 < 16 ? (int)(j->N - n0 - 16) : 16;
+            pack_panel((const float *)j->w, K, n0 + 16, c1, P1);
+            PZ_ROWS(1);
+        } else {
+            const int c1 = 0;
+            PZ_ROWS(0);
+        }
+    }
+}
+#endif
+
+/* y[m * ldy + n] = the prompt-rows chain above, float32 (dtype 0) only, on `isa`: G_GENERIC (C),
+ * G_AVX2 (the AVX2 tiles) or G_AVX512 and up (the AVX512 tiles); the same bits on each. Threads
+ * split whole 16-column panels.
  * Returns 0; -1 when the ISA is not available here; -2 for a dtype other than float32. */
 int pc_gemm_rows(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void *x, int64_t ldx, const void *w,
                  const void *bias, void *y, int64_t ldy, int nt) {
@@ -748,6 +840,11 @@ int pc_gemm_rows(int dtype, int isa, int64_t M, int64_t N, int64_t K, const void
         T = omp_get_num_threads();
 #endif
         const int64_t p0 = panels * t / T, p1 = panels * (t + 1) / T;
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+        if (isa >= G_AVX512)
+            prompt_avx512(&j, p0, p1);
+        else
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
         if (isa >= G_AVX2)
             prompt_avx2(&j, p0, p1);
