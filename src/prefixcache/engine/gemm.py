@@ -77,7 +77,7 @@ OWN_PREFILL_ISAS = {"float32": ("avx2", "avx512", "avx512bf16", "amx"), "bfloat1
 #: torch's 25 ms in 128-row pieces, and the prompt-rows tiles take about 0.75x torch's time at 512
 #: rows and 0.2x at a 32-row tail (a 2-core AMD EPYC, Zen 3, 2026-12-07; docs/engine.md); and
 #: float32 on AVX512 (also where the CPU has bf16, whose float32 products are the AVX512 path),
-#: where its 512-bit tiles took 15.3 ms at 512 rows against the lanes tiles' 24-39 ms and torch's
+#: where its 512-bit tiles took 12.7 ms at 512 rows against the lanes tiles' 24-39 ms and torch's
 #: 17-24 ms in 128-row pieces (a 2-core Ice Lake Xeon, 2026-12-08; docs/engine.md).
 PROMPT_ROWS_ISAS = {"float32": ("avx2", "avx512"), "bfloat16": ()}
 
